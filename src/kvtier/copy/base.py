@@ -1,0 +1,68 @@
+"""The worker-side copy interface: engine KV blocks <-> host pool slots.
+
+One backend per device kind (``cpu``, ``cuda``). The engine adapter translates its KV tensors and
+block ids; a backend only moves bytes.
+
+Slot layout: a slot holds one kvtier block, i.e. ``blocks_per_slot`` consecutive engine blocks of
+every layer. With tensor parallelism the slot is split into ``tp_size`` equal parts and rank ``r``
+owns part ``r``; within its part a backend chooses the arrangement (recorded in the namespace's
+``layout``), so two backends with different arrangements never share blocks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Direction(Enum):
+    STORE = "store"
+    """Engine blocks -> pool slots."""
+    LOAD = "load"
+    """Pool slots -> engine blocks."""
+
+
+@dataclass(slots=True)
+class CopyJob:
+    job_id: int
+    direction: Direction
+    engine_blocks: Sequence[int]
+    """``len(slots) * blocks_per_slot`` engine block ids, slot by slot."""
+    slots: Sequence[int]
+
+
+@dataclass(slots=True)
+class CopyResults:
+    done: list[int]
+    failed: list[int]
+
+
+class CopyBackend(ABC):
+    """Moves blocks between engine KV memory and pool slots, asynchronously where the device can.
+
+    ``submit`` never raises for a bad job: the job is reported failed by ``poll`` instead. Each job
+    is reported exactly once. A STORE reads the engine blocks only after the work queued before
+    ``submit`` on the engine's compute stream (the forward pass that wrote them) finished. A LOAD is
+    complete, visible to the engine's next kernels, when ``poll`` reports it done or when
+    ``wait(job_id)`` returns.
+    """
+
+    @abstractmethod
+    def submit(self, job: CopyJob) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> CopyResults: ...
+
+    @abstractmethod
+    def wait(self, job_ids: Sequence[int]) -> None:
+        """Block until the given jobs finished (success or failure); then ``poll`` reports them."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def slot_part_bytes(self) -> int:
+        """Bytes of one rank's part of a slot for the registered KV geometry."""

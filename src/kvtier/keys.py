@@ -1,0 +1,107 @@
+"""Stable, namespaced block keys.
+
+A block key is 16 bytes of BLAKE2b. It depends only on the namespace (model, KV geometry, format
+version, tenant) and on the tokens (or an engine's content hash) of the block and every block before
+it, so it is identical across processes, restarts and machines and never collides between
+namespaces. Python's ``hash()`` is never used: it is salted per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from kvtier.errors import ConfigError
+
+FORMAT_VERSION = 1
+KEY_BYTES = 16
+
+BlockKey = bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that must match for two blocks with equal tokens to be interchangeable."""
+
+    model: str
+    dtype: str
+    block_tokens: int
+    layout: str = "default"
+    tp_size: int = 1
+    tp_rank: int = -1
+    """-1 when one slot holds the shares of all ranks; a rank number when each rank keys its own."""
+    extra: str = ""
+    """Anything else an engine adapter knows changes the bytes (e.g. a KV quantisation scheme)."""
+    tenant: str = "default"
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("namespace.model", self.model, "a non-empty model name")
+        if self.block_tokens <= 0:
+            raise ConfigError("namespace.block_tokens", self.block_tokens, "a positive integer")
+        if self.tp_size <= 0:
+            raise ConfigError("namespace.tp_size", self.tp_size, "a positive integer")
+        if not -1 <= self.tp_rank < self.tp_size:
+            raise ConfigError("namespace.tp_rank", self.tp_rank, f"-1 or 0..{self.tp_size - 1}")
+
+    @property
+    def fingerprint(self) -> str:
+        """Hex digest of model and geometry (not the tenant): what the bytes of a block depend on."""
+        fields = asdict(self)
+        del fields["tenant"]
+        fields["format_version"] = FORMAT_VERSION
+        return _digest(json.dumps(fields, sort_keys=True).encode()).hex()
+
+    @property
+    def digest(self) -> bytes:
+        """16 bytes identifying fingerprint and tenant together; the root of every key chain."""
+        return _digest(f"{self.fingerprint}\0{self.tenant}".encode())
+
+    @property
+    def hex(self) -> str:
+        """Path- and key-safe name of this namespace (tenant names never reach file paths)."""
+        return self.digest.hex()
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=KEY_BYTES).digest()
+
+
+def chain_keys(
+    namespace: Namespace, token_ids: Sequence[int], start_key: BlockKey | None = None
+) -> list[BlockKey]:
+    """Keys of the full blocks of ``token_ids`` (a trailing partial block gets no key).
+
+    ``start_key`` continues an earlier chain (the key of the block before ``token_ids``).
+    """
+    size = namespace.block_tokens
+    parent = namespace.digest if start_key is None else start_key
+    keys: list[BlockKey] = []
+    for end in range(size, len(token_ids) + 1, size):
+        block = token_ids[end - size : end]
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+        h.update(_token_bytes(block))
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    # Fixed-width little-endian so equal token lists always hash equally, whatever their type.
+    return b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)
+
+
+def keys_from_hashes(namespace: Namespace, content_hashes: Iterable[bytes | int]) -> list[BlockKey]:
+    """Keys for blocks an engine already identifies by prefix-aware content hashes.
+
+    Each hash must already cover the whole prefix (as vLLM's block hashes and Mooncake's hash_ids
+    do); the namespace is mixed in so equal hashes of different models never meet.
+    """
+    root = namespace.digest
+    out: list[BlockKey] = []
+    for value in content_hashes:
+        raw = value if isinstance(value, bytes) else value.to_bytes(16, "little", signed=True)
+        out.append(hashlib.blake2b(raw, digest_size=KEY_BYTES, key=root).digest())
+    return out

@@ -1,0 +1,66 @@
+"""Counters. Plain slotted dataclasses: cheap to bump on the hot path, easy to snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What one secondary tier did. Every failure path bumps one of these."""
+
+    read_jobs: int = 0
+    read_blocks: int = 0
+    read_bytes: int = 0
+    write_jobs: int = 0
+    write_blocks: int = 0
+    write_bytes: int = 0
+    lookups: int = 0
+    lookup_hits: int = 0
+    evictions: int = 0
+    errors: int = 0
+    """I/O or server errors (each failed block once)."""
+    corrupt: int = 0
+    """Payloads whose header or checksum did not match; the copy was dropped."""
+    timeouts: int = 0
+    rejected: int = 0
+    """Blocks not written because the tier was full, unhealthy or the block too large."""
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """What the manager did, across tiers."""
+
+    lookups: int = 0
+    lookup_blocks: int = 0
+    pool_hit_blocks: int = 0
+    secondary_hit_blocks: int = 0
+    pending_lookups: int = 0
+    stored_blocks: int = 0
+    store_skipped_present: int = 0
+    store_skipped_admission: int = 0
+    store_skipped_full: int = 0
+    store_failed: int = 0
+    loaded_blocks: int = 0
+    load_failed: int = 0
+    pool_evictions: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    cascade_writes: int = 0
+    cascade_failures: int = 0
+    job_timeouts: int = 0
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """A snapshot returned by ``TieredCache.stats()``."""
+
+    cache: CacheCounters
+    pool_slots: int
+    pool_used: int
+    pool_pinned: int
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,106 @@
+"""The secondary-tier interface: asynchronous jobs that move whole blocks between pool slots and
+storage.
+
+Contract every tier keeps (the manager relies on it):
+
+* ``lookup``, ``submit`` and ``poll`` are called from one thread (the manager's) and never block on
+  I/O and never raise: I/O runs on the tier's own threads or event loop.
+* A job's bytes go straight from/to ``pool.view(slot)``; a read writes only the slots of its job.
+* A read reports ``ok=True`` for a block only after its full payload was read and verified (header
+  and checksum); anything else is ``False`` (a miss), counted in ``counters``.
+* Every submitted job is reported by ``poll`` exactly once, failures included.
+* ``close`` waits for running jobs and releases threads and connections; later calls are no-ops.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kvtier.keys import BlockKey, Namespace
+from kvtier.metrics import TierCounters
+from kvtier.pool import HostPool
+
+
+class JobKind(Enum):
+    READ = "read"
+    """Storage -> pool slots (promotion)."""
+    WRITE = "write"
+    """Pool slots -> storage (cascade)."""
+
+
+@dataclass(slots=True)
+class TierJob:
+    job_id: int
+    kind: JobKind
+    keys: list[BlockKey]
+    slots: list[int]
+
+
+@dataclass(slots=True)
+class JobResult:
+    job_id: int
+    ok: list[bool]
+    """One flag per key of the job, in order."""
+
+
+class Tier(ABC):
+    """A secondary tier. Subclasses implement the abstract methods and keep the contract above."""
+
+    def __init__(self, name: str, namespace: Namespace, pool: HostPool) -> None:
+        self.name = name
+        self.namespace = namespace
+        self.pool = pool
+        self.counters = TierCounters()
+        self._done: deque[JobResult] = deque()
+        self._evicted: deque[BlockKey] = deque()
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        """For each key: True (stored here), False (not here) or None (not known yet: ask again)."""
+
+    @abstractmethod
+    def submit(self, job: TierJob) -> None:
+        """Start a job; its result arrives through ``poll``."""
+
+    def poll(self) -> list[JobResult]:
+        """Results of finished jobs since the last call (thread-safe hand-off from I/O threads)."""
+        done = self._done
+        out: list[JobResult] = []
+        while done:
+            out.append(done.popleft())
+        return out
+
+    def take_evicted(self) -> list[BlockKey]:
+        """Keys this tier dropped on its own (capacity, corruption) since the last call."""
+        evicted = self._evicted
+        out: list[BlockKey] = []
+        while evicted:
+            out.append(evicted.popleft())
+        return out
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish or cancel running jobs, release resources."""
+
+    # -- helpers for subclasses -----------------------------------------------------------------
+
+    def _finish(self, job_id: int, ok: list[bool]) -> None:
+        """Hand a result to ``poll``; callable from any thread (deque appends are atomic)."""
+        self._done.append(JobResult(job_id, ok))
+
+    def _report_evicted(self, key: BlockKey) -> None:
+        self._evicted.append(key)
+
+
+
+class WriteMode(Enum):
+    """When the manager copies a pool block to a secondary tier."""
+
+    THROUGH = "through"
+    """As soon as the block is stored in the pool."""
+    ON_EVICT = "on_evict"
+    """When the pool evicts the block (the slot stays reserved until the write finished)."""
