@@ -48,7 +48,7 @@ class Namespace:
 
     @property
     def fingerprint(self) -> str:
-        """Hex digest of model and geometry (not the tenant): what the bytes of a block depend on."""
+        """Hex digest of model and geometry (not tenant): what the bytes of a block depend on."""
         fields = asdict(self)
         del fields["tenant"]
         fields["format_version"] = FORMAT_VERSION

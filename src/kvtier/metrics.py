@@ -61,6 +61,8 @@ class CacheStats:
     pool_used: int
     pool_pinned: int
     tiers: dict[str, TierCounters] = field(default_factory=dict)
+    promoted: dict[str, int] = field(default_factory=dict)
+    """Blocks promoted into the pool, by the secondary tier they came from."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -62,11 +62,9 @@ class HostPool:
     # -- creation -------------------------------------------------------------------------------
 
     @classmethod
-    def create(
-        cls, num_slots: int, slot_bytes: int, shm_dir: str = DEFAULT_SHM_DIR
-    ) -> HostPool:
+    def create(cls, num_slots: int, slot_bytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> HostPool:
         if num_slots <= 0 or slot_bytes <= 0:
-            raise PoolError(f"pool needs positive slots and slot size, got {num_slots} x {slot_bytes}")
+            raise PoolError(f"pool needs slots and slot bytes > 0, got {num_slots} x {slot_bytes}")
         cleanup_stale_pools(shm_dir)
         stride = -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
         size = stride * num_slots

@@ -88,7 +88,10 @@ class Section:
         return n
 
     def integer(
-        self, key: str, default: int | None = None, minimum: int | None = None,
+        self,
+        key: str,
+        default: int | None = None,
+        minimum: int | None = None,
         maximum: int | None = None,
     ) -> int:
         raw = self._get(key, default)
@@ -99,7 +102,10 @@ class Section:
         return raw
 
     def number(
-        self, key: str, default: float | None = None, minimum: float | None = None,
+        self,
+        key: str,
+        default: float | None = None,
+        minimum: float | None = None,
         maximum: float | None = None,
     ) -> float:
         raw = self._get(key, default)
@@ -151,7 +157,8 @@ class Section:
         unknown = sorted(set(self.data) - self._read)
         if unknown:
             raise ConfigError(
-                self._field(unknown[0]), self.data[unknown[0]],
+                self._field(unknown[0]),
+                self.data[unknown[0]],
                 f"not a known option here; known: {', '.join(sorted(self._read))}",
             )
 

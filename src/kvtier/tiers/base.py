@@ -96,7 +96,6 @@ class Tier(ABC):
         self._evicted.append(key)
 
 
-
 class WriteMode(Enum):
     """When the manager copies a pool block to a secondary tier."""
 

@@ -1,0 +1,590 @@
+"""The tiered block cache: which keys live where, pins, in-flight jobs, cascade and promotion.
+
+``TieredCache`` runs on one thread (an engine's scheduler). It never waits on I/O: secondary tiers
+run jobs on their own threads, and ``step()`` (once per engine step) collects what finished.
+
+Life of a key in the pool::
+
+    prepare_store -> in flight (slot reserved, invisible) -> complete_store -> visible
+    visible -> evicted (slot freed, or held until write-on-evict copies finished)
+    secondary hit -> lookup starts a promotion (in flight) -> visible
+
+Invariants kept here (each one tested): a pinned key (being loaded or copied to a tier) is never
+evicted; a key is visible only after its bytes were completely written; each key has at most one
+job moving it into the pool at a time; the pool never holds more blocks than it has slots; tier
+failures become misses or failed jobs, never exceptions into the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from kvtier.events import POOL_TIER, CacheEvent, EventKind
+from kvtier.keys import BlockKey
+from kvtier.metrics import CacheCounters, CacheStats
+from kvtier.policies.admission import AdmissionFilter
+from kvtier.policies.base import EvictionPolicy
+from kvtier.pool import HostPool
+from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
+
+log = logging.getLogger(__name__)
+
+# A key whose promotion failed is not promoted again for this long: a tier that keeps claiming a
+# block it cannot deliver must not defer a request forever.
+PROMOTION_RETRY_S = 30.0
+MAX_FAILED_PROMOTIONS = 100_000
+
+
+class LookupResult(NamedTuple):
+    hits: int
+    """Leading keys available in the pool now."""
+    final: bool
+    """False: blocks are being promoted or loaded; call ``step()`` and ask again."""
+
+
+class StoreReservation(NamedTuple):
+    keys: list[BlockKey]
+    """The keys to write (not yet present, admitted, with a slot), in request order."""
+    slots: list[int]
+
+
+@dataclass(slots=True)
+class SecondaryTier:
+    tier: Tier
+    write_mode: WriteMode = WriteMode.THROUGH
+
+
+@dataclass(slots=True)
+class _Job:
+    tier_index: int
+    kind: JobKind
+    keys: list[BlockKey]
+    slots: list[int]
+    deadline: float
+    holds_slots: bool = False
+    """The job owns its slots (write-on-evict copies of evicted keys, abandoned promotions):
+    they are freed when the job ends, not before."""
+    abandoned: bool = False
+
+
+class TieredCache:
+    def __init__(
+        self,
+        pool: HostPool,
+        policy: EvictionPolicy,
+        secondary: Sequence[SecondaryTier] = (),
+        admission: AdmissionFilter | None = None,
+        job_timeout_s: float = 30.0,
+        record_events: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pool = pool
+        self._policy = policy
+        self._secondary = list(secondary)
+        self._tiers = [s.tier for s in self._secondary]
+        modes = [s.write_mode for s in self._secondary]
+        self._through = [i for i, mode in enumerate(modes) if mode is WriteMode.THROUGH]
+        self._on_evict = [i for i, mode in enumerate(modes) if mode is WriteMode.ON_EVICT]
+        self._admission = admission if admission is not None and admission.min_seen > 1 else None
+        self._job_timeout_s = job_timeout_s
+        self._record = record_events
+        self._clock = clock
+
+        self._index: dict[BlockKey, int] = {}
+        """Visible keys -> slot."""
+        self._inflight: dict[BlockKey, int] = {}
+        """Keys whose slot is being written (a store from the engine or a promotion) -> slot."""
+        self._promoting: set[BlockKey] = set()
+        self._pins: dict[BlockKey, int] = {}
+        """Visible keys whose slot is being read (loads and cascade writes) -> count."""
+        self._loading: dict[BlockKey, int] = {}
+        """The subset of pins that are loads into the engine -> count."""
+        self._held: dict[int, int] = {}
+        """Slots owned by running jobs after their key left the pool -> number of such jobs."""
+        self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
+        self._jobs: dict[tuple[int, int], _Job] = {}
+        self._next_job_id = 0
+        self._failed_promotions: OrderedDict[BlockKey, float] = OrderedDict()
+        self._events: list[CacheEvent] = []
+        self._counters = CacheCounters()
+        self._promoted = {t.name: 0 for t in self._tiers}
+        self._closed = False
+
+    # -- lookups and loads ----------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        """How many leading ``keys`` are in the pool, and whether that answer is final.
+
+        Not final while a promotion of the next keys from a secondary tier is in flight (this call
+        starts one when a tier has them), while a tier cannot tell yet, or while one of the hit
+        keys is being loaded for another request (loading it twice would waste engine memory: ask
+        again once that load finished and the engine's own prefix cache has it).
+        """
+        counters = self._counters
+        counters.lookups += 1
+        index = self._index
+        hits = 0
+        for key in keys:
+            if key not in index:
+                break
+            hits += 1
+        if self._loading and hits and not self._loading.keys().isdisjoint(keys[:hits]):
+            return self._pending(hits)
+        if hits < len(keys) and self._secondary:
+            final = self._promote(keys, hits)
+            if not final:
+                return self._pending(hits)
+        counters.lookup_blocks += len(keys)
+        counters.pool_hit_blocks += hits
+        return LookupResult(hits, True)
+
+    def _pending(self, hits: int) -> LookupResult:
+        self._counters.pending_lookups += 1
+        return LookupResult(hits, False)
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Pin the leading visible ``keys`` for reading and return their slots.
+
+        Fewer slots than keys when a key is no longer visible. Every pinned key must later be
+        passed to ``complete_load``.
+        """
+        index = self._index
+        slots: list[int] = []
+        for key in keys:
+            slot = index.get(key)
+            if slot is None:
+                break
+            slots.append(slot)
+        pins, loading, access = self._pins, self._loading, self._policy.access
+        for key in keys[: len(slots)]:
+            pins[key] = pins.get(key, 0) + 1
+            loading[key] = loading.get(key, 0) + 1
+            access(key)
+        return slots
+
+    def complete_load(self, keys: Sequence[BlockKey], ok: bool = True) -> None:
+        """Unpin keys returned by ``prepare_load``; ``ok=False`` counts a failed copy."""
+        loading = self._loading
+        for key in keys:
+            count = loading.get(key, 0)
+            if count <= 0:
+                continue
+            if count == 1:
+                del loading[key]
+            else:
+                loading[key] = count - 1
+            self._unpin(key)
+        if ok:
+            self._counters.loaded_blocks += len(keys)
+        else:
+            self._counters.load_failed += len(keys)
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark visible keys as recently used."""
+        index, access = self._index, self._policy.access
+        for key in keys:
+            if key in index:
+                access(key)
+
+    # -- stores ---------------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[BlockKey]) -> StoreReservation:
+        """Reserve slots for the keys not yet present or in flight.
+
+        Keys already visible are touched instead. With an admission filter, a key is reserved only
+        on its ``min_seen``-th offer. When the pool cannot free enough unpinned slots, the leading
+        keys get the slots there are. Every returned key must later be passed to
+        ``complete_store``.
+        """
+        index, inflight = self._index, self._inflight
+        access = self._policy.access
+        todo: list[BlockKey] = []
+        for key in keys:
+            if key in index:
+                access(key)
+            elif key not in inflight:
+                todo.append(key)
+        counters = self._counters
+        counters.store_skipped_present += len(keys) - len(todo)
+        if not todo:
+            return StoreReservation([], [])
+        if len(todo) > 1 and len(set(todo)) != len(todo):
+            todo = list(dict.fromkeys(todo))
+        if self._admission is not None:
+            admit = self._admission.admit
+            admitted = [key for key in todo if admit(key)]
+            counters.store_skipped_admission += len(todo) - len(admitted)
+            todo = admitted
+        slots = self._reserve(len(todo))
+        if len(slots) < len(todo):
+            counters.store_skipped_full += len(todo) - len(slots)
+            todo = todo[: len(slots)]
+        inflight.update(zip(todo, slots, strict=True))
+        return StoreReservation(todo, slots)
+
+    def complete_store(self, keys: Sequence[BlockKey], ok: bool | Sequence[bool] = True) -> None:
+        """Publish reserved keys whose bytes are written (``ok``) or release their slots."""
+        oks = [ok] * len(keys) if isinstance(ok, bool) else list(ok)
+        index, inflight, insert = self._index, self._inflight, self._policy.insert
+        promoting = self._promoting
+        stored: list[BlockKey] = []
+        failed_slots: list[int] = []
+        for key, good in zip(keys, oks, strict=True):
+            if promoting and key in promoting:
+                continue  # not the caller's reservation
+            slot = inflight.pop(key, None)
+            if slot is None:
+                continue
+            if good:
+                index[key] = slot
+                insert(key)
+                stored.append(key)
+            else:
+                failed_slots.append(slot)
+        if failed_slots:
+            self._pool.free(failed_slots)
+            self._counters.store_failed += len(failed_slots)
+        self._counters.stored_blocks += len(stored)
+        if self._record and stored:
+            self._events.extend(CacheEvent(EventKind.STORED, key, POOL_TIER) for key in stored)
+        if stored and self._through:
+            for tier_index in self._through:
+                self._submit_write(tier_index, stored)
+
+    # -- engine-step housekeeping ---------------------------------------------------------------
+
+    def step(self) -> int:
+        """Collect finished tier jobs and tier evictions, time out stuck jobs.
+
+        Returns the number of jobs that ended.
+        """
+        ended = 0
+        for tier_index, tier in enumerate(self._tiers):
+            try:
+                results = tier.poll()
+                evicted = tier.take_evicted()
+            except Exception:
+                log.exception("tier %s failed to report", tier.name)
+                tier.counters.errors += 1
+                continue
+            for result in results:
+                job = self._jobs.pop((tier_index, result.job_id), None)
+                if job is not None:
+                    self._finish_job(job, result.ok)
+                    ended += 1
+            if evicted and self._record:
+                self._events.extend(CacheEvent(EventKind.EVICTED, k, tier.name) for k in evicted)
+        if self._jobs:
+            self._time_out_jobs()
+        return ended
+
+    def wait(self, timeout_s: float) -> bool:
+        """Step until at least one tier job ended or ``timeout_s`` passed (for simulators and
+        tests; an engine calls ``step()`` once per step instead). True if a job ended."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0002
+        while True:
+            if self.step():
+                return True
+            if not self._jobs or time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    def take_events(self) -> list[CacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            cache=replace(self._counters),
+            pool_slots=self._pool.num_slots,
+            pool_used=self._pool.num_slots - self._pool.num_free,
+            pool_pinned=len(self._pins),
+            tiers={t.name: replace(t.counters) for t in self._tiers},
+            promoted=dict(self._promoted),
+        )
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def close(self) -> None:
+        """Close the secondary tiers (they finish running jobs) and settle what they report.
+
+        The pool is closed by whoever created it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for tier in self._tiers:
+            try:
+                tier.close()
+            except Exception:
+                log.exception("closing tier %s failed", tier.name)
+        self.step()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _unpin(self, key: BlockKey) -> None:
+        pins = self._pins
+        count = pins.get(key, 0)
+        if count == 1:
+            del pins[key]
+        elif count > 1:
+            pins[key] = count - 1
+
+    def _reserve(self, n: int) -> list[int]:
+        """Up to ``n`` free slots, evicting unpinned visible keys as needed."""
+        slots = self._pool.alloc(n)
+        short = n - len(slots)
+        if short > 0:
+            victims = self._policy.evict(short, self._pins)
+            if victims:
+                self._evict(victims)
+                slots += self._pool.alloc(short)
+        return slots
+
+    def _evict(self, victims: list[BlockKey]) -> None:
+        index = self._index
+        slots = [index.pop(key) for key in victims]
+        self._counters.pool_evictions += len(victims)
+        if self._record:
+            self._events.extend(CacheEvent(EventKind.EVICTED, key, POOL_TIER) for key in victims)
+        for tier_index in self._on_evict:
+            self._submit_write(tier_index, victims, slots)
+        held = self._held
+        self._pool.free([slot for slot in slots if slot not in held] if held else slots)
+
+    def _submit_write(
+        self, tier_index: int, keys: list[BlockKey], evicted_slots: list[int] | None = None
+    ) -> None:
+        """Copy keys' slots to a tier. Visible keys are pinned meanwhile; for evicted keys the job
+        holds their slots instead."""
+        writing = self._writing[tier_index]
+        tier = self._tiers[tier_index]
+        if evicted_slots is None:
+            index = self._index
+            pairs = [(k, index[k]) for k in keys if k not in writing]
+        else:
+            pairs = [(k, s) for k, s in zip(keys, evicted_slots, strict=True) if k not in writing]
+            if pairs:
+                known = self._safe_lookup(tier, [k for k, _ in pairs])
+                pairs = [p for p, present in zip(pairs, known, strict=True) if present is not True]
+        if not pairs:
+            return
+        job_keys = [k for k, _ in pairs]
+        job_slots = [s for _, s in pairs]
+        writing.update(job_keys)
+        if evicted_slots is None:
+            pins = self._pins
+            for key in job_keys:
+                pins[key] = pins.get(key, 0) + 1
+        else:
+            held = self._held
+            for slot in job_slots:
+                held[slot] = held.get(slot, 0) + 1
+        self._submit(tier_index, JobKind.WRITE, job_keys, job_slots, evicted_slots is not None)
+
+    def _promote(self, keys: Sequence[BlockKey], hits: int) -> bool:
+        """Start promoting the secondary-tier run after the pool hits; True if the answer is final
+        (nothing to promote), False if a promotion is in flight or a tier cannot tell yet."""
+        rest = keys[hits:]
+        inflight, index = self._inflight, self._index
+        if rest[0] in self._promoting:
+            return False
+        answers = [self._safe_lookup(tier, rest) for tier in self._tiers]
+        failed = self._failed_promotions
+        if failed:
+            self._expire_failed_promotions()
+        run: list[tuple[BlockKey, int]] = []  # (key, tier index or -1 when already in the pool)
+        unknown = False
+        for i, key in enumerate(rest):
+            if key in index:
+                run.append((key, -1))
+                continue
+            if key in inflight:
+                unknown = key in self._promoting
+                break
+            if key in failed:
+                break
+            chosen = -1
+            for tier_index, answer in enumerate(answers):
+                present = answer[i]
+                if present:
+                    chosen = tier_index
+                    break
+                if present is None:
+                    unknown = True
+            if chosen < 0:
+                break
+            unknown = False
+            run.append((key, chosen))
+        wanted = [(key, t) for key, t in run if t >= 0]
+        if not wanted:
+            return not unknown
+        slots = self._reserve_protected(len(wanted), keys[:hits], [k for k, t in run if t < 0])
+        if not slots:
+            return True  # the pool is full of pinned blocks: go on without promoting
+        by_tier: dict[int, tuple[list[BlockKey], list[int]]] = {}
+        for (key, tier_index), slot in zip(wanted, slots, strict=False):
+            tier_keys, tier_slots = by_tier.setdefault(tier_index, ([], []))
+            tier_keys.append(key)
+            tier_slots.append(slot)
+            inflight[key] = slot
+            self._promoting.add(key)
+        for tier_index, (tier_keys, tier_slots) in by_tier.items():
+            self._counters.promotions += len(tier_keys)
+            self._submit(tier_index, JobKind.READ, tier_keys, tier_slots, False)
+        return False
+
+    def _reserve_protected(
+        self, n: int, hit_keys: Sequence[BlockKey], run_keys: list[BlockKey]
+    ) -> list[int]:
+        # A promotion must not evict the very blocks the request is about to hit.
+        protected = [*hit_keys, *run_keys]
+        pins = self._pins
+        for key in protected:
+            pins[key] = pins.get(key, 0) + 1
+        try:
+            return self._reserve(n)
+        finally:
+            for key in protected:
+                self._unpin(key)
+
+    def _submit(
+        self, tier_index: int, kind: JobKind, keys: list[BlockKey], slots: list[int], holds: bool
+    ) -> None:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        job = _Job(tier_index, kind, keys, slots, self._clock() + self._job_timeout_s, holds)
+        self._jobs[(tier_index, job_id)] = job
+        tier = self._tiers[tier_index]
+        try:
+            tier.submit(TierJob(job_id, kind, keys, slots))
+        except Exception:
+            log.exception("tier %s rejected a job", tier.name)
+            tier.counters.errors += 1
+            del self._jobs[(tier_index, job_id)]
+            self._finish_job(job, [False] * len(keys))
+
+    def _safe_lookup(self, tier: Tier, keys: Sequence[BlockKey]) -> list[bool | None]:
+        try:
+            answer = tier.lookup(keys)
+        except Exception:
+            log.exception("tier %s lookup failed", tier.name)
+            tier.counters.errors += 1
+            return [False] * len(keys)
+        if len(answer) != len(keys):
+            tier.counters.errors += 1
+            return [False] * len(keys)
+        return answer
+
+    def _finish_job(self, job: _Job, ok: list[bool]) -> None:
+        if len(ok) != len(job.keys):
+            ok = [False] * len(job.keys)  # a malformed report proves nothing: treat as failed
+        if job.kind is JobKind.READ:
+            self._finish_promotion(job, ok)
+        else:
+            self._finish_write(job, ok)
+
+    def _finish_promotion(self, job: _Job, ok: list[bool]) -> None:
+        if job.abandoned:
+            self._release_held(job.slots)
+            return
+        inflight, index, insert = self._inflight, self._index, self._policy.insert
+        promoting = self._promoting
+        counters = self._counters
+        tier_name = self._tiers[job.tier_index].name
+        free: list[int] = []
+        now = self._clock()
+        for key, slot, good in zip(job.keys, job.slots, ok, strict=True):
+            inflight.pop(key, None)
+            promoting.discard(key)
+            if good:
+                index[key] = slot
+                insert(key)
+                if self._record:
+                    self._events.append(CacheEvent(EventKind.STORED, key, POOL_TIER))
+            else:
+                free.append(slot)
+                self._remember_failed_promotion(key, now)
+        promoted = len(job.keys) - len(free)
+        self._promoted[tier_name] += promoted
+        counters.secondary_hit_blocks += promoted
+        if free:
+            counters.promotion_failures += len(free)
+            self._pool.free(free)
+
+    def _finish_write(self, job: _Job, ok: list[bool]) -> None:
+        writing = self._writing[job.tier_index]
+        writing.difference_update(job.keys)
+        if job.holds_slots:
+            self._release_held(job.slots)
+        else:
+            for key in job.keys:
+                self._unpin(key)
+        good = sum(ok)
+        self._counters.cascade_writes += good
+        self._counters.cascade_failures += len(ok) - good
+        if self._record and good:
+            name = self._tiers[job.tier_index].name
+            self._events.extend(
+                CacheEvent(EventKind.STORED, key, name)
+                for key, k_ok in zip(job.keys, ok, strict=True)
+                if k_ok
+            )
+
+    def _release_held(self, slots: list[int]) -> None:
+        held = self._held
+        free: list[int] = []
+        for slot in slots:
+            count = held.get(slot, 0)
+            if count <= 1:
+                held.pop(slot, None)
+                free.append(slot)
+            else:
+                held[slot] = count - 1
+        self._pool.free(free)
+
+    def _time_out_jobs(self) -> None:
+        now = self._clock()
+        for job in self._jobs.values():
+            if job.abandoned or job.deadline > now:
+                continue
+            job.abandoned = True
+            self._counters.job_timeouts += 1
+            self._tiers[job.tier_index].counters.timeouts += 1
+            if job.kind is JobKind.READ:
+                # The request stops waiting (the keys become misses), but the slots stay owned by
+                # the job: its thread may still write into them.
+                held = self._held
+                for key, slot in zip(job.keys, job.slots, strict=True):
+                    self._inflight.pop(key, None)
+                    self._promoting.discard(key)
+                    self._remember_failed_promotion(key, now)
+                    held[slot] = held.get(slot, 0) + 1
+                self._counters.promotion_failures += len(job.keys)
+            # A stuck write keeps its pins: its thread may still be reading the slots, and a
+            # reused slot would be copied torn (with a checksum that matches the torn bytes).
+
+    def _remember_failed_promotion(self, key: BlockKey, now: float) -> None:
+        failed = self._failed_promotions
+        failed[key] = now + PROMOTION_RETRY_S
+        failed.move_to_end(key)
+        if len(failed) > MAX_FAILED_PROMOTIONS:
+            failed.popitem(last=False)
+
+    def _expire_failed_promotions(self) -> None:
+        failed = self._failed_promotions
+        now = self._clock()
+        while failed:
+            key, until = next(iter(failed.items()))
+            if until > now:
+                break
+            del failed[key]

@@ -1,0 +1,36 @@
+"""The eviction-policy interface.
+
+A policy orders the keys that are visible in the pool. The manager tells it what happened
+(``insert``, ``access``, ``remove``) and asks it for victims; it never evicts on its own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Container
+
+from kvtier.keys import BlockKey
+
+
+class EvictionPolicy(ABC):
+    @abstractmethod
+    def insert(self, key: BlockKey) -> None:
+        """A key became visible in the pool (it must not be tracked already)."""
+
+    @abstractmethod
+    def access(self, key: BlockKey) -> None:
+        """A tracked key was hit or touched."""
+
+    @abstractmethod
+    def remove(self, key: BlockKey) -> None:
+        """A tracked key left the pool for a reason other than eviction (no-op if untracked)."""
+
+    @abstractmethod
+    def evict(self, n: int, pinned: Container[BlockKey]) -> list[BlockKey]:
+        """Choose up to ``n`` victims that are not in ``pinned``, stop tracking them, return them.
+
+        Fewer than ``n`` only when fewer unpinned keys are tracked.
+        """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
