@@ -1,0 +1,7 @@
+"""``python -m kvtier``: the same command line as ``kvtier``."""
+
+import sys
+
+from kvtier.cli import main
+
+sys.exit(main())

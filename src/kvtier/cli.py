@@ -1,0 +1,291 @@
+"""The ``kvtier`` command line.
+
+    kvtier simulate [--trace FILE] [--config FILE] [--pool-blocks N | --pool-size SIZE] ...
+    kvtier check-config FILE
+
+Options given on the command line override the config file (or the embedded default); the merged
+mapping is validated like any config, so a bad option gets the same field-named error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier.config import (
+    KVTierConfig,
+    bundled_config_mapping,
+    parse_config,
+    read_config_file,
+)
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.sim.replay import ReplayResult
+from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate
+from kvtier.sim.trace import bundled_trace_path
+from kvtier.validation import format_size, parse_size
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+"""The replay loaded a payload that differs from what was stored for its key."""
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except (KVTierError, ValueError) as exc:
+        # ConfigError, PoolError, TraceError: a message, never a traceback.
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier", description="kvtier: a multi-tier KV cache for LLM inference engines."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sim = commands.add_parser(
+        "simulate",
+        help="replay a Mooncake-format trace through the real cache manager",
+        description=(
+            "Replay a Mooncake-format trace (one JSON object per line with hash_ids of 512-token "
+            "blocks) through the real TieredCache: per request, look up its blocks, load the "
+            "leading hits (verifying every payload), then store all its blocks."
+        ),
+    )
+    sim.add_argument(
+        "--trace", type=Path, default=None, help="trace file (default: the bundled synthetic one)"
+    )
+    sim.add_argument(
+        "--config", type=Path, default=None, help="JSON or YAML config (default: embedded)"
+    )
+    size = sim.add_mutually_exclusive_group()
+    size.add_argument(
+        "--pool-blocks", type=_positive_int, default=None, metavar="N", help="pool capacity"
+    )
+    size.add_argument(
+        "--pool-size",
+        default=None,
+        metavar="SIZE",
+        help="pool capacity in bytes of block.bytes each, e.g. 250GiB (default: pool.size)",
+    )
+    sim.add_argument("--policy", choices=["lru", "arc"], default=None, help="eviction policy")
+    sim.add_argument(
+        "--admission",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="store a block only once seen N times (1: always)",
+    )
+    sim.add_argument(
+        "--tier",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help=(
+            "secondary tier, repeatable, fastest first; replaces the config's tiers: "
+            "memory:CAPACITY, fs:PATH:CAPACITY, redis:URL, or KIND:key=value,key=value"
+        ),
+    )
+    sim.add_argument(
+        "--write",
+        choices=["through", "on_evict"],
+        default=None,
+        help="when blocks are copied to the secondary tiers (all of them)",
+    )
+    sim.add_argument(
+        "--payload-bytes",
+        type=_positive_int,
+        default=DEFAULT_PAYLOAD_BYTES,
+        metavar="N",
+        help=f"real bytes per simulated block (default {DEFAULT_PAYLOAD_BYTES})",
+    )
+    sim.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="requests")
+    sim.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    sim.set_defaults(func=cmd_simulate)
+
+    check = commands.add_parser("check-config", help="validate a config file and print it")
+    check.add_argument("config", type=Path)
+    check.set_defaults(func=cmd_check_config)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    return value
+
+
+# -- simulate ---------------------------------------------------------------------------------
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    raw = read_config_file(args.config) if args.config else bundled_config_mapping()
+    config = parse_config(apply_overrides(raw, args))
+    pool_blocks = simulate_pool_blocks(config, args.pool_blocks, args.pool_size)
+    trace = args.trace if args.trace is not None else bundled_trace_path()
+    result = simulate(
+        config,
+        trace,
+        pool_blocks=pool_blocks,
+        payload_bytes=args.payload_bytes,
+        limit=args.limit,
+        progress=not args.no_progress,
+    )
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_result(result))
+    return EXIT_MISMATCH if result.mismatched_blocks else EXIT_OK
+
+
+def apply_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The config mapping with the command line's choices merged in (not yet validated)."""
+    data = copy.deepcopy(raw)
+    if args.policy is not None:
+        data["eviction"] = args.policy
+    if args.admission is not None:
+        admission = data.get("admission")
+        data["admission"] = {**(admission if isinstance(admission, dict) else {})}
+        data["admission"]["min_seen"] = args.admission
+    if args.tier is not None:
+        data["tiers"] = [parse_tier_spec(spec) for spec in args.tier]
+    if args.write is not None:
+        tiers = data.get("tiers")
+        if isinstance(tiers, list):
+            data["tiers"] = [
+                {**tier, "write": args.write} if isinstance(tier, dict) else tier for tier in tiers
+            ]
+    return data
+
+
+def parse_tier_spec(spec: str) -> dict[str, Any]:
+    """``memory:CAPACITY``, ``fs:PATH:CAPACITY``, ``redis:URL`` or ``KIND:key=value,...``."""
+    kind, sep, rest = spec.partition(":")
+    if not kind:
+        raise ConfigError("--tier", spec, "KIND:OPTIONS, e.g. memory:1GiB or fs:/tmp/kv:10GiB")
+    entry: dict[str, Any] = {"kind": kind}
+    if not sep or not rest:
+        return entry
+    if "=" in rest and not rest.startswith(("redis://", "rediss://", "unix://", "/")):
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ConfigError("--tier", spec, "key=value pairs separated by commas")
+            entry[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        return entry
+    if kind == "memory":
+        entry["capacity"] = rest
+    elif kind == "fs":
+        path, sep2, capacity = rest.rpartition(":")
+        if not sep2 or not path:
+            raise ConfigError("--tier", spec, "fs:PATH:CAPACITY, e.g. fs:/tmp/kvtier:10GiB")
+        entry["path"] = path
+        entry["capacity"] = capacity
+    elif kind == "redis":
+        entry["url"] = rest
+    else:
+        raise ConfigError("--tier", spec, f"KIND:key=value,... for a tier of kind {kind!r}")
+    return entry
+
+
+def simulate_pool_blocks(config: KVTierConfig, blocks: int | None, size: str | None) -> int:
+    """Pool capacity in blocks: ``--pool-blocks``, else ``--pool-size`` or ``pool.size`` divided
+    by ``block.bytes``."""
+    if blocks is not None:
+        return blocks
+    field = "--pool-size" if size is not None else "pool.size"
+    total = parse_size(size, field) if size is not None else config.pool.size
+    n = total // config.block.bytes
+    if n < 1:
+        raise ConfigError(
+            field,
+            size or config.pool.size,
+            f"at least one block of {format_size(config.block.bytes)}",
+        )
+    return n
+
+
+def format_result(r: ReplayResult) -> str:
+    secondary = [t for t in r.tiers if t.name != "pool"]
+    lines = [
+        f"trace       {r.trace}: {r.requests} requests, {r.blocks} blocks",
+        f"pool        {r.pool_blocks} blocks of {format_size(r.block_bytes)} "
+        f"({format_size(r.pool_blocks * r.block_bytes)}; {r.payload_bytes} B real payload each), "
+        f"policy {r.policy}, admission "
+        + (f"after {r.admission_min_seen} offers" if r.admission_min_seen > 1 else "off"),
+        "tiers       "
+        + " -> ".join(["pool", *(f"{t.name} ({t.kind}, {t.write})" for t in secondary)]),
+        "",
+        f"{'tier':<12}{'hit blocks':>12}{'hit ratio':>11}{'evictions':>11}"
+        f"{'read':>12}{'written':>12}{'errors':>8}{'corrupt':>9}",
+    ]
+    for t in r.tiers:
+        lines.append(
+            f"{t.name:<12}{t.hit_blocks:>12}{t.hit_ratio:>11.4f}{t.evictions:>11}"
+            f"{format_size(t.read_bytes):>12}{format_size(t.written_bytes):>12}"
+            f"{t.errors + t.timeouts:>8}{t.corrupt:>9}"
+        )
+    lines += [
+        f"{'all':<12}{r.hit_blocks:>12}{r.hit_ratio:>11.4f}",
+        "",
+        f"hit ratio   {r.hit_ratio:.4f} ({r.hit_blocks} of {r.blocks} blocks)",
+        f"stored      {r.stored_blocks} blocks",
+        f"checks      {r.mismatched_blocks} mismatched payloads, {r.failed_loads} failed loads, "
+        f"{r.pending_timeouts} pending timeouts",
+        f"manager     {r.manager_ops} operations in {r.elapsed_s:.2f} s: "
+        f"{r.ops_per_s:,.0f} ops/s, {r.blocks_per_s:,.0f} looked-up blocks/s "
+        f"(inside the manager {r.manager_s:.2f} s: {r.manager_ops_per_s:,.0f} ops/s)",
+        f"machine     {r.machine}",
+    ]
+    return "\n".join(lines)
+
+
+# -- check-config -----------------------------------------------------------------------------
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = parse_config(read_config_file(args.config))
+    print(f"{args.config}: valid")
+    print(describe_config(config))
+    return EXIT_OK
+
+
+def describe_config(config: KVTierConfig) -> str:
+    lines = [
+        f"model {config.model or '(from the engine)'}, tenant {config.tenant}",
+        f"pool {format_size(config.pool.size)} in {config.pool.shm_dir}"
+        + (", pageable allowed" if config.pool.allow_pageable else ""),
+        f"block {config.block.tokens} tokens, {format_size(config.block.bytes)}",
+        f"eviction {config.eviction.value}, admission "
+        + (f"after {config.admission.min_seen} offers" if config.admission.enabled else "off"),
+    ]
+    for t in config.tiers:
+        lines.append(f"tier {t.name}: {t.kind}, write {t.write.value}, {t.options}")
+    lines.append(
+        f"job_timeout_s {config.job_timeout_s:g}, events {'on' if config.events else 'off'}, "
+        f"copy {config.copy.strategy.value}"
+        + (f" (max {config.copy.max_sms} SMs)" if config.copy.max_sms else "")
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The declarative kvtier configuration: one mapping (a Python dict, a JSON file or a YAML file),
+validated up front into frozen records.
+
+Every bad value raises ``ConfigError`` naming the full field path (``tiers[1].capacity``), the value
+and what is allowed; unknown keys are rejected so that a typo never passes silently. The schema is
+documented key by key in ``docs/configuration.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from kvtier.errors import ConfigError
+from kvtier.policies import EvictionKind
+from kvtier.pool import DEFAULT_SHM_DIR
+from kvtier.tiers import tier_class
+from kvtier.tiers.base import WriteMode
+from kvtier.validation import Section
+
+SIMULATE_CONFIG = "simulate.yaml"
+"""The embedded config ``kvtier simulate`` uses by default (``kvtier/data/simulate.yaml``)."""
+
+_TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+RESERVED_TIER_NAMES = frozenset({"pool"})
+"""``pool`` names the host pool in stats and simulate results."""
+
+
+class CopyStrategy(Enum):
+    """How a worker's copy backend moves engine blocks to and from pool slots."""
+
+    AUTO = "auto"
+    """The backend picks per device and block layout."""
+    DMA = "dma"
+    """Copy engines only (``cudaMemcpyAsync`` per contiguous run); leaves the SMs to the model."""
+    KERNEL = "kernel"
+    """A gather/scatter kernel (one launch for many small blocks), on at most ``max_sms`` SMs."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    size: int
+    """Bytes of shared host memory; the pool holds ``size // slot_bytes`` blocks."""
+    shm_dir: str = DEFAULT_SHM_DIR
+    allow_pageable: bool = False
+    """Keep running with pageable memory where pinning (page-locking for DMA) fails."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockConfig:
+    tokens: int
+    """Tokens per kvtier block (a multiple of the engine's block size)."""
+    bytes: int
+    """Payload bytes per block, used where no engine gives the geometry (``kvtier simulate``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    min_seen: int = 1
+    """Store a block only once it was offered this many times (1: store everything)."""
+    max_tracked: int = 1_000_000
+    """How many not-yet-admitted keys the filter remembers (oldest forgotten first)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_seen > 1
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    kind: str
+    name: str
+    write: WriteMode
+    options: Any
+    """The tier class's own ``Options`` record (``tier_class(kind).Options``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CopyConfig:
+    strategy: CopyStrategy = CopyStrategy.AUTO
+    max_sms: int = 0
+    """Upper bound on SMs a copy kernel may occupy; 0 lets the backend choose."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    pool: PoolConfig
+    block: BlockConfig
+    model: str | None = None
+    """Namespace model name; engine adapters take it from the engine instead."""
+    tenant: str = "default"
+    eviction: EvictionKind = EvictionKind.LRU
+    admission: AdmissionConfig = AdmissionConfig()
+    tiers: tuple[TierConfig, ...] = ()
+    """Secondary tiers, fastest first."""
+    job_timeout_s: float = 30.0
+    events: bool = True
+    copy: CopyConfig = CopyConfig()
+    vllm: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Options of the vLLM connector, validated by the connector (``kvtier.integrations.vllm``)."""
+
+
+DEFAULT_POOL_SIZE = "64GiB"
+DEFAULT_BLOCK_TOKENS = 512
+DEFAULT_BLOCK_BYTES = "64MiB"
+"""512 tokens of an 8B Llama-3 model in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 bytes/token)."""
+
+
+def load_config(source: Mapping[str, Any] | str | Path) -> KVTierConfig:
+    """Validated config from a mapping or from a JSON / YAML file (by path).
+
+    Raises ``ConfigError`` for a missing or unreadable file, bad JSON/YAML and every bad value.
+    """
+    raw = source if isinstance(source, Mapping) else read_config_file(source)
+    return parse_config(raw)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping in a JSON (``.json``) or YAML file (anything else), not yet validated."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("config file", str(path), f"a readable UTF-8 file ({exc})") from exc
+    return _parse_text(text, str(path), json_syntax=path.suffix.lower() == ".json")
+
+
+def bundled_config_mapping(name: str = SIMULATE_CONFIG) -> dict[str, Any]:
+    """The raw mapping of a configuration embedded in the package (``kvtier/data/<name>``)."""
+    text = resources.files("kvtier.data").joinpath(name).read_text("utf-8")
+    return _parse_text(text, f"kvtier/data/{name}", json_syntax=name.endswith(".json"))
+
+
+def _parse_text(text: str, where: str, json_syntax: bool) -> dict[str, Any]:
+    data: object
+    try:
+        data = json.loads(text) if json_syntax else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError("config file", where, f"valid JSON ({exc})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError("config file", where, f"valid YAML ({exc})".replace("\n", " ")) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config file", where, "a mapping of options at the top level")
+    return data
+
+
+def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
+    """Validate a raw mapping (as read from JSON/YAML) into a ``KVTierConfig``."""
+    root = Section(data, "")
+    model = root.optional_string("model")
+    if model is not None and not model:
+        raise ConfigError("model", model, "a non-empty model name (or leave it out)")
+    config = KVTierConfig(
+        model=model,
+        tenant=root.string("tenant", "default"),
+        pool=_pool(root.section("pool")),
+        block=_block(root.section("block")),
+        eviction=root.choice("eviction", EvictionKind, EvictionKind.LRU),
+        admission=_admission(root.section("admission")),
+        tiers=_tiers(root),
+        job_timeout_s=root.number("job_timeout_s", 30.0, minimum=0.001),
+        events=root.boolean("events", True),
+        copy=_copy(root.section("copy")),
+        vllm=_opaque(root, "vllm"),
+    )
+    root.done()
+    return config
+
+
+def _pool(s: Section) -> PoolConfig:
+    pool = PoolConfig(
+        size=s.size("size", DEFAULT_POOL_SIZE, minimum=1),
+        shm_dir=s.string("shm_dir", DEFAULT_SHM_DIR),
+        allow_pageable=s.boolean("allow_pageable", False),
+    )
+    s.done()
+    return pool
+
+
+def _block(s: Section) -> BlockConfig:
+    block = BlockConfig(
+        tokens=s.integer("tokens", DEFAULT_BLOCK_TOKENS, minimum=1),
+        bytes=s.size("bytes", DEFAULT_BLOCK_BYTES, minimum=1),
+    )
+    s.done()
+    return block
+
+
+def _admission(s: Section) -> AdmissionConfig:
+    admission = AdmissionConfig(
+        min_seen=s.integer("min_seen", 1, minimum=1),
+        max_tracked=s.integer("max_tracked", 1_000_000, minimum=1),
+    )
+    s.done()
+    return admission
+
+
+def _copy(s: Section) -> CopyConfig:
+    copy = CopyConfig(
+        strategy=s.choice("strategy", CopyStrategy, CopyStrategy.AUTO),
+        max_sms=s.integer("max_sms", 0, minimum=0),
+    )
+    s.done()
+    return copy
+
+
+_TIER_COMMON = ("kind", "name", "write")
+
+
+def _tiers(root: Section) -> tuple[TierConfig, ...]:
+    out: list[TierConfig] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(root.items("tiers")):
+        path = f"tiers[{i}]"
+        s = Section(entry, path)
+        kind = s.string("kind")
+        cls = tier_class(kind, field=f"{path}.kind")
+        name = s.string("name", kind)
+        if not _TIER_NAME.match(name):
+            raise ConfigError(
+                f"{path}.name",
+                name,
+                "letters, digits, '_', '.', '-' (starting with a letter or digit)",
+            )
+        if name in RESERVED_TIER_NAMES:
+            raise ConfigError(f"{path}.name", name, "a name other than 'pool' (the host pool's)")
+        if name in seen:
+            raise ConfigError(f"{path}.name", name, "a name no other tier has (names are unique)")
+        seen.add(name)
+        write = s.choice("write", WriteMode, WriteMode.THROUGH)
+        option_keys = {k: v for k, v in s.data.items() if k not in _TIER_COMMON}
+        options_section = Section(option_keys, path)
+        options = cls.Options.parse(options_section)
+        options_section.done()  # in case a tier's parse forgot: unknown keys never pass
+        out.append(TierConfig(kind=kind, name=name, write=write, options=options))
+    return tuple(out)
+
+
+def _opaque(root: Section, key: str) -> Mapping[str, Any]:
+    """A mapping kept as is for the component that owns it (validated there)."""
+    section = root.section(key)
+    return MappingProxyType(dict(section.data))

@@ -1,0 +1,1 @@
+"""Bundled data: the default ``kvtier simulate`` configuration and a synthetic Mooncake trace."""

@@ -1,0 +1,72 @@
+"""Build a host pool and a ``TieredCache`` from a validated ``KVTierConfig``."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
+from kvtier.keys import Namespace
+from kvtier.manager import SecondaryTier, TieredCache
+from kvtier.policies import make_policy
+from kvtier.policies.admission import AdmissionFilter
+from kvtier.pool import HostPool
+from kvtier.tiers import tier_class
+from kvtier.validation import format_size
+
+
+def pool_slots(config: KVTierConfig, slot_bytes: int) -> int:
+    """How many slots of ``slot_bytes`` fit in ``pool.size`` (``ConfigError`` when none does)."""
+    if slot_bytes <= 0:
+        raise ConfigError("slot_bytes", slot_bytes, "a positive byte count")
+    num_slots = config.pool.size // slot_bytes
+    if num_slots < 1:
+        raise ConfigError(
+            "pool.size",
+            config.pool.size,
+            f"at least one block of {slot_bytes} bytes ({format_size(slot_bytes)})",
+        )
+    return num_slots
+
+
+def build_cache(
+    config: KVTierConfig, namespace: Namespace, slot_bytes: int
+) -> tuple[HostPool, TieredCache]:
+    """A new host pool of ``pool.size // slot_bytes`` slots and the cache over it, with the
+    secondary tiers in config order (fastest first).
+
+    The caller owns both: ``cache.close()`` closes the tiers, ``pool.close()`` the pool. When a
+    step fails, everything built before it is closed and the error propagates (``ConfigError`` for
+    a bad value, ``PoolError`` when the shared memory cannot be created).
+    """
+    num_slots = pool_slots(config, slot_bytes)
+    pool = HostPool.create(num_slots, slot_bytes, config.pool.shm_dir)
+    tiers: list[Any] = []
+    try:
+        secondary: list[SecondaryTier] = []
+        for tier_config in config.tiers:
+            cls = tier_class(tier_config.kind)
+            tier = cls(tier_config.name, namespace, pool, tier_config.options)
+            tiers.append(tier)
+            secondary.append(SecondaryTier(tier, tier_config.write))
+        admission = (
+            AdmissionFilter(config.admission.min_seen, config.admission.max_tracked)
+            if config.admission.enabled
+            else None
+        )
+        cache = TieredCache(
+            pool,
+            make_policy(config.eviction, num_slots),
+            secondary=secondary,
+            admission=admission,
+            job_timeout_s=config.job_timeout_s,
+            record_events=config.events,
+        )
+    except BaseException:
+        for tier in reversed(tiers):
+            with contextlib.suppress(Exception):
+                tier.close()
+        pool.close()
+        raise
+    return pool, cache
