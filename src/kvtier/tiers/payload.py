@@ -16,6 +16,9 @@ from kvtier.keys import FORMAT_VERSION, BlockKey
 MAGIC = b"KVTB"
 HEADER = struct.Struct("<4sHH16s16sQ16s")
 HEADER_BYTES = HEADER.size
+KNOWN_FLAGS = 0
+"""Flag bits this version understands; a header with any other bit set (say, a compressed payload
+written by a newer kvtier) is rejected rather than misread."""
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
@@ -38,10 +41,11 @@ def header_matches(
     """
     if len(header) != HEADER_BYTES:
         return False
-    magic, version, _flags, ns, stored_key, stored_len, _sum = HEADER.unpack(header)
+    magic, version, flags, ns, stored_key, stored_len, _sum = HEADER.unpack(header)
     return (
         magic == MAGIC
         and version == FORMAT_VERSION
+        and flags & ~KNOWN_FLAGS == 0
         and ns == namespace_digest
         and stored_key == key
         and stored_len == length
