@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.keys import KEY_BYTES, Namespace, chain_keys, keys_from_hashes
+
+BASE = Namespace(model="llama", dtype="bfloat16", block_tokens=4, layout="nhd", tp_size=2)
+TOKENS = list(range(17))
+
+
+def test_chain_keys_cover_full_blocks_and_depend_on_prefix():
+    keys = chain_keys(BASE, TOKENS)
+    assert len(keys) == 4 and all(len(k) == KEY_BYTES for k in keys)
+    assert len(set(keys)) == 4
+    other = chain_keys(BASE, [99, *TOKENS[1:]])
+    assert all(a != b for a, b in zip(keys, other, strict=True))  # first token changes all
+    assert chain_keys(BASE, TOKENS[:8]) == keys[:2]
+    assert chain_keys(BASE, TOKENS[8:16], start_key=keys[1]) == keys[2:]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "other"},
+        {"dtype": "float16"},
+        {"block_tokens": 8},
+        {"layout": "hnd"},
+        {"tp_size": 4},
+        {"tp_rank": 1},
+        {"extra": "fp8-kv"},
+        {"tenant": "acme"},
+    ],
+)
+def test_every_namespace_field_separates_keys(change):
+    other = dataclasses.replace(BASE, **change)
+    tokens = list(range(16))
+    assert set(chain_keys(BASE, tokens)).isdisjoint(chain_keys(other, tokens))
+    assert set(keys_from_hashes(BASE, [1, 2, b"x" * 32])).isdisjoint(
+        keys_from_hashes(other, [1, 2, b"x" * 32])
+    )
+    assert (other.tenant != BASE.tenant) or other.fingerprint != BASE.fingerprint
+
+
+def test_keys_are_stable_across_processes_and_hash_seeds():
+    code = (
+        "from kvtier.keys import Namespace, chain_keys, keys_from_hashes; "
+        "ns = Namespace(model='llama', dtype='bfloat16', block_tokens=4, layout='nhd', tp_size=2); "
+        "print(*(k.hex() for k in chain_keys(ns, list(range(17)))), "
+        "*(k.hex() for k in keys_from_hashes(ns, [7, b'h'])))"
+    )
+    expected = [k.hex() for k in chain_keys(BASE, TOKENS)] + [
+        k.hex() for k in keys_from_hashes(BASE, [7, b"h"])
+    ]
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+        )
+        assert out.stdout.split() == expected
+
+
+def test_key_format_is_frozen():
+    # Blocks persist on disk and in Redis across versions: a change here must bump FORMAT_VERSION.
+    ns = Namespace(model="m", dtype="d", block_tokens=2)
+    assert chain_keys(ns, [1, 2])[0].hex() == chain_keys(ns, [1, 2, 3])[0].hex()
+    assert ns.hex == Namespace(model="m", dtype="d", block_tokens=2).hex
+    assert len(ns.hex) == 32 and all(c in "0123456789abcdef" for c in ns.hex)
+
+
+def test_bad_namespace_values_name_the_field():
+    with pytest.raises(ConfigError, match=r"namespace\.block_tokens"):
+        Namespace(model="m", dtype="d", block_tokens=0)
+    with pytest.raises(ConfigError, match=r"namespace\.tp_rank"):
+        Namespace(model="m", dtype="d", block_tokens=1, tp_size=2, tp_rank=2)
+    with pytest.raises(ConfigError, match=r"namespace\.model"):
+        Namespace(model="", dtype="d", block_tokens=1)

@@ -1,0 +1,209 @@
+from __future__ import annotations
+
+import pytest
+
+from kvtier.events import EventKind
+from kvtier.manager import SecondaryTier, TieredCache
+from kvtier.policies import LRUPolicy
+from kvtier.policies.admission import AdmissionFilter
+from kvtier.tiers.base import WriteMode
+
+from .conftest import keys_for
+from .scripted_tier import ScriptedTier
+
+
+def store(cache: TieredCache, keys: list[bytes], fill: bytes | None = None) -> list[bytes]:
+    res = cache.prepare_store(keys)
+    for key, slot in zip(res.keys, res.slots, strict=True):
+        view = cache._pool.view(slot)
+        view[:] = (fill or key) * (len(view) // len(key))
+    cache.complete_store(res.keys)
+    return res.keys
+
+
+def test_lookup_counts_leading_run_and_store_skips_present(ns, make_pool):
+    pool = make_pool(16)
+    cache = TieredCache(pool, LRUPolicy())
+    keys = keys_for(ns, 6)
+    assert cache.lookup(keys) == (0, True)
+    assert store(cache, keys[:4]) == keys[:4]
+    assert cache.lookup(keys) == (4, True)
+    assert cache.prepare_store(keys[:4]).keys == []
+    assert store(cache, keys) == keys[4:]
+    assert cache.lookup(keys) == (6, True)
+    assert cache.stats().pool_used == 6
+
+
+def test_in_flight_store_is_invisible_and_not_reserved_twice(ns, make_pool):
+    cache = TieredCache(make_pool(8), LRUPolicy())
+    keys = keys_for(ns, 3)
+    first = cache.prepare_store(keys)
+    assert cache.lookup(keys) == (0, True)
+    assert cache.prepare_store(keys).keys == []  # dedupe: already in flight
+    cache.complete_store(first.keys, ok=[True, False, True])
+    assert cache.lookup(keys) == (1, True)
+    assert cache.stats().cache.store_failed == 1
+    assert cache.stats().pool_used == 2
+
+
+def test_capacity_and_lru_eviction_order(ns, make_pool):
+    cache = TieredCache(make_pool(4), LRUPolicy())
+    a, b = keys_for(ns, 2, seed=1), keys_for(ns, 2, seed=2)
+    store(cache, a)
+    store(cache, b)
+    cache.touch(a)
+    c = keys_for(ns, 2, seed=3)
+    store(cache, c)  # evicts b, the least recently used
+    assert cache.lookup(a).hits == 2
+    assert cache.lookup(b).hits == 0
+    assert cache.stats().pool_used == 4
+    evicted = [e.key for e in cache.take_events() if e.kind is EventKind.EVICTED]
+    assert evicted == b
+
+
+def test_pinned_blocks_are_never_evicted(ns, make_pool):
+    cache = TieredCache(make_pool(4), LRUPolicy())
+    a = keys_for(ns, 4, seed=1)
+    store(cache, a)
+    slots = cache.prepare_load(a)
+    assert len(slots) == 4
+    res = cache.prepare_store(keys_for(ns, 2, seed=2))
+    assert res.keys == []  # nothing evictable
+    assert cache.stats().cache.store_skipped_full == 2
+    cache.complete_load(a)
+    assert len(cache.prepare_store(keys_for(ns, 2, seed=2)).keys) == 2
+
+
+def test_concurrent_load_of_same_blocks_answers_pending(ns, make_pool):
+    cache = TieredCache(make_pool(8), LRUPolicy())
+    keys = keys_for(ns, 3)
+    store(cache, keys)
+    cache.prepare_load(keys[:3])
+    assert cache.lookup(keys) == (3, False)
+    cache.complete_load(keys[:3])
+    assert cache.lookup(keys) == (3, True)
+
+
+def test_admission_filter_stores_on_nth_offer(ns, make_pool):
+    cache = TieredCache(make_pool(8), LRUPolicy(), admission=AdmissionFilter(2))
+    keys = keys_for(ns, 2)
+    assert cache.prepare_store(keys).keys == []
+    assert store(cache, keys) == keys
+    assert cache.stats().cache.store_skipped_admission == 2
+
+
+def test_promotion_from_secondary_tier(ns, make_pool):
+    pool = make_pool(8)
+    tier = ScriptedTier("slow", ns, pool)
+    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier, WriteMode.THROUGH)])
+    keys = keys_for(ns, 4)
+    store(cache, keys)
+    tier.release()
+    cache.step()
+    assert set(tier.stored) == set(keys)
+    # Drop the pool copies by filling the pool with other blocks.
+    store(cache, keys_for(ns, 8, seed=9))
+    tier.release()
+    cache.step()
+    assert cache.lookup(keys).hits == 0
+    first = cache.lookup(keys)
+    assert first == (0, False)
+    assert cache.lookup(keys) == (0, False)  # still in flight: no second job
+    assert sum(1 for j in tier.submitted if j.kind.value == "read") == 1
+    tier.release()
+    cache.step()
+    assert cache.lookup(keys) == (4, True)
+    for key, slot in zip(keys, cache.prepare_load(keys), strict=True):
+        assert bytes(pool.view(slot)) == key * (len(pool.view(slot)) // len(key))
+    assert cache.stats().promoted == {"slow": 4}
+
+
+def test_failed_promotion_is_a_miss_and_not_retried_at_once(ns, make_pool):
+    pool = make_pool(8)
+    tier = ScriptedTier("slow", ns, pool)
+    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier)])
+    keys = keys_for(ns, 2)
+    tier.stored = {k: b"x" * 64 for k in keys}
+    tier.fail_keys = {keys[0]}
+    assert cache.lookup(keys) == (0, False)
+    tier.release()
+    cache.step()
+    assert cache.lookup(keys) == (0, True)
+    assert cache.stats().cache.promotion_failures == 1
+    assert cache.stats().pool_used == 1  # keys[1] was promoted, keys[0]'s slot freed
+
+
+def test_unknown_answer_is_pending(ns, make_pool):
+    pool = make_pool(8)
+    tier = ScriptedTier("remote", ns, pool)
+    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier)])
+    keys = keys_for(ns, 2)
+    tier.unknown = set(keys)
+    assert cache.lookup(keys) == (0, False)
+    tier.unknown = set()
+    assert cache.lookup(keys) == (0, True)
+
+
+def test_tier_exceptions_never_reach_the_caller(ns, make_pool):
+    pool = make_pool(8)
+    tier = ScriptedTier("broken", ns, pool)
+    tier.raise_on = {"lookup", "submit", "poll"}
+    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier)])
+    keys = keys_for(ns, 3)
+    assert cache.lookup(keys) == (0, True)
+    store(cache, keys)  # write-through submit raises
+    cache.step()
+    assert cache.lookup(keys) == (3, True)
+    assert tier.counters.errors >= 3
+    assert cache.stats().cache.cascade_failures == 3
+    assert cache.stats().pool_pinned == 0
+
+
+def test_write_on_evict_holds_slot_until_written(ns, make_pool):
+    pool = make_pool(2)
+    tier = ScriptedTier("disk", ns, pool)
+    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier, WriteMode.ON_EVICT)])
+    a = keys_for(ns, 2, seed=1)
+    store(cache, a)
+    assert tier.submitted == []
+    b = keys_for(ns, 2, seed=2)
+    assert cache.prepare_store(b).keys == []  # a's slots are held by the write job
+    assert pool.num_free == 0
+    tier.release()
+    cache.step()
+    assert set(tier.stored) == set(a)
+    assert pool.num_free == 2
+    assert store(cache, b) == b
+
+
+def test_stuck_promotion_times_out_and_keeps_slots_quarantined(ns, make_pool):
+    now = [0.0]
+    pool = make_pool(4)
+    tier = ScriptedTier("stuck", ns, pool)
+    cache = TieredCache(
+        pool, LRUPolicy(), [SecondaryTier(tier)], job_timeout_s=5, clock=lambda: now[0]
+    )
+    keys = keys_for(ns, 2)
+    tier.stored = {k: b"y" * 64 for k in keys}
+    assert cache.lookup(keys) == (0, False)
+    now[0] = 10.0
+    cache.step()
+    assert cache.lookup(keys) == (0, True)  # the request goes on without the stuck blocks
+    assert pool.num_free == 2  # ... but the stuck job still owns its two slots
+    tier.release()  # the job finally ends
+    cache.step()
+    assert pool.num_free == 4
+    assert cache.lookup(keys).hits == 0  # a late result is never published
+    assert cache.stats().cache.job_timeouts == 1
+
+
+@pytest.mark.parametrize("mode", list(WriteMode))
+def test_close_settles_running_jobs(ns, make_pool, mode):
+    pool = make_pool(2)
+    tier = ScriptedTier("disk", ns, pool)
+    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier, mode)])
+    store(cache, keys_for(ns, 2, seed=1))
+    store(cache, keys_for(ns, 2, seed=2))
+    cache.close()
+    assert cache.jobs_in_flight == 0
+    assert cache.stats().pool_pinned == 0
