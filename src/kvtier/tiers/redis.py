@@ -1,0 +1,662 @@
+"""A secondary tier on Redis or Valkey (standalone or cluster), shared by engine instances and
+nodes.
+
+Each block is one string value under ``<key_prefix>:<namespace hex>:<key hex>``: kvtier's 64-byte
+payload header (namespace, key, length, XXH3-128 checksum) followed by the bytes of one pool slot.
+The namespace digest covers the model fingerprint and the tenant, so two models or two tenants
+never see each other's blocks. Keys carry no hash tag: in a cluster they spread over all slots,
+and pipelines are split per node by redis-py. Nothing read from the server is ever unpickled or
+executed.
+
+What callers may rely on (besides the ``Tier`` contract):
+
+* ``lookup`` answers from a local presence cache and never waits on the network. Keys it does not
+  know are answered ``None`` and checked with one pipelined ``EXISTS`` batch on the lookup thread;
+  the next ``lookup`` sees the answer (each answer is served at least once). Absent keys are
+  remembered for ``negative_cache_s``; present keys until a read finds them gone (or, with a TTL,
+  until shortly before it would expire).
+* A read reports ``ok=True`` only after the value's header matched and the checksum of the bytes
+  landed in the slot matched. A mismatch is a miss: ``counters.corrupt`` is bumped, the remote
+  copy deleted and the key reported by ``take_evicted``. A key the server no longer holds (TTL,
+  ``maxmemory`` eviction) is a miss reported the same way and counted in ``evictions``.
+* Connection errors and timeouts mark the tier unhealthy: ``lookup`` answers ``False`` at once,
+  new jobs fail at once (counted in ``rejected`` for writes, ``errors`` for reads), and a
+  background probe (``PING`` with capped exponential backoff) marks it healthy again by itself.
+  The presence cache is dropped then (the server may have restarted empty).
+* Every call on the network has ``timeout_s`` socket timeouts; nothing retries in a loop but the
+  probe. Wrong credentials, ACL denials and TLS failures at start raise ``ConfigError`` (password
+  masked); an unreachable server at start only starts the tier unhealthy.
+* Capacity is the server's: configure ``maxmemory`` and ``maxmemory-policy allkeys-lru`` there
+  (see docs/redis.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from kvtier.keys import KEY_BYTES, BlockKey, Namespace
+from kvtier.pool import HostPool
+from kvtier.tiers.base import JobKind, Tier, TierJob
+from kvtier.tiers.payload import HEADER_BYTES, encode_header, header_matches, payload_matches
+from kvtier.tiers.redis_client import (
+    BlockValue,
+    Client,
+    build_client,
+    close_client,
+    config_error,
+    describe,
+    is_timeout,
+    is_unreachable,
+)
+from kvtier.tiers.redis_options import Options, masked_url
+
+__all__ = ["Options", "RedisTier"]
+
+log = logging.getLogger("kvtier.tiers.redis")
+
+EXISTS_BATCH = 1024
+"""Keys per pipelined EXISTS round trip."""
+POSITIVE_TTL_MARGIN = 0.9
+"""With a TTL, a key written (or read) is believed present for this fraction of the TTL."""
+_READ_FIRST, _WRITE, _STOP = 0, 1, 2
+"""Data queue priorities: promotions are on a request's critical path, cascades are not."""
+
+
+class _MetaOp(Enum):
+    EXISTS = "exists"
+    DELETE = "delete"
+
+
+@dataclass(slots=True)
+class _JobState:
+    job: TierJob
+    ok: list[bool]
+    remaining: int
+    """Batches not finished yet (guarded by the tier's ``_lock``)."""
+
+
+@dataclass(slots=True)
+class _Batch:
+    state: _JobState
+    start: int
+    stop: int
+    """Positions ``[start, stop)`` of the job's keys."""
+
+
+class _Presence:
+    """What this process believes the server holds: a bounded, thread-safe map.
+
+    An entry is a signed expiry time: ``+t`` present until ``t``, ``-t`` absent until ``t``. Keys
+    being checked are ``pending``; answers not yet served by ``answer`` are ``unserved`` and are
+    served once even if expired, so a short negative cache can never starve a lookup.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: dict[BlockKey, float] = {}
+        self._pending: set[BlockKey] = set()
+        self._unserved: set[BlockKey] = set()
+
+    def answer(self, keys: Sequence[BlockKey], now: float) -> tuple[list[bool | None], list[Any]]:
+        """Answers for ``keys`` and the unknown keys to check (now marked pending)."""
+        out: list[bool | None] = []
+        ask: list[BlockKey] = []
+        with self._lock:
+            entries, pending, unserved = self._entries, self._pending, self._unserved
+            for key in keys:
+                value = entries.get(key)
+                if value is not None:
+                    if key in unserved:
+                        unserved.discard(key)
+                        out.append(value > 0)
+                        continue
+                    if abs(value) > now:
+                        out.append(value > 0)
+                        continue
+                    del entries[key]
+                out.append(None)
+                if key not in pending:
+                    pending.add(key)
+                    ask.append(key)
+        return out, ask
+
+    def set(self, key: BlockKey, present: bool, until: float) -> None:
+        """A fact learned from our own read, write or delete (wins over pending checks)."""
+        with self._lock:
+            self._pending.discard(key)
+            self._put(key, until if present else -until)
+
+    def resolve(self, keys: Sequence[BlockKey], present: Sequence[bool], pos: float, neg: float):
+        """EXISTS answers; keys no longer pending were settled by a read or write meanwhile."""
+        with self._lock:
+            pending = self._pending
+            for key, here in zip(keys, present, strict=True):
+                if key in pending:
+                    pending.discard(key)
+                    self._put(key, pos if here else -neg)
+                    self._unserved.add(key)
+
+    def forget(self, keys: Sequence[BlockKey]) -> None:
+        """Unknown again (a failed check or write): the next lookup asks the server."""
+        with self._lock:
+            for key in keys:
+                self._pending.discard(key)
+                self._entries.pop(key, None)
+                self._unserved.discard(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._pending.clear()
+            self._unserved.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _put(self, key: BlockKey, value: float) -> None:
+        entries = self._entries
+        entries.pop(key, None)  # re-insert at the end: oldest entries are dropped first
+        entries[key] = value
+        if len(entries) > self._capacity:
+            oldest = next(iter(entries))
+            del entries[oldest]
+            self._unserved.discard(oldest)
+
+
+def _now() -> float:
+    # Offset so that a present entry's expiry is always > 0 (the sign carries presence).
+    return time.monotonic() + 1.0
+
+
+class RedisTier(Tier):
+    """Blocks in Redis / Valkey; see the module docstring."""
+
+    Options = Options
+
+    def __init__(
+        self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
+    ) -> None:
+        super().__init__(name, namespace, pool)
+        self.options = opts = options if options is not None else Options()
+        self._digest = namespace.digest
+        self._prefix = f"{opts.key_prefix}:{namespace.hex}:".encode()
+        self._value_bytes = HEADER_BYTES + pool.slot_bytes
+        self._presence = _Presence(opts.presence_entries)
+        self._lock = threading.Lock()
+        """Guards counters bumped off the manager's thread and job states."""
+        self._closed = False
+        self._healthy = False
+        self._stop = threading.Event()
+        self._probe_needed = threading.Event()
+        self._data_q: queue.PriorityQueue[tuple[int, int, _Batch | None]] = queue.PriorityQueue()
+        self._meta_q: queue.SimpleQueue[tuple[_MetaOp, list[BlockKey]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._order = itertools.count()
+        self._client: Client | None = None
+        self._server_ids: frozenset[str] | None = None
+
+        self._connect_at_start()
+        self._threads = [
+            threading.Thread(target=self._data_loop, name=f"kvtier-redis-{name}-io{i}", daemon=True)
+            for i in range(opts.io_threads)
+        ]
+        self._threads.append(
+            threading.Thread(target=self._meta_loop, name=f"kvtier-redis-{name}-meta", daemon=True)
+        )
+        self._threads.append(
+            threading.Thread(
+                target=self._health_loop, name=f"kvtier-redis-{name}-health", daemon=True
+            )
+        )
+        for thread in self._threads:
+            thread.start()
+
+    # -- the Tier interface ---------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        n = len(keys)
+        try:
+            if self._closed or not self._healthy:
+                self._bump(lookups=n)
+                return [False] * n
+            out, ask = self._presence.answer(keys, _now())
+            if ask:
+                for start in range(0, len(ask), EXISTS_BATCH):
+                    self._meta_q.put((_MetaOp.EXISTS, ask[start : start + EXISTS_BATCH]))
+            self._bump(lookups=n, lookup_hits=sum(1 for answer in out if answer))
+            return out
+        except Exception:  # the contract: never raise into the engine's thread
+            log.exception("redis tier %s: lookup failed", self.name)
+            return [False] * n
+
+    def submit(self, job: TierJob) -> None:
+        n = len(job.keys)
+        reading = job.kind is JobKind.READ
+        self._bump(**{"read_jobs" if reading else "write_jobs": 1})
+        try:
+            if self._closed or not self._valid(job):
+                self._bump(errors=n)
+                self._finish(job.job_id, [False] * n)
+                return
+            if not self._healthy:
+                self._bump(**{"errors" if reading else "rejected": n})
+                self._finish(job.job_id, [False] * n)
+                return
+            if n == 0:
+                self._finish(job.job_id, [])
+                return
+            step = self.options.pipeline_blocks
+            starts = range(0, n, step)
+            state = _JobState(job, [False] * n, len(starts))
+            priority = _READ_FIRST if reading else _WRITE
+            for start in starts:
+                batch = _Batch(state, start, min(start + step, n))
+                self._data_q.put((priority, next(self._order), batch))
+        except Exception:  # pragma: no cover - defensive: a job must always be reported
+            log.exception("redis tier %s: submit failed", self.name)
+            self._finish(job.job_id, [False] * n)
+
+    def close(self) -> None:
+        """Finish queued jobs (failing fast if the server is gone), stop threads, disconnect."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for _ in range(self.options.io_threads):
+            self._data_q.put((_STOP, next(self._order), None))
+        self._meta_q.put(None)
+        self._stop.set()
+        self._probe_needed.set()
+        deadline = time.monotonic() + max(10.0, 4 * self.options.timeout_s)
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("redis tier %s: thread %s did not stop", self.name, thread.name)
+        # Jobs still queued (threads gone or stuck) are reported as failed, never dropped.
+        while True:
+            try:
+                _, _, batch = self._data_q.get_nowait()
+            except queue.Empty:
+                break
+            if batch is not None:
+                self._batch_done(batch, [False] * (batch.stop - batch.start))
+        if self._client is not None:
+            close_client(self._client)
+
+    # -- extras ---------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """False while the server is unreachable (lookups answer False, jobs fail fast)."""
+        return self._healthy and not self._closed
+
+    def redis_key(self, key: BlockKey) -> bytes:
+        """The Redis key of ``key`` in this tier's namespace."""
+        return self._prefix + key.hex().encode()
+
+    # -- start and health -----------------------------------------------------------------------
+
+    def _connect_at_start(self) -> None:
+        try:
+            self._client = build_client(self.options)
+            self._probe(self._client, at_start=True)
+        except Exception as exc:
+            error = config_error(self.options, exc)
+            if error is not None:
+                if self._client is not None:
+                    close_client(self._client)
+                raise error from None
+            log.warning(
+                "redis tier %s: %s unreachable at start (%s); going on without it until it answers",
+                self.name,
+                masked_url(self.options.url),
+                describe(exc, self.options),
+            )
+            self._probe_needed.set()
+            return
+        self._healthy = True
+        self._server_ids = self._run_ids(self._client)
+        self._check_eviction_policy()
+
+    def _probe(self, client: Client, at_start: bool = False, refresh: bool = True) -> None:
+        """Raise unless the server answers; at start, also check our commands are allowed;
+        ``refresh`` re-reads a cluster's topology first."""
+        if self.options.cluster:
+            if refresh and not at_start:
+                client.nodes_manager.initialize()
+            info = client.cluster_info()
+            state = info.get("cluster_state") if isinstance(info, dict) else None
+            if state not in (None, "ok", b"ok"):
+                raise ConnectionRefusedError(f"cluster_state is {state!r}")
+            client.ping(target_nodes=client.PRIMARIES)
+        else:
+            client.ping()
+        if at_start:
+            probe = self._prefix + b"probe"
+            pipe = client.pipeline(transaction=False)
+            pipe.execute_command("EXISTS", probe)
+            pipe.execute_command("GET", probe)
+            pipe.execute_command("DEL", probe)
+            for reply in pipe.execute(raise_on_error=False):
+                if isinstance(reply, Exception):
+                    raise reply
+
+    def _check_eviction_policy(self) -> None:
+        """Warn when the server would refuse writes when full (best effort: CONFIG may be denied)."""
+        try:
+            assert self._client is not None
+            config = self._client.config_get("maxmemory*")
+            if self.options.cluster and isinstance(config, dict) and config:
+                first = next(iter(config.values()))
+                config = first if isinstance(first, dict) else config
+            policy = str(config.get("maxmemory-policy", ""))
+            maxmemory = int(config.get("maxmemory", 0) or 0)
+        except Exception:
+            return
+        if maxmemory == 0 or not policy.startswith(("allkeys-", "volatile-")):
+            log.warning(
+                "redis tier %s: server has maxmemory=%d, maxmemory-policy=%s; set maxmemory "
+                "and maxmemory-policy allkeys-lru (docs/redis.md) or writes fail when it is full",
+                self.name,
+                maxmemory,
+                policy or "?",
+            )
+
+    def _mark_unhealthy(self, exc: BaseException) -> None:
+        with self._lock:
+            if not self._healthy:
+                return
+            self._healthy = False
+            self._probe_needed.set()
+        log.warning(
+            "redis tier %s: %s unhealthy (%s); going on without it",
+            self.name,
+            masked_url(self.options.url),
+            describe(exc, self.options),
+        )
+
+    def _health_loop(self) -> None:
+        opts = self.options
+        while not self._stop.is_set():
+            if not self._probe_needed.wait(opts.health_interval_s):
+                self._check_alive()
+                continue
+            delay = opts.reconnect_initial_s
+            while not self._stop.is_set():
+                # Jitter keeps many engines from probing a restarted server in lockstep.
+                if self._stop.wait(delay * random.uniform(0.5, 1.0)):
+                    return
+                if self._try_recover():
+                    break
+                delay = min(delay * 2, opts.reconnect_max_s)
+
+    def _check_alive(self) -> None:
+        """Periodic probe while healthy: an idle tier notices a lost server too, and a server
+        that restarted (new run id, nothing persisted) invalidates what we believed it held."""
+        client = self._client
+        if client is None or self._closed or not self._healthy:
+            return
+        try:
+            self._probe(client, refresh=False)
+        except Exception as exc:
+            self._io_failed(exc, 0)
+            return
+        run_ids = self._run_ids(client)
+        if run_ids is not None:
+            if self._server_ids is not None and run_ids != self._server_ids:
+                log.warning("redis tier %s: server restarted; forgetting what it held", self.name)
+                self._presence.clear()
+            self._server_ids = run_ids
+
+    def _run_ids(self, client: Client) -> frozenset[str] | None:
+        """The servers' run ids (best effort: INFO may be denied by an ACL)."""
+        try:
+            if self.options.cluster:
+                info = client.info("server", target_nodes=client.PRIMARIES)
+                values = info.values() if isinstance(info, dict) else []
+                ids = [v.get("run_id") for v in values if isinstance(v, dict)]
+                if not ids and isinstance(info, dict):
+                    ids = [info.get("run_id")]
+            else:
+                ids = [client.info("server").get("run_id")]
+        except Exception:
+            return None
+        if not ids or not all(isinstance(i, str) for i in ids):
+            return None
+        return frozenset(str(i) for i in ids)
+
+    def _try_recover(self) -> bool:
+        try:
+            if self._client is None:
+                self._client = build_client(self.options)
+                self._probe(self._client, at_start=True)
+            else:
+                self._probe(self._client)
+        except Exception as exc:
+            log.debug("redis tier %s: probe failed: %s", self.name, describe(exc, self.options))
+            return False
+        # The server may have restarted empty, or others changed it meanwhile.
+        self._presence.clear()
+        self._server_ids = self._run_ids(self._client)
+        with self._lock:
+            self._probe_needed.clear()
+            self._healthy = True
+        log.warning("redis tier %s: %s healthy again", self.name, masked_url(self.options.url))
+        return True
+
+    # -- I/O threads ----------------------------------------------------------------------------
+
+    def _data_loop(self) -> None:
+        while True:
+            _, _, batch = self._data_q.get()
+            if batch is None:
+                return
+            ok = [False] * (batch.stop - batch.start)
+            try:
+                ok = self._run_batch(batch)
+            except Exception:  # pragma: no cover - defensive: the batch is still reported
+                log.exception("redis tier %s: batch failed", self.name)
+                self._bump(errors=len(ok))
+            finally:
+                self._batch_done(batch, ok)
+
+    def _run_batch(self, batch: _Batch) -> list[bool]:
+        job = batch.state.job
+        keys = job.keys[batch.start : batch.stop]
+        slots = job.slots[batch.start : batch.stop]
+        reading = job.kind is JobKind.READ
+        client = self._client
+        if not self._healthy or client is None:
+            self._bump(**{"errors" if reading else "rejected": len(keys)})
+            return [False] * len(keys)
+        try:
+            if reading:
+                return self._read(client, keys, slots)
+            return self._write(client, keys, slots)
+        except Exception as exc:
+            self._io_failed(exc, len(keys))
+            if not reading:
+                self._presence.forget(keys)
+            return [False] * len(keys)
+
+    def _write(self, client: Client, keys: list[BlockKey], slots: list[int]) -> list[bool]:
+        pipe = client.pipeline(transaction=False)
+        digest, view = self._digest, self.pool.view
+        ttl = self.options.ttl_ms
+        for key, slot in zip(keys, slots, strict=True):
+            payload = view(slot)
+            value = BlockValue(encode_header(digest, key, payload), payload)
+            if ttl is None:
+                pipe.execute_command("SET", self.redis_key(key), value)
+            else:
+                pipe.execute_command("SET", self.redis_key(key), value, "PX", ttl)
+        replies = pipe.execute(raise_on_error=False)
+        until = self._present_until()
+        ok: list[bool] = []
+        for key, reply in zip(keys, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._io_failed(reply, 1)
+                self._presence.forget([key])
+                ok.append(False)
+            elif reply is True or reply == b"OK" or reply == "OK":
+                self._presence.set(key, True, until)
+                ok.append(True)
+            else:
+                self._bump(errors=1)
+                self._presence.forget([key])
+                ok.append(False)
+        written = sum(ok)
+        self._bump(write_blocks=written, write_bytes=written * self.pool.slot_bytes)
+        return ok
+
+    def _read(self, client: Client, keys: list[BlockKey], slots: list[int]) -> list[bool]:
+        pipe = client.pipeline(transaction=False)
+        ttl = self.options.ttl_ms if self.options.ttl_touch_on_read else None
+        for key in keys:
+            if ttl is None:
+                pipe.execute_command("GET", self.redis_key(key))
+            else:
+                pipe.execute_command("GETEX", self.redis_key(key), "PX", ttl)
+        replies = pipe.execute(raise_on_error=False)
+        ok: list[bool] = []
+        for key, slot, reply in zip(keys, slots, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._io_failed(reply, 1)
+                ok.append(False)
+            elif reply is None:
+                # The server dropped it (TTL, maxmemory) or never had it: a miss, not an error.
+                self._presence.set(key, False, _now() + self.options.negative_cache_s)
+                self._report_evicted(key)
+                self._bump(evictions=1)
+                ok.append(False)
+            else:
+                ok.append(self._land(key, slot, reply))
+        got = sum(ok)
+        self._bump(read_blocks=got, read_bytes=got * self.pool.slot_bytes)
+        return ok
+
+    def _land(self, key: BlockKey, slot: int, value: Any) -> bool:
+        """Check the header, copy the payload into the slot and check its checksum there."""
+        good = False
+        if isinstance(value, bytes) and len(value) == self._value_bytes:
+            data = memoryview(value)
+            header = data[:HEADER_BYTES]
+            if header_matches(header, self._digest, key, self.pool.slot_bytes):
+                target = self.pool.view(slot)
+                target[:] = data[HEADER_BYTES:]  # the one unavoidable copy
+                good = payload_matches(header, target)
+        if good:
+            self._presence.set(key, True, self._present_until())
+            return True
+        with self._lock:
+            self.counters.corrupt += 1
+        log.warning("redis tier %s: corrupt value for key %s dropped", self.name, key.hex())
+        self._presence.set(key, False, _now() + self.options.negative_cache_s)
+        self._report_evicted(key)
+        self._meta_q.put((_MetaOp.DELETE, [key]))
+        return False
+
+    def _meta_loop(self) -> None:
+        while True:
+            item = self._meta_q.get()
+            if item is None:
+                return
+            op, keys = item
+            client = self._client
+            if not self._healthy or client is None:
+                if op is _MetaOp.EXISTS:
+                    self._presence.forget(keys)
+                continue
+            try:
+                if op is _MetaOp.EXISTS:
+                    self._exists(client, keys)
+                else:
+                    pipe = client.pipeline(transaction=False)
+                    for key in keys:
+                        pipe.execute_command("DEL", self.redis_key(key))
+                    pipe.execute(raise_on_error=False)
+            except Exception as exc:
+                self._io_failed(exc, 0)
+                if op is _MetaOp.EXISTS:
+                    self._presence.forget(keys)
+
+    def _exists(self, client: Client, keys: list[BlockKey]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.execute_command("EXISTS", self.redis_key(key))
+        replies = pipe.execute(raise_on_error=False)
+        known: list[BlockKey] = []
+        present: list[bool] = []
+        failed: list[BlockKey] = []
+        for key, reply in zip(keys, replies, strict=True):
+            if isinstance(reply, Exception) or not isinstance(reply, int):
+                failed.append(key)
+                if isinstance(reply, Exception):
+                    self._io_failed(reply, 0)
+            else:
+                known.append(key)
+                present.append(reply > 0)
+        now = _now()
+        self._presence.resolve(
+            known, present, self._present_until(now), now + self.options.negative_cache_s
+        )
+        if failed:
+            self._presence.forget(failed)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _present_until(self, now: float | None = None) -> float:
+        ttl_s = self.options.ttl_s
+        if ttl_s is None:
+            return math.inf
+        return (now if now is not None else _now()) + ttl_s * POSITIVE_TTL_MARGIN
+
+    def _io_failed(self, exc: BaseException, blocks: int) -> None:
+        """Count a failed call (``blocks`` blocks lost with it); unreachable -> unhealthy."""
+        if is_timeout(exc):
+            self._bump(timeouts=blocks)
+        else:
+            self._bump(errors=blocks)
+        if is_unreachable(exc):
+            self._mark_unhealthy(exc)
+        else:
+            log.warning("redis tier %s: %s", self.name, describe(exc, self.options))
+
+    def _batch_done(self, batch: _Batch, ok: list[bool]) -> None:
+        state = batch.state
+        with self._lock:
+            state.ok[batch.start : batch.stop] = ok
+            state.remaining -= 1
+            done = state.remaining == 0
+        if done:
+            self._finish(state.job.job_id, state.ok)
+
+    def _bump(self, **deltas: int) -> None:
+        counters = self.counters
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(counters, name, getattr(counters, name) + delta)
+
+    def _valid(self, job: TierJob) -> bool:
+        if len(job.keys) != len(job.slots):
+            return False
+        num_slots = self.pool.num_slots
+        for key, slot in zip(job.keys, job.slots, strict=True):
+            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                return False
+            if not isinstance(slot, int) or not 0 <= slot < num_slots:
+                return False
+        return True
+

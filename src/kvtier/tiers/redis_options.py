@@ -1,0 +1,213 @@
+"""Options of the ``redis`` tier, validated from config with field-named errors.
+
+Secrets never reach a message: ``masked_url`` replaces a URL's password with ``***`` and the
+``password`` field is left out of ``repr``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from kvtier.errors import ConfigError
+from kvtier.validation import Section
+
+SCHEMES = ("redis", "rediss", "unix")
+_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+"""Key prefixes may not hold ``{`` or ``}``: a hash tag would put every block on one cluster node."""
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    url: str = "redis://127.0.0.1:6379/0"
+    """``redis://[user[:password]@]host[:port][/db]``, ``rediss://`` for TLS, ``unix://path``."""
+    username: str | None = None
+    """ACL user (overrides none in the URL: give it in one place only)."""
+    password: str | None = field(default=None, repr=False)
+    """From the ``password`` key, or read from the environment variable named by
+    ``password_env``; never both, and not together with a password in the URL."""
+    cluster: bool = False
+    """Redis Cluster: ``url`` names any one node; the others are discovered."""
+    ttl_s: float | None = None
+    """Expire blocks this long after their last write (or read, with ``ttl_touch_on_read``)."""
+    ttl_touch_on_read: bool = True
+    """Reads restart the TTL (``GETEX``), so blocks in use stay; needs write permission."""
+    timeout_s: float = 2.0
+    """Socket connect, send and receive timeout of every call."""
+    pipeline_blocks: int = 8
+    """Blocks per pipelined round trip (a job is split into batches of this many)."""
+    io_threads: int = 4
+    """Threads (each with its own connection) moving block data in parallel."""
+    max_connections: int = 0
+    """Connections per server node; 0: ``io_threads + 2`` (one for lookups, one for probes)."""
+    negative_cache_s: float = 1.0
+    """How long a key found absent is answered ``False`` without asking the server again."""
+    presence_entries: int = 262_144
+    """Keys whose presence is remembered locally (oldest forgotten first)."""
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    """Client certificate, for servers that require one (``tls-auth-clients yes``)."""
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    """Verify the server's certificate and host name (only turn off for testing)."""
+    health_interval_s: float = 1.0
+    """While healthy, PING this often (and notice a restarted server: its blocks are gone)."""
+    reconnect_initial_s: float = 0.1
+    """First wait before probing an unhealthy server again; doubles after each failed probe."""
+    reconnect_max_s: float = 5.0
+    """Cap of that wait."""
+    key_prefix: str = "kvtier"
+    config_path: str = field(default="redis", compare=False)
+    """Where these options came from in the config (for error messages)."""
+
+    @property
+    def connections(self) -> int:
+        return self.max_connections or self.io_threads + 2
+
+    @property
+    def scheme(self) -> str:
+        return urlsplit(self.url).scheme
+
+    @classmethod
+    def parse(cls, section: Section) -> Options:
+        path = section.path or "redis"
+        defaults = cls()
+
+        def where(key: str) -> str:
+            return f"{path}.{key}"
+
+        url = section.string("url", defaults.url)
+        parts = urlsplit(url)
+        if parts.scheme not in SCHEMES:
+            raise ConfigError(where("url"), masked_url(url), "a redis://, rediss:// or unix:// URL")
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ConfigError(where("url"), masked_url(url), "a URL with a host name")
+        cluster = section.boolean("cluster", False)
+        if cluster and parts.scheme == "unix":
+            raise ConfigError(where("url"), masked_url(url), "redis:// or rediss:// in cluster mode")
+        if cluster and parts.path not in ("", "/", "/0"):
+            raise ConfigError(where("url"), masked_url(url), "database 0 in cluster mode")
+
+        username = section.optional_string("username")
+        password = section.optional_string("password")
+        password_env = section.optional_string("password_env")
+        if password is not None and password_env is not None:
+            raise ConfigError(where("password_env"), password_env, "either password or password_env")
+        if password_env is not None:
+            password = os.environ.get(password_env)
+            if password is None:
+                raise ConfigError(
+                    where("password_env"), password_env, "the name of a set environment variable"
+                )
+        if password is not None and parts.password is not None:
+            raise ConfigError(
+                where("password"), "***", "no password key when the URL holds one (give it in one place)"
+            )
+        if username is not None and parts.username:
+            raise ConfigError(
+                where("username"), username, "no username key when the URL holds one (give it in one place)"
+            )
+
+        ttl_s = None
+        if section.has("ttl_s") and section.data["ttl_s"] is not None:
+            ttl_s = section.number("ttl_s", minimum=0.001)
+        else:
+            section.optional_string("ttl_s")  # marks the (null) key as read
+        io_threads = section.integer("io_threads", defaults.io_threads, minimum=1, maximum=64)
+        max_connections = section.integer("max_connections", 0, minimum=0, maximum=10_000)
+        if max_connections and max_connections < io_threads + 2:
+            raise ConfigError(
+                where("max_connections"),
+                max_connections,
+                f"0 (automatic) or at least io_threads + 2 = {io_threads + 2}",
+            )
+        key_prefix = section.string("key_prefix", defaults.key_prefix)
+        if not _PREFIX.match(key_prefix):
+            raise ConfigError(
+                where("key_prefix"), key_prefix, "1-64 of letters, digits, '_', '.', ':', '-'"
+            )
+        tls_ca_file = _existing_file(section, "tls_ca_file", where)
+        tls_cert_file = _existing_file(section, "tls_cert_file", where)
+        tls_key_file = _existing_file(section, "tls_key_file", where)
+        tls_verify = section.boolean("tls_verify", True)
+        uses_tls = tls_ca_file or tls_cert_file or tls_key_file or not tls_verify
+        if uses_tls and parts.scheme != "rediss":
+            raise ConfigError(where("url"), masked_url(url), "a rediss:// URL when tls_* is set")
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise ConfigError(
+                where("tls_key_file"), tls_key_file, "set together with tls_cert_file"
+            )
+        reconnect_initial_s = section.number(
+            "reconnect_initial_s", defaults.reconnect_initial_s, minimum=0.001, maximum=60.0
+        )
+        reconnect_max_s = section.number(
+            "reconnect_max_s", defaults.reconnect_max_s, minimum=0.001, maximum=3600.0
+        )
+        if reconnect_max_s < reconnect_initial_s:
+            raise ConfigError(
+                where("reconnect_max_s"), reconnect_max_s, "at least reconnect_initial_s"
+            )
+        options = cls(
+            url=url,
+            username=username,
+            password=password,
+            cluster=cluster,
+            ttl_s=ttl_s,
+            ttl_touch_on_read=section.boolean("ttl_touch_on_read", True),
+            timeout_s=section.number("timeout_s", defaults.timeout_s, minimum=0.01, maximum=600.0),
+            pipeline_blocks=section.integer(
+                "pipeline_blocks", defaults.pipeline_blocks, minimum=1, maximum=1024
+            ),
+            io_threads=io_threads,
+            max_connections=max_connections,
+            negative_cache_s=section.number(
+                "negative_cache_s", defaults.negative_cache_s, minimum=0.0, maximum=3600.0
+            ),
+            presence_entries=section.integer(
+                "presence_entries", defaults.presence_entries, minimum=1, maximum=100_000_000
+            ),
+            tls_ca_file=tls_ca_file,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
+            tls_verify=tls_verify,
+            health_interval_s=section.number(
+                "health_interval_s", defaults.health_interval_s, minimum=0.01, maximum=3600.0
+            ),
+            reconnect_initial_s=reconnect_initial_s,
+            reconnect_max_s=reconnect_max_s,
+            key_prefix=key_prefix,
+            config_path=path,
+        )
+        section.done()
+        return options
+
+    @property
+    def ttl_ms(self) -> int | None:
+        return None if self.ttl_s is None else max(1, math.ceil(self.ttl_s * 1000))
+
+
+def _existing_file(section: Section, key: str, where: Callable[[str], str]) -> str | None:
+    value = section.optional_string(key)
+    if value is not None and not os.path.isfile(value):
+        raise ConfigError(where(key), value, "a readable file")
+    return value
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = unquote(parts.username or "")
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:
+        return "<unparsable url>"

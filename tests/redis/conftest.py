@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.keys import Namespace
+from kvtier.pool import HostPool
+
+from redis_servers import RedisCluster, RedisServer, TlsFiles, binaries_missing, make_tls_files
+
+SLOT_BYTES = 64 * 1024 + 100
+"""Not a multiple of the pool's slot alignment, on purpose."""
+NUM_SLOTS = 64
+
+pytestmark = pytest.mark.redis
+
+
+def _require_binaries() -> None:
+    reason = binaries_missing()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def pool() -> Iterator[HostPool]:
+    pool = HostPool.create(NUM_SLOTS, SLOT_BYTES)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def pool_b() -> Iterator[HostPool]:
+    """A second engine instance's pool."""
+    pool = HostPool.create(NUM_SLOTS, SLOT_BYTES)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def namespace() -> Namespace:
+    return Namespace(model="test-model", dtype="float16", block_tokens=16, tenant="a")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    _require_binaries()
+    srv = RedisServer(tmp_path / "redis").start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[object]:
+    """Factory for servers with extra config lines (auth, ACL users, maxmemory, TLS)."""
+    _require_binaries()
+    servers: list[RedisServer] = []
+
+    def make(*config: str, tls: TlsFiles | None = None, start: bool = True) -> RedisServer:
+        srv = RedisServer(tmp_path / f"redis{len(servers)}", config=config, tls=tls)
+        servers.append(srv)
+        return srv.start() if start else srv
+
+    yield make
+    for srv in servers:
+        srv.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    _require_binaries()
+    nodes = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
+    yield nodes
+    nodes.stop()
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    _require_binaries()
+    try:
+        return make_tls_files(tmp_path_factory.mktemp("tls"))
+    except (OSError, Exception) as exc:  # openssl missing or failing
+        pytest.skip(f"cannot make a test certificate with openssl: {exc}")
