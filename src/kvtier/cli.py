@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"real bytes per simulated block (default {DEFAULT_PAYLOAD_BYTES})",
     )
+    sim.add_argument(
+        "--overlap",
+        action="store_true",
+        help=(
+            "start each request at once instead of letting tier jobs finish first (results then "
+            "depend on tier speed)"
+        ),
+    )
     sim.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="requests")
     sim.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -146,6 +154,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         pool_blocks=pool_blocks,
         payload_bytes=args.payload_bytes,
         limit=args.limit,
+        overlap=args.overlap,
         progress=not args.no_progress,
     )
     if args.json:
@@ -230,7 +239,8 @@ def format_result(r: ReplayResult) -> str:
         f"pool        {r.pool_blocks} blocks of {format_size(r.block_bytes)} "
         f"({format_size(r.pool_blocks * r.block_bytes)}; {r.payload_bytes} B real payload each), "
         f"policy {r.policy}, admission "
-        + (f"after {r.admission_min_seen} offers" if r.admission_min_seen > 1 else "off"),
+        + (f"after {r.admission_min_seen} offers" if r.admission_min_seen > 1 else "off")
+        + (", requests overlap tier jobs" if r.overlap else ""),
         "tiers       "
         + " -> ".join(["pool", *(f"{t.name} ({t.kind}, {t.write})" for t in secondary)]),
         "",
@@ -249,7 +259,7 @@ def format_result(r: ReplayResult) -> str:
         f"hit ratio   {r.hit_ratio:.4f} ({r.hit_blocks} of {r.blocks} blocks)",
         f"stored      {r.stored_blocks} blocks",
         f"checks      {r.mismatched_blocks} mismatched payloads, {r.failed_loads} failed loads, "
-        f"{r.pending_timeouts} pending timeouts",
+        f"{r.pending_timeouts} pending timeouts, {r.drain_timeouts} drain timeouts",
         f"manager     {r.manager_ops} operations in {r.elapsed_s:.2f} s: "
         f"{r.ops_per_s:,.0f} ops/s, {r.blocks_per_s:,.0f} looked-up blocks/s "
         f"(inside the manager {r.manager_s:.2f} s: {r.manager_ops_per_s:,.0f} ops/s)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -241,10 +242,20 @@ def _tiers(root: Section) -> tuple[TierConfig, ...]:
         write = s.choice("write", WriteMode, WriteMode.THROUGH)
         option_keys = {k: v for k, v in s.data.items() if k not in _TIER_COMMON}
         options_section = Section(option_keys, path)
-        options = cls.Options.parse(options_section)
+        options = options_class(cls).parse(options_section)
         options_section.done()  # in case a tier's parse forgot: unknown keys never pass
         out.append(TierConfig(kind=kind, name=name, write=write, options=options))
     return tuple(out)
+
+
+def options_class(tier_cls: Any) -> Any:
+    """A tier's ``Options`` record: the class attribute, else its module's ``Options``."""
+    options = getattr(tier_cls, "Options", None)
+    if options is None:
+        options = getattr(sys.modules[tier_cls.__module__], "Options", None)
+    if options is None or not callable(getattr(options, "parse", None)):
+        raise TypeError(f"tier class {tier_cls.__qualname__} has no Options.parse")
+    return options
 
 
 def _opaque(root: Section, key: str) -> Mapping[str, Any]:

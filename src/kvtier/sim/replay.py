@@ -74,6 +74,8 @@ class ReplayResult:
     """Hit blocks that ``prepare_load`` could no longer pin (evicted between lookup and load)."""
     pending_timeouts: int = 0
     """Lookups still pending after ``pending_timeout_s``; the hits known by then were used."""
+    drain_timeouts: int = 0
+    """Times tier jobs did not end within ``pending_timeout_s`` after a request."""
     manager_ops: int = 0
     """Calls of lookup, prepare_load, complete_load, prepare_store, complete_store."""
     elapsed_s: float = 0.0
@@ -86,6 +88,8 @@ class ReplayResult:
     """``manager_ops`` per second spent inside the manager."""
     blocks_per_s: float = 0.0
     """Looked-up blocks per wall second."""
+    overlap: bool = False
+    """Whether requests went on while tier jobs ran (see ``Replayer.overlap``)."""
     pool_blocks: int = 0
     payload_bytes: int = 0
     """Real bytes per pool slot in this replay."""
@@ -130,6 +134,7 @@ class Replayer:
         tier_labels: dict[str, tuple[str, str]] | None = None,
         block_bytes: int | None = None,
         pending_timeout_s: float = 60.0,
+        overlap: bool = False,
         trace_name: str = "",
     ) -> None:
         self.cache = cache
@@ -139,13 +144,19 @@ class Replayer:
         """Secondary tier name -> (kind, write mode), for the result."""
         self.block_bytes = block_bytes if block_bytes is not None else pool.slot_bytes
         self.pending_timeout_s = pending_timeout_s
+        self.overlap = overlap
+        """False: finish every tier job (cascades) before the next request, as if requests were
+        far apart, so results do not depend on tier speed. True: go on at once, as fast as the
+        manager allows (stores are skipped while the pool is full of blocks being written)."""
         self.result = ReplayResult(
             trace=trace_name,
             pool_blocks=pool.num_slots,
             payload_bytes=pool.slot_bytes,
             block_bytes=self.block_bytes,
+            overlap=overlap,
         )
         self._secondary_hits: dict[str, int] = dict.fromkeys(self.tier_labels, 0)
+        self._stuck_jobs = 0
 
     # -- payloads (a test may override these to inject wrong data) ------------------------------
 
@@ -228,6 +239,8 @@ class Replayer:
         r.manager_ops += 2
         r.manager_s += spent
         r.stored_blocks += len(reservation.keys)
+        if not self.overlap:
+            self._drain()
         cache.take_events()  # keep the event log bounded; the replay reads counters instead
         return loaded
 
@@ -248,11 +261,19 @@ class Replayer:
                 left -= served
 
     def _drain(self) -> None:
+        """Wait until the tier jobs in flight ended (or, after ``pending_timeout_s``, give up on
+        the ones still running: later drains do not wait for them again)."""
+        cache = self.cache
         deadline = time.monotonic() + self.pending_timeout_s
-        while self.cache.jobs_in_flight and time.monotonic() < deadline:
-            self.cache.wait(0.05)
-        self.cache.step()
-        self.cache.take_events()
+        while cache.jobs_in_flight > self._stuck_jobs:
+            if time.monotonic() >= deadline:
+                self.result.drain_timeouts += 1
+                self._stuck_jobs = cache.jobs_in_flight
+                break
+            cache.wait(0.05)
+        self._stuck_jobs = min(self._stuck_jobs, cache.jobs_in_flight)
+        cache.step()
+        cache.take_events()
 
     def finish(self) -> ReplayResult:
         r = self.result

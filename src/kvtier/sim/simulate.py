@@ -36,6 +36,7 @@ def simulate(
     pool_blocks: int,
     payload_bytes: int = DEFAULT_PAYLOAD_BYTES,
     limit: int | None = None,
+    overlap: bool = False,
     progress: bool = False,
 ) -> ReplayResult:
     """Replay ``trace`` through a ``TieredCache`` built from ``config`` with ``pool_blocks`` slots
@@ -55,6 +56,7 @@ def simulate(
             tier_labels={t.name: (t.kind, t.write.value) for t in config.tiers},
             block_bytes=config.block.bytes,
             pending_timeout_s=max(2 * config.job_timeout_s, 1.0),
+            overlap=overlap,
             trace_name=Path(trace).name,
         )
         replayer.result.policy = config.eviction.value

@@ -1,0 +1,467 @@
+"""Config loading and validation (dict, JSON, YAML) and building a cache from a config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvtier import factory
+from kvtier.config import (
+    AdmissionConfig,
+    CopyStrategy,
+    KVTierConfig,
+    bundled_config_mapping,
+    load_config,
+)
+from kvtier.errors import ConfigError, PoolError
+from kvtier.keys import BlockKey, Namespace, keys_from_hashes
+from kvtier.policies import EvictionKind
+from kvtier.pool import NAME_PREFIX, HostPool
+from kvtier.tiers import TIER_KINDS
+from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
+from kvtier.tiers.fs import FsTier
+from kvtier.tiers.memory import MemoryTier
+from kvtier.validation import Section
+
+# -- a tier kind of the tests' own, so config parsing is tested independently of real tiers -------
+
+
+@dataclass(frozen=True, slots=True)
+class FakeOptions:
+    capacity: int
+    color: str = "blue"
+
+    @classmethod
+    def parse(cls, section: Section) -> FakeOptions:
+        # No section.done(): config must reject unknown keys even when a tier forgets to.
+        return cls(
+            capacity=section.size("capacity", minimum=1), color=section.string("color", "blue")
+        )
+
+
+class FakeTier(Tier):
+    Options = FakeOptions
+    instances: list[FakeTier] = []
+    fail_on_create: set[str] = set()
+
+    def __init__(self, name: str, namespace: Namespace, pool: HostPool, options: FakeOptions):
+        if name in FakeTier.fail_on_create:
+            raise OSError(f"cannot open tier {name}")
+        super().__init__(name, namespace, pool)
+        self.options = options
+        self.closed = False
+        self.stored: dict[BlockKey, bytes] = {}
+        FakeTier.instances.append(self)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        return [key in self.stored for key in keys]
+
+    def submit(self, job: TierJob) -> None:
+        if job.kind is JobKind.WRITE:
+            for key, slot in zip(job.keys, job.slots, strict=True):
+                self.stored[key] = bytes(self.pool.view(slot))
+        self._finish(job.job_id, [True] * len(job.keys))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_kind(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setitem(TIER_KINDS, "fake", f"{FakeTier.__module__}:FakeTier")
+    monkeypatch.setattr(FakeTier, "instances", [])
+    monkeypatch.setattr(FakeTier, "fail_on_create", set())
+    return "fake"
+
+
+def error_of(source: Any) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(source)
+    return info.value
+
+
+# -- defaults and a full config -------------------------------------------------------------------
+
+
+def test_empty_mapping_gives_documented_defaults() -> None:
+    config = load_config({})
+    assert config.model is None
+    assert config.tenant == "default"
+    assert config.pool.size == 64 * 1024**3
+    assert config.pool.shm_dir == "/dev/shm"
+    assert config.pool.allow_pageable is False
+    assert (config.block.tokens, config.block.bytes) == (512, 64 * 1024**2)
+    assert config.eviction is EvictionKind.LRU
+    assert config.admission == AdmissionConfig(min_seen=1, max_tracked=1_000_000)
+    assert not config.admission.enabled
+    assert config.tiers == ()
+    assert config.job_timeout_s == 30.0
+    assert config.events is True
+    assert config.copy.strategy is CopyStrategy.AUTO
+    assert config.copy.max_sms == 0
+    assert dict(config.vllm) == {}
+
+
+FULL: dict[str, Any] = {
+    "model": "meta-llama/Llama-3.1-8B-Instruct",
+    "tenant": "team-a",
+    "pool": {"size": "2GiB", "shm_dir": "/dev/shm", "allow_pageable": True},
+    "block": {"tokens": 256, "bytes": "32MiB"},
+    "eviction": "arc",
+    "admission": {"min_seen": 2, "max_tracked": 5000},
+    "tiers": [
+        {"kind": "memory", "capacity": "1GiB", "latency_ms": 2},
+        {"kind": "fs", "name": "nvme", "write": "on_evict", "path": "/tmp/x", "capacity": "1TB"},
+    ],
+    "job_timeout_s": 5,
+    "events": False,
+    "copy": {"strategy": "kernel", "max_sms": 8},
+    "vllm": {"blocks_per_slot": 16, "store_generated": True},
+}
+
+
+def test_full_config_is_parsed_into_typed_records() -> None:
+    config = load_config(FULL)
+    assert config.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert config.tenant == "team-a"
+    assert config.pool.size == 2 * 1024**3
+    assert config.pool.allow_pageable is True
+    assert (config.block.tokens, config.block.bytes) == (256, 32 * 1024**2)
+    assert config.eviction is EvictionKind.ARC
+    assert config.admission.enabled and config.admission.min_seen == 2
+    assert config.admission.max_tracked == 5000
+    memory, fs = config.tiers
+    assert (memory.kind, memory.name, memory.write) == ("memory", "memory", WriteMode.THROUGH)
+    assert memory.options.capacity == 1024**3 and memory.options.latency_ms == 2.0
+    assert (fs.kind, fs.name, fs.write) == ("fs", "nvme", WriteMode.ON_EVICT)
+    assert fs.options.path == "/tmp/x" and fs.options.capacity == 10**12
+    assert config.job_timeout_s == 5.0
+    assert config.events is False
+    assert config.copy.strategy is CopyStrategy.KERNEL and config.copy.max_sms == 8
+    assert dict(config.vllm) == {"blocks_per_slot": 16, "store_generated": True}
+
+
+def test_config_records_are_frozen() -> None:
+    config = load_config(FULL)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.pool.size = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.eviction = EvictionKind.LRU  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.vllm["blocks_per_slot"] = 1  # type: ignore[index]
+    assert isinstance(config.tiers, tuple)
+
+
+def test_json_and_yaml_files_equal_the_dict(tmp_path: Path) -> None:
+    as_json = tmp_path / "kvtier.json"
+    as_json.write_text(json.dumps(FULL))
+    as_yaml = tmp_path / "kvtier.yaml"
+    as_yaml.write_text(yaml.safe_dump(FULL))
+    expected = load_config(FULL)
+    assert load_config(as_json) == expected
+    assert load_config(str(as_yaml)) == expected
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing set\n")
+    assert load_config(path) == load_config({})
+
+
+def test_bundled_simulate_config_is_valid_and_holds_4000_blocks() -> None:
+    config = load_config(bundled_config_mapping())
+    assert config.pool.size // config.block.bytes == 4000
+    assert config.eviction is EvictionKind.LRU
+    assert config.tiers == ()
+
+
+def test_tier_options_parse_through_the_tier_kind(fake_kind: str) -> None:
+    config = load_config({"tiers": [{"kind": fake_kind, "capacity": "1KiB", "color": "red"}]})
+    (tier,) = config.tiers
+    assert tier.options == FakeOptions(capacity=1024, color="red")
+    assert tier.name == "fake" and tier.write is WriteMode.THROUGH
+
+
+# -- every kind of bad value names its field, the value and what is allowed -----------------------
+
+
+BAD: list[tuple[dict[str, Any], str, object, str]] = [
+    # (config, field, value, part of what is allowed)
+    ({"model": 5}, "model", 5, "a string"),
+    ({"model": ""}, "model", "", "non-empty"),
+    ({"tenant": ""}, "tenant", "", "non-empty"),
+    ({"evictoin": "lru"}, "evictoin", "lru", "not a known option"),
+    ({"pool": []}, "pool", [], "a mapping"),
+    ({"pool": {"size": "64 GB!"}}, "pool.size", "64 GB!", "64GiB"),
+    ({"pool": {"size": 0}}, "pool.size", 0, "at least"),
+    ({"pool": {"size": True}}, "pool.size", True, "a byte count"),
+    ({"pool": {"size": "-1GiB"}}, "pool.size", "-1GiB", "a byte count"),
+    ({"pool": {"sise": "1GiB"}}, "pool.sise", "1GiB", "known: allow_pageable, shm_dir, size"),
+    ({"pool": {"shm_dir": 3}}, "pool.shm_dir", 3, "a non-empty string"),
+    ({"pool": {"allow_pageable": "no"}}, "pool.allow_pageable", "no", "true or false"),
+    ({"block": {"tokens": 0}}, "block.tokens", 0, "an integer >= 1"),
+    ({"block": {"tokens": "512"}}, "block.tokens", "512", "an integer"),
+    ({"block": {"tokens": 2.5}}, "block.tokens", 2.5, "an integer"),
+    ({"block": {"bytes": "big"}}, "block.bytes", "big", "512MiB"),
+    ({"block": {"bytes": 0}}, "block.bytes", 0, "at least"),
+    ({"eviction": "fifo"}, "eviction", "fifo", "one of 'lru', 'arc'"),
+    ({"eviction": None}, "eviction", None, "one of 'lru', 'arc'"),
+    ({"admission": {"min_seen": 0}}, "admission.min_seen", 0, ">= 1"),
+    ({"admission": {"max_tracked": True}}, "admission.max_tracked", True, "an integer"),
+    ({"admission": {"min_sen": 2}}, "admission.min_sen", 2, "not a known option"),
+    ({"tiers": {"kind": "fs"}}, "tiers", {"kind": "fs"}, "a list"),
+    ({"tiers": ["fs"]}, "tiers[0]", "fs", "a mapping"),
+    ({"tiers": [{"capacity": "1GiB"}]}, "tiers[0].kind", None, "a non-empty string"),
+    ({"tiers": [{"kind": "s3"}]}, "tiers[0].kind", "s3", "one of 'memory', 'fs', 'redis'"),
+    (
+        {"tiers": [{"kind": "memory", "write": "sometimes"}]},
+        "tiers[0].write",
+        "sometimes",
+        "one of 'through', 'on_evict'",
+    ),
+    ({"tiers": [{"kind": "memory", "name": "pool"}]}, "tiers[0].name", "pool", "other than"),
+    ({"tiers": [{"kind": "memory", "name": "../etc"}]}, "tiers[0].name", "../etc", "letters"),
+    ({"tiers": [{"kind": "memory", "name": ""}]}, "tiers[0].name", "", "non-empty"),
+    ({"tiers": [{"kind": "memory"}, {"kind": "memory"}]}, "tiers[1].name", "memory", "unique"),
+    (
+        {"tiers": [{"kind": "memory"}, {"kind": "fs", "path": "/tmp/kv", "capacity": "lots"}]},
+        "tiers[1].capacity",
+        "lots",
+        "512MiB",
+    ),
+    ({"tiers": [{"kind": "fs", "capacity": "1GiB"}]}, "tiers[0].path", None, "non-empty"),
+    ({"tiers": [{"kind": "memory", "latency": 5}]}, "tiers[0].latency", 5, "not a known option"),
+    (
+        {"tiers": [{"kind": "memory", "failure_rate": 1.5}]},
+        "tiers[0].failure_rate",
+        1.5,
+        "a number in [0.0, 1.0]",
+    ),
+    ({"job_timeout_s": 0}, "job_timeout_s", 0, "a number >= 0.001"),
+    ({"job_timeout_s": "30"}, "job_timeout_s", "30", "a number"),
+    ({"events": "yes"}, "events", "yes", "true or false"),
+    ({"copy": {"strategy": "fast"}}, "copy.strategy", "fast", "one of 'auto', 'dma', 'kernel'"),
+    ({"copy": {"max_sms": -1}}, "copy.max_sms", -1, ">= 0"),
+    ({"copy": {"streams": 2}}, "copy.streams", 2, "not a known option"),
+    ({"vllm": "on"}, "vllm", "on", "a mapping"),
+]
+
+
+@pytest.mark.parametrize(("data", "field", "value", "allowed"), BAD, ids=[b[1] for b in BAD])
+def test_bad_value_names_field_value_and_what_is_allowed(
+    data: dict[str, Any], field: str, value: object, allowed: str
+) -> None:
+    error = error_of(data)
+    assert error.field == field
+    assert error.value == value and type(error.value) is type(value)
+    assert allowed in error.allowed
+    assert str(error).startswith(f"invalid config {field}={value!r}: ")
+
+
+def test_unknown_tier_option_is_rejected_even_if_the_tier_forgets(fake_kind: str) -> None:
+    error = error_of({"tiers": [{"kind": fake_kind, "capacity": 1, "colour": "red"}]})
+    assert (error.field, error.value) == ("tiers[0].colour", "red")
+    assert "not a known option" in error.allowed
+
+
+def test_tier_with_missing_dependency_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(TIER_KINDS, "s3", "kvtier_no_such_module_for_tests:S3Tier")
+    error = error_of({"tiers": [{"kind": "s3"}]})
+    assert (error.field, error.value) == ("tiers[0].kind", "s3")
+    assert "dependency is not installed" in error.allowed
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    error = error_of(path)
+    assert (error.field, error.value) == ("config file", str(path))
+    assert "readable" in error.allowed
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    error = error_of(tmp_path)
+    assert error.value == str(tmp_path)
+
+
+def test_bad_yaml_names_the_path_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("pool:\n  size: [1GiB\nblock: {}\n")
+    error = error_of(path)
+    assert (error.field, error.value) == ("config file", str(path))
+    assert "valid YAML" in error.allowed and "line" in error.allowed
+
+
+def test_bad_json_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text('{"pool": {"size": "1GiB",}}')
+    error = error_of(path)
+    assert (error.field, error.value) == ("config file", str(path))
+    assert "valid JSON" in error.allowed
+
+
+def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- pool\n- block\n")
+    error = error_of(path)
+    assert "a mapping of options at the top level" in error.allowed
+
+
+def test_bad_value_in_a_file_names_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("tiers:\n  - kind: memory\n  - kind: fs\n    path: /tmp/kv\n    capacity: 0\n")
+    error = error_of(path)
+    assert (error.field, error.value) == ("tiers[1].capacity", 0)
+
+
+# -- factory --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Path:
+    """A private directory for pool files, so leaks are visible."""
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    return directory
+
+
+def pool_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"{NAME_PREFIX}*"))
+
+
+NS = Namespace(model="factory-test", dtype="float16", block_tokens=16)
+
+
+def test_build_cache_sizes_the_pool_and_builds_tiers_in_order(shm: Path, tmp_path: Path) -> None:
+    config = load_config(
+        {
+            "pool": {"size": 10 * 1000 + 999, "shm_dir": str(shm)},
+            "tiers": [
+                {"kind": "memory", "capacity": "1MiB"},
+                {
+                    "kind": "fs",
+                    "write": "on_evict",
+                    "path": str(tmp_path / "fs"),
+                    "capacity": "1MiB",
+                },
+            ],
+        }
+    )
+    pool, cache = factory.build_cache(config, NS, slot_bytes=1000)
+    try:
+        assert pool.num_slots == 10 and pool.slot_bytes == 1000
+        assert len(pool_files(shm)) == 1
+        assert list(cache.stats().tiers) == ["memory", "fs"]
+        keys = keys_from_hashes(NS, [1, 2, 3])
+        reservation = cache.prepare_store(keys)
+        assert reservation.keys == keys
+        for key, slot in zip(reservation.keys, reservation.slots, strict=True):
+            pool.view(slot)[:] = key * (1000 // 16) + key[:8]
+        cache.complete_store(reservation.keys)
+        assert cache.lookup(keys) == (3, True)
+    finally:
+        cache.close()
+        pool.close()
+    assert pool_files(shm) == []
+    assert isinstance(pool, HostPool)
+
+
+def test_build_cache_tier_classes_and_write_modes(shm: Path, tmp_path: Path) -> None:
+    config = load_config(
+        {
+            "pool": {"size": 4096, "shm_dir": str(shm)},
+            "tiers": [
+                {"kind": "fs", "path": str(tmp_path / "fs"), "capacity": "1MiB"},
+                {"kind": "memory", "name": "ram", "write": "on_evict"},
+            ],
+        }
+    )
+    pool, cache = factory.build_cache(config, NS, slot_bytes=1024)
+    try:
+        tiers = [s.tier for s in cache._secondary]
+        modes = [s.write_mode for s in cache._secondary]
+        assert [type(t) for t in tiers] == [FsTier, MemoryTier]
+        assert [t.name for t in tiers] == ["fs", "ram"]
+        assert modes == [WriteMode.THROUGH, WriteMode.ON_EVICT]
+        assert all(t.pool is pool and t.namespace == NS for t in tiers)
+    finally:
+        cache.close()
+        pool.close()
+
+
+def test_pool_smaller_than_one_slot_is_a_config_error_and_creates_nothing(shm: Path) -> None:
+    config = load_config({"pool": {"size": "1KiB", "shm_dir": str(shm)}})
+    with pytest.raises(ConfigError) as info:
+        factory.build_cache(config, NS, slot_bytes=4096)
+    assert (info.value.field, info.value.value) == ("pool.size", 1024)
+    assert "at least one block of 4096 bytes" in info.value.allowed
+    assert pool_files(shm) == []
+
+
+def test_failing_tier_closes_earlier_tiers_and_the_pool(shm: Path, fake_kind: str) -> None:
+    FakeTier.fail_on_create.add("second")
+    config = load_config(
+        {
+            "pool": {"size": 8192, "shm_dir": str(shm)},
+            "tiers": [
+                {"kind": fake_kind, "name": "first", "capacity": 1},
+                {"kind": fake_kind, "name": "second", "capacity": 1},
+            ],
+        }
+    )
+    with pytest.raises(OSError, match="cannot open tier second"):
+        factory.build_cache(config, NS, slot_bytes=1024)
+    (first,) = FakeTier.instances
+    assert first.name == "first" and first.closed
+    assert pool_files(shm) == []
+
+
+def test_unusable_shm_dir_is_a_pool_error(tmp_path: Path) -> None:
+    config = load_config({"pool": {"size": 8192, "shm_dir": str(tmp_path / "missing")}})
+    with pytest.raises(PoolError):
+        factory.build_cache(config, NS, slot_bytes=1024)
+
+
+def test_admission_and_eviction_reach_the_cache(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[tuple[EvictionKind, int]] = []
+    real = factory.make_policy
+
+    def spy(kind: EvictionKind, capacity: int) -> Any:
+        made.append((kind, capacity))
+        return real(kind, capacity)
+
+    monkeypatch.setattr(factory, "make_policy", spy)
+    config = load_config(
+        {
+            "pool": {"size": 4096, "shm_dir": str(shm)},
+            "eviction": "arc",
+            "admission": {"min_seen": 2},
+        }
+    )
+    pool, cache = factory.build_cache(config, NS, slot_bytes=1024)
+    try:
+        assert made == [(EvictionKind.ARC, 4)]
+        keys = keys_from_hashes(NS, [7])
+        assert cache.prepare_store(keys).keys == []  # first offer: not admitted yet
+        second = cache.prepare_store(keys)
+        assert second.keys == keys
+        cache.complete_store(second.keys)
+        assert cache.lookup(keys).hits == 1
+    finally:
+        cache.close()
+        pool.close()
+
+
+def test_configs_compare_by_value() -> None:
+    a, b = load_config({"eviction": "arc"}), load_config({"eviction": "arc"})
+    assert a == b and a != load_config({})
+    assert isinstance(a, KVTierConfig)
