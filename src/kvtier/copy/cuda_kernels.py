@@ -1,0 +1,120 @@
+"""The gather/scatter kernel: engine KV blocks <-> pinned, mapped host memory, on a few SMs.
+
+One launch copies ``n_blocks x n_regions`` pieces (a piece: one block's bytes of one region, e.g.
+32 KiB of one layer's K). Each warp takes whole pieces; its 32 lanes move 16-byte vectors,
+``UNROLL`` loads in flight before the matching stores, so a handful of SMs keep the PCIe link busy
+in both directions. The host side is addressed through unified virtual addressing: the pool's
+mmap is registered with ``cudaHostRegisterMapped``, and on 64-bit Linux the device sees it at the
+same address (checked at registration).
+
+The per-launch block list travels by value in the kernel parameters (``Params<CAP>``, see
+``cuda_plan.pack_params``); the region table is a small device array written once at registration.
+So a launch needs no staging buffer and nothing to free afterwards.
+
+Compiled at first use with NVRTC through CuPy (``cupy.RawModule``), launched with ``cuLaunchKernel``
+on the transfer's own stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.copy.cuda_plan import KERNEL_CAPACITIES, PARAM_HEADER_BYTES, param_bytes
+
+THREADS = 512
+UNROLL = 8
+
+_SOURCE = r"""
+struct Region { unsigned long long base; long long stride; long long host_offset; };
+
+template <int CAP>
+struct Params {
+    const Region* regions;
+    long long piece_bytes;
+    int region_begin;
+    int n_regions;
+    int n_blocks;
+    int to_host;
+    unsigned long long host_addr[CAP];
+    int block_id[CAP];
+};
+
+template <int CAP>
+__device__ __forceinline__ void copy_pieces(const Params<CAP>& p) {
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int n_warps = (gridDim.x * blockDim.x) >> 5;
+    const int units = p.n_blocks * p.n_regions;
+    const long long vecs = p.piece_bytes >> 4;
+    for (int u = warp; u < units; u += n_warps) {
+        const int b = u / p.n_regions;
+        const Region reg = p.regions[p.region_begin + (u - b * p.n_regions)];
+        uint4* dev = reinterpret_cast<uint4*>(reg.base + reg.stride * (long long)p.block_id[b]);
+        uint4* host = reinterpret_cast<uint4*>(p.host_addr[b] + reg.host_offset);
+        const uint4* src = p.to_host ? dev : host;
+        uint4* dst = p.to_host ? host : dev;
+        for (long long i = lane; i < vecs; i += 32 * UNROLL) {
+            uint4 v[UNROLL];
+#pragma unroll
+            for (int k = 0; k < UNROLL; ++k) {
+                const long long j = i + 32 * k;
+                if (j < vecs) v[k] = src[j];
+            }
+#pragma unroll
+            for (int k = 0; k < UNROLL; ++k) {
+                const long long j = i + 32 * k;
+                if (j < vecs) dst[j] = v[k];
+            }
+        }
+    }
+    // Make the stores to host memory visible system-wide before the kernel counts as finished.
+    __threadfence_system();
+}
+
+// __grid_constant__: the by-value arrays are indexed in place, never copied to local memory.
+#define KVTIER_COPY(CAP) \
+    extern "C" __global__ void __launch_bounds__(THREADS) \
+    kvtier_copy_##CAP(const __grid_constant__ Params<CAP> p) { copy_pieces<CAP>(p); }
+"""
+
+
+def kernel_source() -> str:
+    head = f"#define THREADS {THREADS}\n#define UNROLL {UNROLL}\n"
+    tail = "".join(f"KVTIER_COPY({cap})\n" for cap in KERNEL_CAPACITIES)
+    return head + _SOURCE + tail
+
+
+@dataclass(slots=True)
+class CopyKernels:
+    """The compiled kernel variants, one per parameter capacity."""
+
+    functions: dict[int, int]
+    """capacity -> CUfunction handle."""
+    module: Any
+    """Keeps the CuPy module (and so the functions) alive."""
+
+    @classmethod
+    def compile(cls) -> CopyKernels:
+        import cupy
+
+        module = cupy.RawModule(code=kernel_source(), options=("-std=c++17",))
+        functions = {
+            cap: int(module.get_function(f"kvtier_copy_{cap}").ptr) for cap in KERNEL_CAPACITIES
+        }
+        return cls(functions, module)
+
+
+class ParamBuffer:
+    """A reusable host buffer for one launch's parameters, and the kernelParams array pointing at
+    it. ``cuLaunchKernel`` copies the parameters before returning, so one buffer serves every
+    launch of a (single-threaded) backend."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.nbytes = max(param_bytes(cap) for cap in KERNEL_CAPACITIES)
+        assert PARAM_HEADER_BYTES == 32
+        self.array = np.zeros(self.nbytes, dtype=np.uint8)
+        self.kernel_params = (ctypes.c_void_p * 1)(self.array.ctypes.data)

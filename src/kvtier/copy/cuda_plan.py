@@ -1,0 +1,329 @@
+"""Where every byte of a transfer lives: engine KV geometry, slot arrangement, copy lists.
+
+Pure index arithmetic on integers and numpy arrays (no CUDA), so it is tested on any machine.
+
+The engine's KV memory is described as *regions*: a region is one (layer, K-or-V) part of the KV
+cache in which engine block ``b`` occupies ``nbytes`` contiguous bytes at ``base + b * stride``.
+Every supported layout reduces to such regions:
+
+* ``LAYER_KV_FIRST`` (vLLM's FlashAttention default): one tensor per layer,
+  ``[2, num_blocks, block_size, kv_heads, head_dim]``; regions (layer, K) and (layer, V).
+* ``LAYER_BLOCKS_FIRST`` (FlashInfer): one tensor per layer, ``[num_blocks, 2, block_size, ...]``.
+* ``BLOCK_COMPACT``: one tensor ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``: a
+  block is contiguous across all layers, so a whole block is one copy.
+
+Slot arrangement (the same bytes for all three layouts, hence one namespace ``layout``): a rank's
+part of a slot holds its ``blocks_per_slot`` engine blocks one after another; one engine block is
+its regions in (layer, K/V) order, i.e. ``[layers, 2, block_size, kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import numpy as np
+
+SLOT_LAYOUT = "lkv"
+"""Namespace ``layout`` of the slot arrangement above (shared by the CPU backend if it agrees)."""
+
+
+class KVLayout(Enum):
+    LAYER_KV_FIRST = "layer_kv_first"
+    LAYER_BLOCKS_FIRST = "layer_blocks_first"
+    BLOCK_COMPACT = "block_compact"
+
+
+class TensorLike(Protocol):
+    """What the planner reads off a KV tensor (``torch.Tensor`` has all of it)."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def stride(self) -> Sequence[int]: ...
+
+    def data_ptr(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    base: int
+    """Address of engine block 0's bytes of this region."""
+    stride: int
+    """Bytes from one engine block to the next."""
+    nbytes: int
+    """Bytes of one block in this region (contiguous)."""
+    layer: int
+    """First layer this region covers."""
+    host_offset: int
+    """Offset of this region's bytes within one engine block's part of a slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    layout: KVLayout
+    num_layers: int
+    num_blocks: int
+    regions: tuple[Region, ...]
+    """Finest regions, one per (layer, K/V), in slot order; all of equal ``nbytes``."""
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one engine block across all layers (its share of a slot)."""
+        return sum(r.nbytes for r in self.regions)
+
+    @property
+    def piece_bytes(self) -> int:
+        return self.regions[0].nbytes
+
+    def layer_regions(self, layer: int) -> range:
+        """Indices into ``regions`` of one layer."""
+        per = len(self.regions) // self.num_layers
+        return range(layer * per, (layer + 1) * per)
+
+
+def _inner_contiguous(t: TensorLike, first_dim: int) -> bool:
+    """Whether dims ``first_dim..`` of ``t`` are laid out densely (row-major)."""
+    expected = 1
+    shape, stride = list(t.shape), list(t.stride())
+    for dim in range(len(shape) - 1, first_dim - 1, -1):
+        if shape[dim] != 1 and stride[dim] != expected:
+            return False
+        expected *= shape[dim]
+    return True
+
+
+def _prod(values: Sequence[int]) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out
+
+
+def describe_kv(kv_caches: Sequence[TensorLike], layout: KVLayout) -> KVGeometry:
+    """Regions of an engine's KV tensors; raises ``ValueError`` naming what does not fit."""
+    if not kv_caches:
+        raise ValueError("no KV tensors given")
+    regions: list[Region] = []
+    offset = 0
+    if layout is KVLayout.BLOCK_COMPACT:
+        if len(kv_caches) != 1:
+            raise ValueError(f"BLOCK_COMPACT takes one tensor, got {len(kv_caches)}")
+        t = kv_caches[0]
+        shape, stride, es = list(t.shape), list(t.stride()), t.element_size()
+        if len(shape) < 4 or shape[2] != 2:
+            raise ValueError(f"BLOCK_COMPACT wants [num_blocks, layers, 2, ...], got {shape}")
+        if not _inner_contiguous(t, 1):
+            raise ValueError("BLOCK_COMPACT: each block must be contiguous across layers")
+        num_blocks, num_layers = shape[0], shape[1]
+        piece = _prod(shape[3:]) * es
+        for layer in range(num_layers):
+            for kv in range(2):
+                base = t.data_ptr() + (layer * stride[1] + kv * stride[2]) * es
+                regions.append(Region(base, stride[0] * es, piece, layer, offset))
+                offset += piece
+        return KVGeometry(layout, num_layers, num_blocks, tuple(regions))
+
+    num_layers = len(kv_caches)
+    num_blocks = -1
+    for layer, t in enumerate(kv_caches):
+        shape, stride, es = list(t.shape), list(t.stride()), t.element_size()
+        if layout is KVLayout.LAYER_KV_FIRST:
+            if len(shape) < 3 or shape[0] != 2 or not _inner_contiguous(t, 2):
+                raise ValueError(f"layer {layer}: want [2, num_blocks, ...] with dense blocks")
+            blocks, block_stride, kv_stride = shape[1], stride[1], stride[0]
+        else:
+            if len(shape) < 3 or shape[1] != 2 or not _inner_contiguous(t, 1):
+                raise ValueError(f"layer {layer}: want [num_blocks, 2, ...] with dense blocks")
+            blocks, block_stride, kv_stride = shape[0], stride[0], stride[1]
+        if num_blocks not in (-1, blocks):
+            raise ValueError(f"layer {layer} has {blocks} blocks, layer 0 has {num_blocks}")
+        num_blocks = blocks
+        piece = _prod(shape[2:]) * es
+        for kv in range(2):
+            base = t.data_ptr() + kv * kv_stride * es
+            regions.append(Region(base, block_stride * es, piece, layer, offset))
+            offset += piece
+    return KVGeometry(layout, num_layers, num_blocks, tuple(regions))
+
+
+def merge_regions(regions: Sequence[Region]) -> list[Region]:
+    """Join neighbours that are adjacent both in engine memory and in the slot (same stride).
+
+    For ``BLOCK_COMPACT`` all regions of a block join into one (a block is one copy).
+    """
+    out: list[Region] = []
+    for r in regions:
+        if out:
+            last = out[-1]
+            if (
+                r.stride == last.stride
+                and r.base == last.base + last.nbytes
+                and r.host_offset == last.host_offset + last.nbytes
+            ):
+                out[-1] = Region(
+                    last.base, last.stride, last.nbytes + r.nbytes, last.layer, last.host_offset
+                )
+                continue
+        out.append(r)
+    return out
+
+
+def host_block_addresses(
+    pool_base: int,
+    slot_stride: int,
+    part_offset: int,
+    slots: np.ndarray,
+    blocks_per_slot: int,
+    block_bytes: int,
+) -> np.ndarray:
+    """Host address of each engine block's bytes: slot by slot, ``blocks_per_slot`` per slot."""
+    starts = np.uint64(pool_base + part_offset) + slots.astype(np.uint64) * np.uint64(slot_stride)
+    within = np.arange(blocks_per_slot, dtype=np.uint64) * np.uint64(block_bytes)
+    return (starts[:, None] + within[None, :]).reshape(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyList:
+    """One batched copy: ``dsts[i] <- srcs[i]``, ``sizes[i]`` bytes (uintp arrays)."""
+
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum())
+
+
+def copy_list(
+    regions: Sequence[Region],
+    engine_blocks: np.ndarray,
+    host_addrs: np.ndarray,
+    to_host: bool,
+    coalesce: bool = True,
+) -> CopyList:
+    """Copies of ``regions`` for each engine block (block-major), joined where contiguous."""
+    base = np.array([r.base for r in regions], dtype=np.uint64)
+    stride = np.array([r.stride for r in regions], dtype=np.uint64)
+    size = np.array([r.nbytes for r in regions], dtype=np.uint64)
+    hoff = np.array([r.host_offset for r in regions], dtype=np.uint64)
+    dev = (base[None, :] + engine_blocks.astype(np.uint64)[:, None] * stride[None, :]).reshape(-1)
+    host = (host_addrs.astype(np.uint64)[:, None] + hoff[None, :]).reshape(-1)
+    sizes = np.broadcast_to(size, (len(engine_blocks), len(regions))).reshape(-1)
+    if coalesce and len(sizes) > 1:
+        joins = (dev[1:] == dev[:-1] + sizes[:-1]) & (host[1:] == host[:-1] + sizes[:-1])
+        if joins.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+            dev, host = dev[starts], host[starts]
+            sizes = np.add.reduceat(sizes, starts)
+    dev, host = dev.astype(np.uintp), host.astype(np.uintp)
+    sizes = np.ascontiguousarray(sizes, dtype=np.uintp)
+    return CopyList(host, dev, sizes) if to_host else CopyList(dev, host, sizes)
+
+
+def check_job(
+    engine_blocks: Sequence[int] | np.ndarray,
+    slots: Sequence[int] | np.ndarray,
+    blocks_per_slot: int,
+    num_engine_blocks: int,
+    num_slots: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The job's block ids and slots as int64 arrays; ``ValueError`` saying what is wrong."""
+    blocks = np.asarray(engine_blocks, dtype=np.int64).reshape(-1)
+    slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+    if len(blocks) != len(slot_arr) * blocks_per_slot:
+        raise ValueError(
+            f"{len(blocks)} engine blocks for {len(slot_arr)} slots of {blocks_per_slot} blocks"
+        )
+    if len(blocks) and (blocks.min() < 0 or blocks.max() >= num_engine_blocks):
+        raise ValueError(f"engine block id outside 0..{num_engine_blocks - 1}")
+    if len(slot_arr) and (slot_arr.min() < 0 or slot_arr.max() >= num_slots):
+        raise ValueError(f"slot outside 0..{num_slots - 1}")
+    return blocks, slot_arr
+
+
+# -- kernel launches ----------------------------------------------------------------------------
+
+KERNEL_CAPACITIES = (8, 64, 512, 2048)
+"""Blocks per launch of each compiled kernel variant (its by-value parameter array size)."""
+PARAM_HEADER_BYTES = 32
+
+
+def param_bytes(capacity: int) -> int:
+    """Bytes of ``Params<capacity>``: header, u64 ``host_addr[capacity]``, i32 ``block_id[...]``."""
+    size = PARAM_HEADER_BYTES + 8 * capacity + 4 * capacity
+    return -(-size // 8) * 8
+
+
+def pick_capacity(n_blocks: int) -> int:
+    for cap in KERNEL_CAPACITIES:
+        if n_blocks <= cap:
+            return cap
+    return KERNEL_CAPACITIES[-1]
+
+
+def pack_params(
+    buf: np.ndarray,
+    capacity: int,
+    region_table: int,
+    piece_bytes: int,
+    region_begin: int,
+    n_regions: int,
+    to_host: bool,
+    engine_blocks: np.ndarray,
+    host_addrs: np.ndarray,
+) -> None:
+    """Write one launch's ``Params<capacity>`` into ``buf`` (uint8, at least ``param_bytes``).
+
+    The layout matches the ``Params`` struct in ``cuda_kernels``: u64 region table address,
+    i64 piece bytes, i32 region_begin, n_regions, n_blocks, to_host, then the two arrays.
+    """
+    n = len(engine_blocks)
+    if n > capacity:
+        raise ValueError(f"{n} blocks exceed the launch capacity {capacity}")
+    header = buf[:PARAM_HEADER_BYTES]
+    header[:16].view(np.uint64)[:] = (region_table, piece_bytes)
+    header[16:32].view(np.int32)[:] = (region_begin, n_regions, n, 1 if to_host else 0)
+    start = PARAM_HEADER_BYTES
+    buf[start : start + 8 * n].view(np.uint64)[:] = host_addrs
+    start += 8 * capacity
+    buf[start : start + 4 * n].view(np.int32)[:] = engine_blocks
+
+
+def region_table(regions: Sequence[Region]) -> np.ndarray:
+    """The device-side region table: per region ``(base, stride, host_offset)`` as uint64."""
+    return np.array([(r.base, r.stride, r.host_offset) for r in regions], dtype=np.uint64).reshape(
+        -1
+    )
+
+
+def emulate_kernel(
+    params: np.ndarray,
+    capacity: int,
+    read_region: Callable[[int], tuple[int, int, int]],
+    move: Callable[[int, int, int], None],
+) -> None:
+    """Do one launch's copies on the CPU as the kernel would, from its packed ``params``:
+    ``read_region(i)`` gives region table row ``i`` (base, stride, host_offset) and
+    ``move(dst, src, nbytes)`` copies. For tests of the index arithmetic and the packing."""
+    header = params[:PARAM_HEADER_BYTES]
+    piece = int(header[8:16].view(np.int64)[0])
+    region_begin, n_regions, n_blocks, to_host = (int(x) for x in header[16:32].view(np.int32))
+    start = PARAM_HEADER_BYTES
+    host_addr = params[start : start + 8 * n_blocks].view(np.uint64)
+    start += 8 * capacity
+    block_id = params[start : start + 4 * n_blocks].view(np.int32)
+    for unit in range(n_blocks * n_regions):
+        b, r = divmod(unit, n_regions)
+        base, stride, host_offset = read_region(region_begin + r)
+        dev = base + stride * int(block_id[b])
+        host = int(host_addr[b]) + host_offset
+        if to_host:
+            move(host, dev, piece)
+        else:
+            move(dev, host, piece)

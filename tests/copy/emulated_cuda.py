@@ -1,0 +1,218 @@
+"""A CPU stand-in for the CUDA runtime, to test the CUDA backend's bookkeeping anywhere.
+
+"Device" tensors are numpy arrays in this process, so every address the backend computes is a real
+address: copies are ``ctypes.memmove`` and the kernel is emulated from its packed parameters.
+Enqueued work runs in one global FIFO, either at once or when ``run()`` is called (``deferred``),
+which is enough to check that every copy happens, lands where it should and is reported once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from kvtier.copy.cuda import CudaCopyBackend
+from kvtier.copy.cuda_plan import KERNEL_CAPACITIES, emulate_kernel, param_bytes
+from kvtier.copy.cuda_runtime import CudaError
+
+COMPUTE_STREAM = 7
+
+
+class FakeDevice:
+    type = "cuda"
+    index = 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeDevice)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class FakeTensor:
+    """A numpy array dressed as a CUDA tensor (shape, stride in elements, data_ptr, ...)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.device = FakeDevice()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def element_size(self) -> int:
+        return int(self.array.itemsize)
+
+
+@dataclass
+class FakeRuntime:
+    deferred: bool = False
+    has_batch_memcpy: bool = True
+    fail: dict[str, int] = field(default_factory=dict)
+    """Method name -> how many more calls succeed before one raises (then the entry is removed)."""
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+    queue: list[Callable[[], None]] = field(default_factory=list)
+    streams: set[int] = field(default_factory=set)
+    events: set[int] = field(default_factory=set)
+    done_events: set[int] = field(default_factory=set)
+    registered: list[tuple[int, int]] = field(default_factory=list)
+    register_code: int = 0
+    _next: int = 100
+
+    def _maybe_fail(self, name: str) -> None:
+        left = self.fail.get(name)
+        if left is None:
+            return
+        if left == 0:
+            del self.fail[name]
+            raise CudaError(name, 999, "injected", "injected failure")
+        self.fail[name] = left - 1
+
+    def _handle(self) -> int:
+        self._next += 1
+        return self._next
+
+    def _enqueue(self, op: Callable[[], None]) -> None:
+        if self.deferred:
+            self.queue.append(op)
+        else:
+            op()
+
+    def run(self) -> None:
+        queue, self.queue = self.queue, []
+        for op in queue:
+            op()
+
+    # -- the CudaRuntime surface the backend uses ------------------------------------------------
+
+    def error_text(self, code: int) -> tuple[str, str]:
+        return "cudaErrorFake", f"fake error {code}"
+
+    def get_device(self) -> int:
+        return 0
+
+    def set_device(self, device: int) -> None:
+        pass
+
+    def multiprocessor_count(self, device: int) -> int:
+        return 132
+
+    def stream_create(self, priority: int = 0) -> int:
+        self._maybe_fail("stream_create")
+        handle = self._handle()
+        self.streams.add(handle)
+        return handle
+
+    def stream_destroy(self, stream: int) -> None:
+        self.streams.remove(stream)
+
+    def stream_synchronize(self, stream: int) -> None:
+        self.run()
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._maybe_fail("stream_wait_event")
+        self.calls.append(("wait", stream, event))
+
+    def event_create(self) -> int:
+        self._maybe_fail("event_create")
+        handle = self._handle()
+        self.events.add(handle)
+        return handle
+
+    def event_destroy(self, event: int) -> None:
+        self.events.remove(event)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._maybe_fail("event_record")
+        assert event in self.events
+        self.calls.append(("record", event, stream))
+        self.done_events.discard(event)
+        self._enqueue(lambda: self.done_events.add(event))
+
+    def event_query(self, event: int) -> bool:
+        return event in self.done_events
+
+    def event_synchronize(self, event: int) -> None:
+        self.run()
+
+    def host_register(self, address: int, nbytes: int) -> int:
+        if self.register_code:
+            return self.register_code
+        self.registered.append((address, nbytes))
+        return 0
+
+    def host_unregister(self, address: int) -> None:
+        self.registered = [r for r in self.registered if r[0] != address]
+
+    def host_device_pointer(self, address: int) -> int:
+        return address
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._maybe_fail("memcpy")
+        self.calls.append(("memcpy", stream, 1))
+        self._enqueue(lambda: ctypes.memmove(dst, src, nbytes))
+
+    def memcpy_batch_async(self, dsts: Any, srcs: Any, sizes: Any, attrs: Any, stream: int) -> None:
+        self._maybe_fail("memcpy")
+        self.calls.append(("memcpy", stream, len(sizes)))
+        entries = list(zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True))
+
+        def op() -> None:
+            for dst, src, size in entries:
+                ctypes.memmove(dst, src, size)
+
+        self._enqueue(op)
+
+    def launch(self, function: int, grid: int, block: int, params: Any, stream: int) -> None:
+        self._maybe_fail("launch")
+        capacity = function
+        raw = np.frombuffer(
+            ctypes.string_at(params[0], param_bytes(capacity)), dtype=np.uint8
+        ).copy()
+        self.calls.append(("launch", stream, grid, capacity))
+
+        def read_region(i: int) -> tuple[int, int, int]:
+            table = int(raw[:8].view(np.uint64)[0])
+            row = (ctypes.c_uint64 * 3).from_address(table + 24 * i)
+            return int(row[0]), int(row[1]), int(row[2])
+
+        self._enqueue(lambda: emulate_kernel(raw, capacity, read_region, ctypes.memmove))
+
+
+class EmulatedBackend(CudaCopyBackend):
+    """The real backend with its device touch points pointed at ``FakeRuntime``."""
+
+    def __init__(self, *args: Any, fake: FakeRuntime, **kwargs: Any) -> None:
+        self.fake = fake
+        super().__init__(*args, **kwargs)
+
+    def _make_runtime(self) -> Any:
+        return self.fake
+
+    def _device_context(self) -> Any:
+        return contextlib.nullcontext()
+
+    def _current_stream(self) -> int:
+        return COMPUTE_STREAM
+
+    def _toolchain_missing(self) -> str:
+        return ""
+
+    def _compile_kernels(self) -> Any:
+        return SimpleNamespace(functions={cap: cap for cap in KERNEL_CAPACITIES})
+
+    def _upload(self, table: np.ndarray) -> tuple[Any, int]:
+        copy = np.ascontiguousarray(table.copy())
+        return copy, int(copy.ctypes.data)

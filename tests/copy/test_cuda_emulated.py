@@ -1,0 +1,279 @@
+"""The CUDA backend's bookkeeping on the CPU, over an emulated runtime (see ``emulated_cuda``):
+every byte lands, every job is reported once, streams and events go back on every path, errors
+included, and the gate on the compute stream comes before the copy. The GPU itself is exercised by
+``test_cuda_backend.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from emulated_cuda import COMPUTE_STREAM, EmulatedBackend, FakeRuntime, FakeTensor
+from kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
+
+from kvtier.copy.base import CopyJob, Direction
+from kvtier.copy.cuda import CudaCopyOptions
+from kvtier.copy.cuda_plan import KVLayout
+from kvtier.errors import ConfigError, PoolError
+from kvtier.pool import HostPool
+
+NUM_BLOCKS = 24
+NUM_SLOTS = 16
+
+
+@pytest.fixture
+def pool(tmp_path: object) -> Iterator[HostPool]:
+    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
+    with HostPool.create(NUM_SLOTS, 2 * 2 * block + 100, shm_dir=str(tmp_path)) as p:
+        yield p
+
+
+def _backend(
+    pool: HostPool,
+    layout: KVLayout,
+    strategy: str,
+    fake: FakeRuntime | None = None,
+    seed: int = 0,
+    **kwargs: object,
+) -> tuple[EmulatedBackend, np.ndarray, list[np.ndarray]]:
+    logical = logical_blocks(np.random.default_rng(seed), NUM_BLOCKS)
+    arrays = engine_arrays(logical, layout)
+    opts = kwargs.pop("options", None) or CudaCopyOptions(strategy=strategy, prealloc_streams=2)
+    backend = EmulatedBackend(
+        [FakeTensor(a) for a in arrays], layout, pool, opts, fake=fake or FakeRuntime(), **kwargs
+    )
+    return backend, logical, arrays
+
+
+def _idle(backend: EmulatedBackend) -> bool:
+    s = backend.stats()
+    return (
+        s.in_flight == 0
+        and s.streams_idle == s.streams_created
+        and s.events_idle == s.events_created
+    )
+
+
+def _slot_part(pool: HostPool, slot: int, offset: int, nbytes: int) -> bytes:
+    return pool.array()[slot, offset : offset + nbytes].tobytes()
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("strategy", ["dma", "kernel"])
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_store_then_load_every_byte(
+    pool: HostPool, layout: KVLayout, strategy: str, layerwise: bool
+) -> None:
+    fake = FakeRuntime(deferred=True)
+    backend, logical, arrays = _backend(
+        pool, layout, strategy, fake, blocks_per_slot=2, tp_rank=1, tp_size=2
+    )
+    assert backend.strategy == strategy
+    part = backend.slot_part_bytes
+    block = part // 2
+    pool.array()[:] = 0xAB
+    blocks = [5, 17, 3, 0, 23, 9]
+    slots = [7, 2, 11]
+    backend.submit(CopyJob(1, Direction.STORE, blocks, slots), layerwise=layerwise)
+    assert backend.poll().done == []  # nothing ran yet
+    fake.run()
+    assert backend.poll().done == [1]
+    assert backend.poll().done == []
+    for i, slot in enumerate(slots):
+        got = _slot_part(pool, slot, part, part)  # rank 1 owns the second half
+        assert got == block_bytes(logical, blocks[2 * i]) + block_bytes(logical, blocks[2 * i + 1])
+        assert (pool.array()[slot, :part] == 0xAB).all()
+        assert (pool.array()[slot, 2 * part :] == 0xAB).all()
+    untouched = sorted(set(range(NUM_SLOTS)) - set(slots))
+    assert (pool.array()[untouched] == 0xAB).all()
+
+    for a in arrays:
+        a.fill(0xDEAD)
+    targets = [1, 2, 20, 21, 4, 8]
+    backend.submit(CopyJob(2, Direction.LOAD, targets, slots), layerwise=layerwise)
+    backend.wait([2])
+    assert backend.poll().done == [2]
+    got = to_logical(arrays, layout)
+    for i, b in enumerate(targets):
+        assert got[b].tobytes() == block_bytes(logical, blocks[i])
+    for b in set(range(NUM_BLOCKS)) - set(targets):
+        assert (got[b] == 0xDEAD).all()
+    assert _idle(backend)
+    assert block == backend.geometry.block_bytes
+    backend.close()
+    assert fake.streams == set() and fake.events == set() and fake.registered == []
+
+
+def test_auto_picks_dma_for_compact_blocks_and_kernel_for_small_pieces(pool: HostPool) -> None:
+    opts = CudaCopyOptions(dma_min_piece_bytes=512)  # a block: 768 bytes, a piece: 128
+    compact, _, _ = _backend(pool, KVLayout.BLOCK_COMPACT, "auto", options=opts)
+    per_layer, _, _ = _backend(pool, KVLayout.LAYER_KV_FIRST, "auto", options=opts)
+    assert compact.strategy == "dma" and compact.sms_used == 0
+    assert per_layer.strategy == "kernel" and per_layer.sms_used == 8
+    compact.close()
+    per_layer.close()
+
+
+def test_gate_on_compute_stream_comes_before_the_copy(pool: HostPool) -> None:
+    fake = FakeRuntime()
+    backend, _, _ = _backend(pool, KVLayout.LAYER_KV_FIRST, "kernel", fake)
+    fake.calls.clear()
+    backend.submit(CopyJob(1, Direction.STORE, [1], [0]))
+    record, wait, launch = fake.calls[0], fake.calls[1], fake.calls[2]
+    assert record[0] == "record" and record[2] == COMPUTE_STREAM
+    assert wait == ("wait", launch[1], record[1])
+    assert launch[0] == "launch"
+    fake.calls.clear()
+    backend.submit(CopyJob(2, Direction.LOAD, [1], [0]), after=12345)
+    assert fake.calls[0][0] == "wait" and fake.calls[0][2] == 12345
+    assert all(c[0] != "record" or c[2] != COMPUTE_STREAM for c in fake.calls)
+    assert sorted(backend.poll().done) == [1, 2]
+    backend.close()
+
+
+def test_bad_jobs_are_reported_failed_once(pool: HostPool) -> None:
+    backend, _, _ = _backend(pool, KVLayout.LAYER_KV_FIRST, "kernel")
+    backend.submit(CopyJob(1, Direction.STORE, [NUM_BLOCKS], [0]))
+    backend.submit(CopyJob(2, Direction.STORE, [0, 1], [0]))
+    backend.submit(CopyJob(3, Direction.LOAD, [0], [NUM_SLOTS]))
+    backend.submit(CopyJob(4, Direction.LOAD, [], []))
+    res = backend.poll()
+    assert res.failed == [1, 2, 3] and res.done == [4]
+    assert backend.poll() == type(res)([], [])
+    assert _idle(backend)
+    backend.close()
+
+
+def test_duplicate_in_flight_id_is_refused(pool: HostPool) -> None:
+    fake = FakeRuntime(deferred=True)
+    backend, _, _ = _backend(pool, KVLayout.BLOCK_COMPACT, "dma", fake)
+    backend.submit(CopyJob(1, Direction.STORE, [0], [0]))
+    backend.submit(CopyJob(1, Direction.STORE, [1], [1]))
+    assert backend.poll().failed == [1]
+    fake.run()
+    assert backend.poll().done == [1]
+    backend.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "after_calls", "layerwise"),
+    [
+        ("stream_create", 0, False),  # nothing enqueued
+        ("stream_wait_event", 0, False),  # the gate fails
+        ("launch", 0, False),  # the copy fails before anything ran
+        ("launch", 1, True),  # fails after layer 0 was enqueued
+        ("event_record", 1, False),  # the done event cannot be recorded (gate record passed)
+        ("event_record", 2, True),  # a layer event cannot be recorded
+        ("event_create", 0, False),  # no event for "done" (the gate reused an idle one)
+        ("event_create", 0, True),  # no event for layer 0
+    ],
+)
+def test_failures_return_streams_and_events(
+    pool: HostPool, method: str, after_calls: int, layerwise: bool
+) -> None:
+    fake = FakeRuntime(deferred=True)
+    backend, _, _ = _backend(
+        pool,
+        KVLayout.LAYER_KV_FIRST,
+        "kernel",
+        fake,
+        options=CudaCopyOptions(strategy="kernel", prealloc_streams=0),
+    )
+    backend.submit(CopyJob(9, Direction.STORE, [0], [0]))  # a healthy job alongside
+    fake.fail[method] = after_calls
+    backend.submit(CopyJob(1, Direction.LOAD, [3, 4], [1, 2]), layerwise=layerwise)
+    fake.fail.clear()
+    fake.run()
+    res = backend.poll()
+    assert res.failed == [1] and res.done == [9]
+    assert backend.poll() == type(res)([], [])
+    assert _idle(backend)
+    # The backend keeps working.
+    backend.submit(CopyJob(2, Direction.STORE, [5], [3]))
+    fake.run()
+    assert backend.poll().done == [2]
+    backend.close()
+    assert fake.streams == set() and fake.events == set()
+
+
+def test_many_outstanding_share_streams_beyond_the_cap(pool: HostPool) -> None:
+    fake = FakeRuntime(deferred=True)
+    backend, _, _ = _backend(
+        pool,
+        KVLayout.BLOCK_COMPACT,
+        "dma",
+        fake,
+        options=CudaCopyOptions(strategy="dma", max_streams=64),
+    )
+    n = 10_000
+    for job in range(n):
+        backend.submit(CopyJob(job, Direction.STORE, [job % NUM_BLOCKS], [job % NUM_SLOTS]))
+    stats = backend.stats()
+    assert stats.in_flight == n and stats.streams_created == 64
+    assert backend.poll().done == []
+    fake.run()
+    res = backend.poll()
+    assert sorted(res.done) == list(range(n)) and res.failed == []
+    assert _idle(backend)
+    backend.close()
+
+
+def test_pinning_failure_raises_unless_pageable_allowed(pool: HostPool) -> None:
+    with pytest.raises(PoolError, match="cudaHostRegister"):
+        _backend(pool, KVLayout.LAYER_KV_FIRST, "auto", FakeRuntime(register_code=2))
+    backend, _, _ = _backend(
+        pool,
+        KVLayout.LAYER_KV_FIRST,
+        "auto",
+        FakeRuntime(register_code=2),
+        options=CudaCopyOptions(allow_pageable=True),
+    )
+    assert not backend.pinned and backend.strategy == "dma"
+    backend.close()
+    with pytest.raises(ConfigError, match="kernel"):
+        _backend(
+            pool,
+            KVLayout.LAYER_KV_FIRST,
+            "kernel",
+            FakeRuntime(register_code=2),
+            options=CudaCopyOptions(strategy="kernel", allow_pageable=True),
+        )
+
+
+def test_pool_registered_in_slot_aligned_pieces(pool: HostPool) -> None:
+    fake = FakeRuntime()
+    chunk = 3 * pool.slot_stride + 7
+    backend, _, _ = _backend(
+        pool,
+        KVLayout.BLOCK_COMPACT,
+        "dma",
+        fake,
+        options=CudaCopyOptions(register_chunk_bytes=chunk),
+    )
+    sizes = [n for _, n in fake.registered]
+    assert sum(sizes) == pool.num_slots * pool.slot_stride
+    assert all(n % pool.slot_stride == 0 for n in sizes) and max(sizes) == 3 * pool.slot_stride
+    backend.close()
+    assert fake.registered == []
+
+
+def test_options() -> None:
+    with pytest.raises(ConfigError, match=r"copy\.strategy"):
+        CudaCopyOptions(strategy="fast")
+    with pytest.raises(ConfigError, match=r"copy\.max_sms"):
+        CudaCopyOptions(max_sms=-1)
+
+    class Strategy:
+        value = "kernel"
+
+    class Cfg:
+        class copy:
+            strategy = Strategy()
+            max_sms = 12
+
+        class pool:
+            allow_pageable = True
+
+    opts = CudaCopyOptions.from_config(Cfg())
+    assert (opts.strategy, opts.max_sms, opts.allow_pageable) == ("kernel", 12, True)
