@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -86,8 +86,13 @@ class _Entry:
 @dataclass(slots=True)
 class _Job:
     job_id: int
+    keys: list[BlockKey]
+    slots: list[int]
+    work: Callable[[BlockKey, int], bool]
     ok: list[bool]
     remaining: int
+    cursor: Iterator[int]
+    """Next block index to take; shared by the job's workers (``next`` on a count is atomic)."""
 
 
 Victims = list[tuple[BlockKey, int]]
@@ -134,8 +139,11 @@ class FsTier(Tier):
 
     def submit(self, job: TierJob) -> None:
         n = len(job.keys)
-        state = _Job(job.job_id, [False] * n, n)
         reading = job.kind is JobKind.READ
+        work = self._read_block if reading else self._write_block
+        state = _Job(
+            job.job_id, list(job.keys), list(job.slots), work, [False] * n, n, itertools.count()
+        )
         with self._lock:
             if reading:
                 self.counters.read_jobs += 1
@@ -150,11 +158,17 @@ class FsTier(Tier):
             # Pinned from submit on, so a write submitted later cannot evict what this job moves.
             for key in job.keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
-        work = self._read_block if reading else self._write_block
-        for i, (key, slot) in enumerate(zip(job.keys, job.slots, strict=True)):
+        # A few workers per job, each taking the next block until none is left: blocks spread
+        # over the threads without one queued task (and its cost on this thread) per block.
+        started = 0
+        for _ in range(min(n, self.options.threads)):
             try:
-                self._executor.submit(self._run_block, work, state, i, key, slot)
+                self._executor.submit(self._run_blocks, state)
+                started += 1
             except RuntimeError:  # executor already shut down
+                break
+        if started == 0:
+            for i, key in enumerate(job.keys):
                 self._block_done(state, i, key, False)
 
     def close(self) -> None:
@@ -193,17 +207,19 @@ class FsTier(Tier):
 
     # -- per-block work (I/O threads) -----------------------------------------------------------
 
-    def _run_block(
-        self, work: Callable[[BlockKey, int], bool], state: _Job, i: int, key: BlockKey, slot: int
-    ) -> None:
-        ok = False
-        try:
-            ok = work(key, slot)
-        except Exception:  # last line of defence: every job must be reported, as a failure
-            with self._lock:
-                self.counters.errors += 1
-        finally:
-            self._block_done(state, i, key, ok)
+    def _run_blocks(self, state: _Job) -> None:
+        n = len(state.keys)
+        for i in state.cursor:
+            if i >= n:
+                return
+            key = state.keys[i]
+            ok = False
+            try:
+                ok = state.work(key, state.slots[i])
+            except Exception:  # last line of defence: every job must be reported, as a failure
+                self._count_error()
+            finally:
+                self._block_done(state, i, key, ok)
 
     def _block_done(self, state: _Job, i: int, key: BlockKey, ok: bool) -> None:
         with self._lock:
