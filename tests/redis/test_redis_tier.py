@@ -109,7 +109,8 @@ def test_corrupt_value_is_a_counted_dropped_miss(
         elif where == "length":
             raw.setrange(rkey, 40, b"\x07")
         elif where == "payload":
-            raw.setrange(rkey, HEADER_BYTES + pool.slot_bytes - 1, b"!")
+            last = HEADER_BYTES + pool.slot_bytes - 1
+            raw.setrange(rkey, last, bytes([raw.getrange(rkey, last, last)[0] ^ 0x01]))
         else:
             raw.set(rkey, b"short")
         raw.close()

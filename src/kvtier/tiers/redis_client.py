@@ -17,6 +17,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.connection import BlockingConnectionPool, parse_url
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
     ClusterDownError,
@@ -136,7 +137,6 @@ def build_client(options: Options) -> Client:
         "socket_connect_timeout": options.timeout_s,
         "socket_keepalive": True,
         "socket_read_size": SOCKET_READ_BYTES,
-        "client_name": "kvtier",
         "max_connections": options.connections,
         "timeout": options.timeout_s,  # wait for a free pooled connection
     }
@@ -221,7 +221,7 @@ def config_error(options: Options, exc: BaseException) -> ConfigError | None:
         )
     if isinstance(exc, ResponseError) and ("AUTH" in reason or "WRONGPASS" in reason):
         return ConfigError(field, url, f"credentials the server accepts; it said: {reason}")
-    if isinstance(exc, ResponseError) and ("MOVED" in reason or "CLUSTERDOWN" in reason):
+    if isinstance(exc, AskError | ClusterDownError) or "MOVED" in reason:
         if not options.cluster:
             return ConfigError(
                 f"{options.config_path}.cluster", False, f"true for a Redis Cluster ({reason})"
