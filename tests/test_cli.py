@@ -1,0 +1,250 @@
+"""The ``kvtier`` command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.cli import main, parse_tier_spec
+from kvtier.errors import ConfigError
+from kvtier.sim.replay import Replayer
+
+
+def simulate_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    code = main(["simulate", "--json", "--no-progress", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def fails(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert err.startswith("kvtier: error: ")
+    assert "Traceback" not in err
+    return err
+
+
+# -- --tier specs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "entry"),
+    [
+        ("memory", {"kind": "memory"}),
+        ("memory:1GiB", {"kind": "memory", "capacity": "1GiB"}),
+        ("fs:/tmp/kv:10GiB", {"kind": "fs", "path": "/tmp/kv", "capacity": "10GiB"}),
+        ("fs:/a:b/c:5GB", {"kind": "fs", "path": "/a:b/c", "capacity": "5GB"}),
+        ("redis:redis://h:6379/0", {"kind": "redis", "url": "redis://h:6379/0"}),
+        (
+            "memory:latency_ms=2,failure_rate=0.1,name=slow",
+            {"kind": "memory", "latency_ms": 2, "failure_rate": 0.1, "name": "slow"},
+        ),
+        (
+            "fs:path=/x,capacity=1GiB,fsync=true",
+            {"kind": "fs", "path": "/x", "capacity": "1GiB", "fsync": True},
+        ),
+    ],
+)
+def test_tier_specs(spec: str, entry: dict[str, Any]) -> None:
+    assert parse_tier_spec(spec) == entry
+
+
+@pytest.mark.parametrize("spec", [":1GiB", "fs:/only", "fs::1GiB", "s3:bucket", "memory:a=1,b"])
+def test_bad_tier_specs(spec: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_spec(spec)
+    assert (info.value.field, info.value.value) == ("--tier", spec)
+
+
+# -- simulate -------------------------------------------------------------------------------------
+
+
+def test_simulate_defaults_to_bundled_trace_and_config(capsys: pytest.CaptureFixture[str]) -> None:
+    result = simulate_json(capsys, "--limit", "300")
+    assert result["trace"] == "synthetic_trace.jsonl"
+    assert result["requests"] == 300
+    assert result["pool_blocks"] == 4000  # 250GiB / 64MiB in the embedded config
+    assert result["block_bytes"] == 64 * 1024**2 and result["payload_bytes"] == 4096
+    assert result["policy"] == "lru" and result["admission_min_seen"] == 1
+    assert [t["name"] for t in result["tiers"]] == ["pool"]
+    assert result["mismatched_blocks"] == 0
+    assert 0 < result["hit_blocks"] < result["blocks"]
+    assert result["manager_ops"] >= 3 * 300 and result["ops_per_s"] > 0
+    assert result["machine"]
+
+
+def test_simulate_options_reach_the_replay(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    result = simulate_json(
+        capsys,
+        "--limit",
+        "200",
+        "--pool-blocks",
+        "150",
+        "--policy",
+        "arc",
+        "--admission",
+        "2",
+        "--tier",
+        "memory:1MiB",
+        "--tier",
+        f"fs:{tmp_path}:1GiB",
+        "--write",
+        "on_evict",
+        "--payload-bytes",
+        "512",
+    )
+    assert result["pool_blocks"] == 150 and result["payload_bytes"] == 512
+    assert result["policy"] == "arc" and result["admission_min_seen"] == 2
+    tiers = {t["name"]: t for t in result["tiers"]}
+    assert list(tiers) == ["pool", "memory", "fs"]
+    assert tiers["memory"]["kind"] == "memory" and tiers["memory"]["write"] == "on_evict"
+    assert tiers["fs"]["write"] == "on_evict"
+    assert result["cache"]["cache"]["store_skipped_admission"] > 0
+    assert tiers["memory"]["written_blocks"] > 0
+    assert result["mismatched_blocks"] == 0
+
+
+def test_pool_size_is_counted_in_block_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    result = simulate_json(capsys, "--limit", "10", "--pool-size", "64GiB")
+    assert result["pool_blocks"] == 1024
+
+
+def test_config_file_and_overrides(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "kvtier.yaml"
+    config.write_text(
+        "pool: {size: 20MiB}\nblock: {bytes: 1MiB}\neviction: arc\n"
+        "tiers:\n  - {kind: memory, name: ram, capacity: 1MiB}\n"
+    )
+    result = simulate_json(capsys, "--config", str(config), "--limit", "50", "--write", "on_evict")
+    assert result["pool_blocks"] == 20
+    assert result["policy"] == "arc"
+    assert [(t["name"], t["write"]) for t in result["tiers"]] == [("pool", ""), ("ram", "on_evict")]
+    # --policy overrides the file
+    result = simulate_json(capsys, "--config", str(config), "--limit", "5", "--policy", "lru")
+    assert result["policy"] == "lru"
+
+
+def test_progress_goes_to_stderr_and_json_stays_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["simulate", "--json", "--limit", "40"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert json.loads(out)["requests"] == 40
+    assert "simulate" in err and "40/40" in err
+
+
+def test_human_output(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = main(
+        [
+            "simulate",
+            "--no-progress",
+            "--limit",
+            "100",
+            "--pool-blocks",
+            "200",
+            "--tier",
+            f"fs:{tmp_path}:1GiB",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    result = simulate_json(
+        capsys, "--limit", "100", "--pool-blocks", "200", "--tier", f"fs:{tmp_path / 'b'}:1GiB"
+    )
+    # Same run in JSON (a fresh fs directory: the replay is deterministic) gives the same figures.
+    ratio = f"hit ratio   {result['hit_ratio']:.4f} ({result['hit_blocks']} of {result['blocks']}"
+    assert ratio in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert lines["trace"].endswith(f"100 requests, {result['blocks']} blocks")
+    assert "tiers       pool -> fs (fs, through)" in out
+    assert lines["pool"] and lines["fs"] and lines["all"]
+    assert "0 mismatched payloads" in lines["checks"]
+    assert "ops/s" in lines["manager"]
+    assert lines["machine"].startswith("machine ")
+
+
+def test_mismatch_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def scribble(self: Replayer, key: bytes, slot: int) -> None:
+        self.pool.view(slot)[:16] = bytes(16)
+
+    monkeypatch.setattr(Replayer, "write_payload", scribble)
+    code = main(["simulate", "--json", "--no-progress", "--limit", "100"])
+    out, _ = capsys.readouterr()
+    assert code == 1
+    assert json.loads(out)["mismatched_blocks"] > 0
+
+
+def test_errors_are_messages_not_tracebacks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    err = fails(capsys, "simulate", "--pool-size", "1MiB")
+    assert "--pool-size='1MiB'" in err and "at least one block of 64.0 MiB" in err
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("eviction: fifo\n")
+    err = fails(capsys, "simulate", "--config", str(bad))
+    assert "invalid config eviction='fifo': one of 'lru', 'arc'" in err
+
+    err = fails(capsys, "simulate", "--config", str(tmp_path / "none.yaml"))
+    assert "none.yaml" in err
+
+    err = fails(capsys, "simulate", "--tier", "fs:/only")
+    assert "fs:PATH:CAPACITY" in err
+
+    err = fails(capsys, "simulate", "--tier", "ftp:host=x")
+    assert "tiers[0].kind='ftp'" in err
+
+    err = fails(capsys, "simulate", "--tier", "memory:capacity=0")
+    assert "tiers[0].capacity=0" in err
+
+    err = fails(capsys, "simulate", "--trace", str(tmp_path / "missing.jsonl"))
+    assert "cannot read trace" in err
+
+
+def test_argparse_rejects_bad_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    for args in (["simulate", "--policy", "fifo"], ["simulate", "--pool-blocks", "0"], []):
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2
+    assert "invalid choice: 'fifo'" in capsys.readouterr().err
+
+
+def test_check_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(f"model: m\ntiers: [{{kind: fs, path: {tmp_path}, capacity: 1GiB}}]\n")
+    assert main(["check-config", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert f"{good}: valid" in out and "tier fs: fs, write through" in out
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers: [{kind: fs, path: /x, capacity: 1GiB, fsink: true}]\n")
+    err = fails(capsys, "check-config", str(bad))
+    assert "tiers[0].fsink=True" in err
+
+
+def run_command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_python_dash_m_and_console_script() -> None:
+    done = run_command(sys.executable, "-m", "kvtier", "simulate", "--limit", "20", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["requests"] == 20
+    script = shutil.which("kvtier", path=str(Path(sys.executable).parent)) or shutil.which("kvtier")
+    assert script is not None, "the kvtier console script is not installed (pip install -e .)"
+    done = run_command(script, "simulate", "--limit", "5", "--json", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["requests"] == 5
