@@ -195,8 +195,9 @@ def test_bad_jobs_fail_without_raising(make_tier: MakeTier) -> None:
     assert drive.write([b"short"], [0]) == [False]
     assert drive.write([make_key(0)], [10_000]) == [False]
     assert drive.write([make_key(0), make_key(1)], [0]) == [False, False]
+    assert drive.read([b"short"], [0]) == [False]
     assert drive.write([], []) == []
-    assert tier.counters.errors == 4
+    assert tier.counters.errors == 5
     assert drive.store(make_key(0))
 
 

@@ -191,9 +191,11 @@ class MemoryTier(Tier):
         self._finish(job.job_id, ok)
 
     def _read(self, key: BlockKey, slot: int, fail: bool, corrupt: bool) -> bool:
-        data = self._store.get(key)
-        if data is None or not self._valid(key, slot):
+        if not self._valid(key, slot):
             return False
+        data = self._store.get(key)
+        if data is None:
+            return False  # a plain miss
         view = self.pool.view(slot)
         if fail:
             self.counters.errors += 1
