@@ -289,6 +289,16 @@ class PinnedPool:
 # -- the backend -------------------------------------------------------------------------------
 
 
+def _event_handle(event: Any) -> int:
+    """A ``cudaEvent_t`` from an int or a ``torch.cuda.Event``."""
+    if isinstance(event, int):
+        return event
+    handle = getattr(event, "cuda_event", None)
+    if handle is None:
+        handle = event._as_parameter_.value
+    return int(handle)
+
+
 @dataclass(slots=True)
 class _Transfer:
     job_id: int
@@ -569,8 +579,7 @@ class CudaCopyBackend(CopyBackend):
     def _gate(self, stream: int, after: Any) -> None:
         rt = self._rt
         if after is not None:
-            event = int(getattr(after, "cuda_event", after))
-            rt.stream_wait_event(stream, event)
+            rt.stream_wait_event(stream, _event_handle(after))
             return
         gate = self._events.acquire()
         try:

@@ -1,0 +1,482 @@
+"""KV block transfers between GPU and the pinned shared host pool, against the PCIe limit.
+
+Llama-3-8B KV geometry (32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks: 2 MiB a
+block), 512 blocks at scattered engine block ids and scattered pool slots, through the CUDA copy
+backend, for both engine layouts (vLLM's per-layer ``[2, num_blocks, 16, 8, 128]`` and the
+block-compact ``[num_blocks, 32, 2, 16, 8, 128]``) and both strategies (batched DMA, the
+gather/scatter kernel); each direction alone and both at once. Every figure is set against a
+contiguous pinned copy of the same size measured in the same run (``cudaMemcpyAsync`` of one
+1 GiB buffer; the best of PyTorch's pinned allocation and the registered pool). Also: host time
+to issue one transfer (the ``submit`` call), SMs used, a correctness check of every moved block,
+and the submit latency with 10,000 transfers outstanding.
+
+Needs a CUDA GPU, PyTorch and CuPy. Prints a table naming the GPU and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.copy.base import CopyJob, Direction
+from kvtier.copy.cuda import CudaCopyBackend, CudaCopyOptions
+from kvtier.copy.cuda_plan import KVLayout
+from kvtier.copy.cuda_runtime import runtime
+from kvtier.pool import DEFAULT_SHM_DIR, HostPool
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16
+ELEM = 2  # bf16
+BLOCK_BYTES = LAYERS * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * ELEM
+GB = 1e9
+
+
+@dataclass(slots=True)
+class Row:
+    layout: str
+    strategy: str
+    sms_used: int
+    direction: str
+    gbps: float
+    reference_gbps: float
+    percent_of_contiguous: float
+    issue_us_median: float
+    issue_us_max: float
+    seconds_median: float
+    verified: bool
+
+
+@dataclass(slots=True)
+class Outstanding:
+    layout: str
+    strategy: str
+    transfers: int
+    held_back: bool
+    """The gate stayed closed until the last submit: all were outstanding at once."""
+    median_us: float
+    p99_us: float
+    p999_us: float
+    max_us: float
+    streams_created: int
+
+
+@dataclass(slots=True)
+class Reference:
+    h2d_gbps: dict[str, float] = field(default_factory=dict)
+    d2h_gbps: dict[str, float] = field(default_factory=dict)
+    bidir_gbps: dict[str, float] = field(default_factory=dict)
+
+    def best(self, direction: str) -> float:
+        table = {"load": self.h2d_gbps, "store": self.d2h_gbps, "both": self.bidir_gbps}[direction]
+        return max(table.values())
+
+
+def gpu_info() -> dict[str, Any]:
+    rt = runtime()
+    props = torch.cuda.get_device_properties(0)
+    info: dict[str, Any] = {
+        "name": torch.cuda.get_device_name(0),
+        "sm_count": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "cuda_runtime": rt.runtime_version,
+        "cuda_driver": rt.driver_version,
+        "torch": torch.__version__,
+    }
+    try:
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=driver_version,pcie.link.gen.current,pcie.link.gen.max,"
+                "pcie.link.width.current",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+        info["nvidia_smi"] = out
+    except (OSError, subprocess.SubprocessError) as exc:
+        info["nvidia_smi"] = f"unavailable: {exc}"
+    return info
+
+
+def median_time(fn: Callable[[], None], repeats: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_reference(pool: HostPool, nbytes: int, repeats: int, warmup: int) -> Reference:
+    """Contiguous copies of ``nbytes``: PyTorch-pinned buffers and the registered pool."""
+    rt = runtime()
+    s1, s2 = rt.stream_create(), rt.stream_create()
+    dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    for t in pinned:
+        t.fill_(1)
+    base = int(pool.array().ctypes.data)
+    hosts = {
+        "torch_pinned": (pinned[0].data_ptr(), pinned[1].data_ptr()),
+        "pool_registered": (base, base + pool.slot_stride * (pool.num_slots // 2)),
+    }
+    ref = Reference()
+    d0, d1 = dev[0].data_ptr(), dev[1].data_ptr()
+    for name, (h0, h1) in hosts.items():
+
+        def h2d(h0: int = h0) -> None:
+            rt.memcpy_async(d0, h0, nbytes, s1)
+            rt.stream_synchronize(s1)
+
+        def d2h(h0: int = h0) -> None:
+            rt.memcpy_async(h0, d0, nbytes, s1)
+            rt.stream_synchronize(s1)
+
+        def both(h0: int = h0, h1: int = h1) -> None:
+            rt.memcpy_async(d0, h0, nbytes, s1)
+            rt.memcpy_async(h1, d1, nbytes, s2)
+            rt.stream_synchronize(s1)
+            rt.stream_synchronize(s2)
+
+        ref.h2d_gbps[name] = nbytes / median_time(h2d, repeats, warmup) / GB
+        ref.d2h_gbps[name] = nbytes / median_time(d2h, repeats, warmup) / GB
+        ref.bidir_gbps[name] = 2 * nbytes / median_time(both, repeats, warmup) / GB
+    rt.stream_destroy(s1)
+    rt.stream_destroy(s2)
+    del dev, pinned
+    torch.cuda.empty_cache()
+    return ref
+
+
+def make_engine(layout: KVLayout, num_blocks: int, gen: torch.Generator) -> list[torch.Tensor]:
+    def rand(shape: tuple[int, ...]) -> torch.Tensor:
+        bits = torch.randint(
+            -(1 << 15), 1 << 15, shape, dtype=torch.int16, device="cuda", generator=gen
+        )
+        return bits.view(torch.bfloat16)
+
+    if layout is KVLayout.BLOCK_COMPACT:
+        return [rand((num_blocks, LAYERS, 2, BLOCK_TOKENS, KV_HEADS, HEAD_DIM))]
+    return [rand((2, num_blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)) for _ in range(LAYERS)]
+
+
+def blocks_equal(kv: list[torch.Tensor], layout: KVLayout, a: list[int], b: list[int]) -> bool:
+    """Engine blocks ``a`` hold, bit for bit, what blocks ``b`` hold."""
+    ia = torch.tensor(a, device="cuda")
+    ib = torch.tensor(b, device="cuda")
+    for t in kv:
+        words = t.view(torch.int16)
+        if layout is KVLayout.BLOCK_COMPACT:
+            same = torch.equal(words[ia], words[ib])
+        else:
+            same = torch.equal(words[:, ia], words[:, ib])
+        if not same:
+            return False
+    return True
+
+
+def run_config(
+    kv: list[torch.Tensor],
+    layout: KVLayout,
+    pool: HostPool,
+    options: CudaCopyOptions,
+    ref: Reference,
+    args: argparse.Namespace,
+) -> list[Row]:
+    backend = CudaCopyBackend(kv, layout, pool, options)
+    if not backend.pinned:
+        raise SystemExit("the pool is not pinned")
+    n = args.blocks
+    rng = np.random.default_rng(args.seed)
+    perm = rng.permutation(args.engine_blocks)
+    a, b, c, d = (perm[i * n : (i + 1) * n].tolist() for i in range(4))
+    slots = rng.permutation(pool.num_slots)
+    sa, sb = slots[:n].tolist(), slots[n : 2 * n].tolist()
+    job_ids = iter(range(1, 1 << 30))
+    issue: dict[str, list[float]] = {"store": [], "load": [], "both": []}
+
+    def transfer(kind: str, jobs: list[tuple[Direction, list[int], list[int]]]) -> None:
+        ids = []
+        for direction, blocks, slot_list in jobs:
+            job = CopyJob(next(job_ids), direction, blocks, slot_list)
+            t0 = time.perf_counter()
+            backend.submit(job)
+            issue[kind].append(time.perf_counter() - t0)
+            ids.append(job.job_id)
+        backend.wait(ids)
+        res = backend.poll()
+        if res.failed or sorted(res.done) != sorted(ids):
+            raise RuntimeError(f"transfer failed: {res}")
+
+    reps, warm = args.repeats, args.warmup
+    t_store = median_time(lambda: transfer("store", [(Direction.STORE, a, sa)]), reps, warm)
+    t_load = median_time(lambda: transfer("load", [(Direction.LOAD, b, sa)]), reps, warm)
+    ok_single = blocks_equal(kv, layout, a, b)
+    jobs = [(Direction.STORE, c, sb), (Direction.LOAD, b, sa)]
+    t_both = median_time(lambda: transfer("both", jobs), reps, warm)
+    transfer("load", [(Direction.LOAD, d, sb)])
+    ok_both = blocks_equal(kv, layout, a, b) and blocks_equal(kv, layout, c, d)
+    sms = backend.sms_used
+    strategy = backend.strategy
+    backend.close()
+
+    rows = []
+    nbytes = n * BLOCK_BYTES
+    for direction, seconds, moved, ok in (
+        ("store", t_store, nbytes, ok_single),
+        ("load", t_load, nbytes, ok_single),
+        ("both", t_both, 2 * nbytes, ok_both),
+    ):
+        gbps = moved / seconds / GB
+        reference = ref.best(direction)
+        times = np.array(issue[direction][warm:]) * 1e6
+        rows.append(
+            Row(
+                layout.value,
+                strategy,
+                sms,
+                direction,
+                round(gbps, 2),
+                round(reference, 2),
+                round(100 * gbps / reference, 1),
+                round(float(np.median(times)), 1),
+                round(float(times.max()), 1),
+                round(seconds * 1e3, 3),
+                ok,
+            )
+        )
+    return rows
+
+
+def run_outstanding(
+    kv: list[torch.Tensor], layout: KVLayout, pool: HostPool, options: CudaCopyOptions, n: int
+) -> Outstanding:
+    backend = CudaCopyBackend(kv, layout, pool, options)
+    gate = torch.cuda.Event()
+    # Warm the submit path (first kernel launch, numpy, ...), then hold everything behind a sleep.
+    for job in range(8):
+        backend.submit(CopyJob(job, Direction.LOAD, [job], [job]))
+    backend.wait(list(range(8)))
+    backend.poll()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e9))  # several seconds of GPU time at boost clock
+    gate.record()
+    times = np.empty(n)
+    slots = pool.num_slots
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        clock = time.perf_counter
+        for job in range(n):
+            blocks, slot = [job % 512], [job % slots]
+            t0 = clock()
+            backend.submit(CopyJob(100 + job, Direction.LOAD, blocks, slot), after=gate)
+            times[job] = clock() - t0
+    finally:
+        gc.enable()
+        gc.unfreeze()
+    held = not gate.query()
+    in_flight = backend.stats().in_flight
+    streams = backend.stats().streams_created
+    backend.wait([100 + job for job in range(n)])
+    res = backend.poll()
+    if res.failed or len(res.done) != n:
+        raise RuntimeError(f"outstanding transfers: {len(res.done)} done, {len(res.failed)} failed")
+    backend.close()
+    us = times * 1e6
+    return Outstanding(
+        layout.value,
+        backend.strategy,
+        n,
+        held and in_flight == n,
+        round(float(np.median(us)), 1),
+        round(float(np.percentile(us, 99)), 1),
+        round(float(np.percentile(us, 99.9)), 1),
+        round(float(us.max()), 1),
+        streams,
+    )
+
+
+def shm_dir(needed: int, preferred: str) -> str:
+    """The first of ``preferred``, /dev/shm, /tmp with room for the pool (a tmpfs pins best)."""
+    for directory in (preferred, DEFAULT_SHM_DIR, "/tmp"):
+        try:
+            st = os.statvfs(directory)
+        except OSError:
+            continue
+        if st.f_bavail * st.f_frsize > needed * 1.1:
+            return directory
+    raise SystemExit(f"no shared-memory directory with {needed} bytes free")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--blocks", type=int, default=512)
+    parser.add_argument("--engine-blocks", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sms", default="8", help="comma-separated max_sms values for the kernel")
+    parser.add_argument("--outstanding", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shm-dir", default=DEFAULT_SHM_DIR)
+    parser.add_argument("--json", type=Path, default=Path("docs/results/transfer_bench.json"))
+    args = parser.parse_args()
+    if args.engine_blocks < 4 * args.blocks:
+        raise SystemExit("--engine-blocks must be at least 4 x --blocks")
+
+    info = gpu_info()
+    print(f"GPU: {info['name']} ({info['sm_count']} SMs), {info['nvidia_smi']}", flush=True)
+    num_slots = 2 * args.blocks
+    pool = HostPool.create(
+        num_slots, BLOCK_BYTES, shm_dir=shm_dir(num_slots * BLOCK_BYTES, args.shm_dir)
+    )
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    per_layer = make_engine(KVLayout.LAYER_KV_FIRST, args.engine_blocks, gen)
+    compact = make_engine(KVLayout.BLOCK_COMPACT, args.engine_blocks, gen)
+    pool.array()[:] = 0x5A  # fault the pages in before pinning
+    # One backend holds the registration for the whole run; the others find the pool registered.
+    anchor = CudaCopyBackend(compact, KVLayout.BLOCK_COMPACT, pool, CudaCopyOptions(strategy="dma"))
+    t0 = time.perf_counter()
+    ref = measure_reference(pool, args.blocks * BLOCK_BYTES, args.repeats, args.warmup)
+    print(f"reference (contiguous {args.blocks * BLOCK_BYTES / 2**30:.2f} GiB): {ref}", flush=True)
+
+    sms_values = [int(s) for s in args.sms.split(",")]
+    configs: list[tuple[list[torch.Tensor], KVLayout, CudaCopyOptions]] = [
+        (compact, KVLayout.BLOCK_COMPACT, CudaCopyOptions(strategy="auto")),
+        (per_layer, KVLayout.LAYER_KV_FIRST, CudaCopyOptions(strategy="auto")),
+    ]
+    configs += [
+        (per_layer, KVLayout.LAYER_KV_FIRST, CudaCopyOptions(strategy="kernel", max_sms=s))
+        for s in sms_values
+        if s != 0
+    ]
+    configs += [
+        (per_layer, KVLayout.LAYER_KV_FIRST, CudaCopyOptions(strategy="dma")),
+        (compact, KVLayout.BLOCK_COMPACT, CudaCopyOptions(strategy="kernel")),
+    ]
+    rows: list[Row] = []
+    for kv, layout, options in configs:
+        try:
+            new = run_config(kv, layout, pool, options, ref, args)
+        except Exception as exc:  # one broken variant must not hide the others' figures
+            print(
+                f"{layout.value} {options.strategy} sms={options.max_sms}: FAILED: {exc!r}",
+                flush=True,
+            )
+            continue
+        rows += new
+        for r in new:
+            print(
+                f"  {r.layout:<16}{r.strategy:<8}sms={r.sms_used:<4}{r.direction:<6}"
+                f"{r.gbps:7.2f} GB/s {r.percent_of_contiguous:6.1f}%  "
+                f"issue {r.issue_us_median:.0f} us",
+                flush=True,
+            )
+
+    outstanding: list[Outstanding] = []
+    for kv, layout in ((compact, KVLayout.BLOCK_COMPACT), (per_layer, KVLayout.LAYER_KV_FIRST)):
+        try:
+            o = run_outstanding(
+                kv, layout, pool, CudaCopyOptions(strategy="auto"), args.outstanding
+            )
+        except Exception as exc:
+            print(f"outstanding {layout.value}: FAILED: {exc!r}", flush=True)
+            continue
+        outstanding.append(o)
+        print(f"  outstanding: {o}", flush=True)
+    anchor.close()
+    pool.close()
+    elapsed = time.perf_counter() - t0
+
+    auto = [
+        r
+        for r in rows
+        if (r.layout, r.strategy) in (("block_compact", "dma"), ("layer_kv_first", "kernel"))
+    ]
+    best: dict[tuple[str, str], Row] = {}
+    for r in auto:
+        key = (r.layout, r.direction)
+        if key not in best or r.gbps > best[key].gbps:
+            best[key] = r
+    acceptance = {
+        "each_direction_ge_97pct": all(
+            r.percent_of_contiguous >= 97 for (_, d), r in best.items() if d != "both"
+        ),
+        "both_directions_ge_95pct": all(
+            r.percent_of_contiguous >= 95 for (_, d), r in best.items() if d == "both"
+        ),
+        "issue_512_blocks_lt_1ms": all(r.issue_us_max < 1000 for r in auto),
+        "outstanding_submit_lt_100us": bool(outstanding)
+        and all(o.max_us < 100 and o.held_back for o in outstanding),
+    }
+
+    print()
+    print(f"kvtier transfer benchmark on {info['name']} ({info['nvidia_smi']})")
+    print(
+        f"{args.blocks} scattered blocks of {BLOCK_BYTES >> 20} MiB (Llama-3-8B KV, 16-token "
+        f"blocks), median of {args.repeats}; "
+        "reference: contiguous pinned cudaMemcpyAsync, same run"
+    )
+    print(
+        f"reference GB/s: load {ref.best('load'):.2f}, store {ref.best('store'):.2f}, "
+        f"both {ref.best('both'):.2f}"
+    )
+    print(
+        f"{'layout':<16}{'strategy':<9}{'SMs':>4} {'dir':<6}{'GB/s':>8}{'% contig':>10}"
+        f"{'issue us':>10}{'max us':>9}  ok"
+    )
+    for r in rows:
+        print(
+            f"{r.layout:<16}{r.strategy:<9}{r.sms_used:>4} {r.direction:<6}{r.gbps:>8.2f}"
+            f"{r.percent_of_contiguous:>9.1f}%{r.issue_us_median:>10.0f}{r.issue_us_max:>9.0f}"
+            f"  {r.verified}"
+        )
+    for o in outstanding:
+        print(
+            f"{o.transfers} outstanding ({o.layout}, {o.strategy}): "
+            f"submit median {o.median_us} us, "
+            f"p99.9 {o.p999_us} us, max {o.max_us} us, held back: {o.held_back}"
+        )
+    print(f"acceptance: {acceptance}")
+    payload = {
+        "gpu": info,
+        "geometry": {
+            "layers": LAYERS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_tokens": BLOCK_TOKENS,
+            "dtype": "bfloat16",
+            "block_bytes": BLOCK_BYTES,
+            "blocks": args.blocks,
+            "engine_blocks": args.engine_blocks,
+        },
+        "method": "wall clock from submit to wait() returning, median of repeats after warm-up; "
+        "reference: one contiguous cudaMemcpyAsync of the same bytes, timed the same way",
+        "reference": asdict(ref),
+        "rows": [asdict(r) for r in rows],
+        "outstanding": [asdict(o) for o in outstanding],
+        "acceptance": acceptance,
+        "seconds": round(elapsed, 1),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
