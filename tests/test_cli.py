@@ -144,7 +144,7 @@ def test_progress_goes_to_stderr_and_json_stays_clean(capsys: pytest.CaptureFixt
     assert "simulate" in err and "40/40" in err
 
 
-def test_human_output(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_human_output(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
         [
             "simulate",
@@ -154,21 +154,21 @@ def test_human_output(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
             "--pool-blocks",
             "200",
             "--tier",
-            f"fs:{tmp_path}:1GiB",
+            "memory:latency_ms=1",
         ]
     )
     out, err = capsys.readouterr()
     assert code == 0 and err == ""
     result = simulate_json(
-        capsys, "--limit", "100", "--pool-blocks", "200", "--tier", f"fs:{tmp_path / 'b'}:1GiB"
+        capsys, "--limit", "100", "--pool-blocks", "200", "--tier", "memory:latency_ms=1"
     )
-    # Same run in JSON (a fresh fs directory: the replay is deterministic) gives the same figures.
+    # The same run in JSON gives the same figures: the replay is deterministic.
     ratio = f"hit ratio   {result['hit_ratio']:.4f} ({result['hit_blocks']} of {result['blocks']}"
     assert ratio in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     assert lines["trace"].endswith(f"100 requests, {result['blocks']} blocks")
-    assert "tiers       pool -> fs (fs, through)" in out
-    assert lines["pool"] and lines["fs"] and lines["all"]
+    assert "tiers       pool -> memory (memory, through)" in out
+    assert lines["pool"] and lines["memory"] and lines["all"]
     assert "0 mismatched payloads" in lines["checks"]
     assert "ops/s" in lines["manager"]
     assert lines["machine"].startswith("machine ")

@@ -208,7 +208,7 @@ def test_secondary_hits_are_attributed_to_their_tier(tmp_path: Path) -> None:
 
 
 def test_fs_tier_survives_restart(tmp_path: Path) -> None:
-    limit = 400
+    limit = 200
     ids = trace_ids(limit)
     pool_blocks = max(len(r) for r in ids)  # every request fits: no store is ever skipped
     fs = {"kind": "fs", "path": str(tmp_path / "fs"), "capacity": "1GiB"}
@@ -233,8 +233,8 @@ def test_fs_tier_survives_restart(tmp_path: Path) -> None:
 def test_fs_tier_on_evict(tmp_path: Path) -> None:
     result = run(
         bundled_trace_path(),
-        300,
-        limit=300,
+        200,
+        limit=200,
         tiers=[{"kind": "fs", "write": "on_evict", "path": str(tmp_path), "capacity": "1GiB"}],
     )
     assert result.tiers[1].write == "on_evict"
