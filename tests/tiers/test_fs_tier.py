@@ -502,32 +502,6 @@ def test_blocks_in_flight_are_not_evicted(
     assert bytes(pool.view(30)) == payload_for(a, SLOT_BYTES)
 
 
-def test_queued_read_pins_from_submit(
-    make_tier: MakeTier, pool: HostPool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # One I/O thread, busy: a read waiting in the queue is already protected from eviction.
-    tier = make_tier(blocks=2, threads=1)
-    drive = Driver(tier)
-    a, b, c = make_keys(3)
-    assert drive.store(a) and drive.store(b)
-    release = threading.Event()
-    real = fs_module._write_all
-
-    def slow_write(fd: int, buffers: list[memoryview]) -> None:
-        assert release.wait(10)
-        real(fd, buffers)
-
-    monkeypatch.setattr(fs_module, "_write_all", slow_write)
-    fill(pool, 0, c)
-    write_c = drive.submit(JobKind.WRITE, [c], [0])  # occupies the thread, evicts a (oldest)...
-    time.sleep(0.05)
-    read_b = drive.submit(JobKind.READ, [b], [31])  # ...queued behind it
-    release.set()
-    assert drive.wait(write_c) == [True]
-    assert drive.wait(read_b) == [True]
-    assert tier.lookup([a, b, c]) == [False, True, True]
-
-
 def test_all_pinned_means_rejected(
     make_tier: MakeTier, pool: HostPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
