@@ -465,3 +465,60 @@ def test_configs_compare_by_value() -> None:
     a, b = load_config({"eviction": "arc"}), load_config({"eviction": "arc"})
     assert a == b and a != load_config({})
     assert isinstance(a, KVTierConfig)
+
+
+# -- the docs match the code ----------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config_keys() -> dict[str, list[str]]:
+    """Every key the config reads, by section, from the records themselves."""
+    from kvtier.config import BlockConfig, CopyConfig, PoolConfig
+    from kvtier.tiers import tier_class
+
+    keys = {
+        "": [f.name for f in dataclasses.fields(KVTierConfig)],
+        "pool": [f.name for f in dataclasses.fields(PoolConfig)],
+        "block": [f.name for f in dataclasses.fields(BlockConfig)],
+        "admission": [f.name for f in dataclasses.fields(AdmissionConfig)],
+        "copy": [f.name for f in dataclasses.fields(CopyConfig)],
+        "tiers": ["kind", "name", "write"],
+    }
+    from kvtier.config import options_class
+
+    for kind in TIER_KINDS:
+        fields = dataclasses.fields(options_class(tier_class(kind)))
+        keys[kind] = [f.name for f in fields if f.compare]  # compare=False: bookkeeping, not keys
+    return keys
+
+
+def test_every_config_key_is_documented() -> None:
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    sections = ("pool", "block", "admission", "copy")
+    for section, keys in config_keys().items():
+        for key in keys:
+            assert f"`{key}`" in reference, (section, key)
+            if section in ("", *sections) and key not in sections:
+                dotted = f"{section}.{key}" if section else key
+                assert f"`{dotted}`" in readme, dotted
+
+
+def test_documented_example_config_is_valid() -> None:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    example = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = load_config(yaml.safe_load(example))
+    assert [t.kind for t in config.tiers] == ["fs", "redis"]
+    assert config.tiers[1].write is WriteMode.ON_EVICT
+
+
+def test_readme_python_example_runs(tmp_path: Path) -> None:
+    text = (ROOT / "README.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"/tmp/kv"' in code
+    namespace: dict[str, Any] = {}
+    exec(code.replace('"/tmp/kv"', repr(str(tmp_path / "kv"))), namespace)
+    assert namespace["pool"].num_slots == 1024
+    assert namespace["r"] == (0, True)
+    assert namespace["res"].keys == namespace["keys"]

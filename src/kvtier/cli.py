@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # ConfigError, PoolError, TraceError: a message, never a traceback.
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # stdout closed early (`kvtier simulate | head`): not an error worth a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
