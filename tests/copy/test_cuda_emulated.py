@@ -277,3 +277,26 @@ def test_options() -> None:
 
     opts = CudaCopyOptions.from_config(Cfg())
     assert (opts.strategy, opts.max_sms, opts.allow_pageable) == ("kernel", 12, True)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_dma_lanes_split_the_copy_and_join(pool: HostPool, layerwise: bool) -> None:
+    fake = FakeRuntime(deferred=True)
+    opts = CudaCopyOptions(strategy="dma", dma_lanes=3, prealloc_streams=0)
+    backend, logical, _ = _backend(pool, KVLayout.BLOCK_COMPACT, "dma", fake, options=opts)
+    pool.array()[:] = 0xAB
+    blocks, slots = [4, 9, 1, 7, 2], [3, 0, 8, 5, 6]
+    fake.calls.clear()
+    backend.submit(CopyJob(1, Direction.STORE, blocks, slots), layerwise=layerwise)
+    copies = [c for c in fake.calls if c[0] == "memcpy"]
+    assert len({c[1] for c in copies}) == 3  # three streams
+    assert sum(c[2] for c in copies) == len(blocks) * (
+        backend.geometry.num_layers if layerwise else 1
+    )
+    assert backend.stats().streams_created == 3
+    fake.run()
+    assert backend.poll().done == [1]
+    for b, s in zip(blocks, slots, strict=True):
+        assert _slot_part(pool, s, 0, backend.slot_part_bytes) == block_bytes(logical, b)
+    assert _idle(backend)
+    backend.close()

@@ -93,6 +93,9 @@ class CudaCopyOptions:
     stream_priority: int = 0
     prefer_copy_engine: bool = True
     """Ask ``cudaMemcpyBatchAsync`` for the copy engines (never SMs) for DMA copies."""
+    dma_lanes: int = 1
+    """Streams one DMA transfer is spread over, so several copy engines overlap their per-copy
+    overheads."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -101,6 +104,8 @@ class CudaCopyOptions:
             raise ConfigError("copy.max_sms", self.max_sms, "0 (backend's choice) or more")
         if self.max_streams < 1:
             raise ConfigError("copy.max_streams", self.max_streams, "at least 1")
+        if self.dma_lanes < 1:
+            raise ConfigError("copy.dma_lanes", self.dma_lanes, "at least 1")
         if self.register_chunk_bytes < 1:
             raise ConfigError("copy.register_chunk_bytes", self.register_chunk_bytes, "at least 1")
 
@@ -306,6 +311,8 @@ class _Transfer:
     done: int
     """Event recorded after the last copy; 0 when nothing could be recorded."""
     layer_events: list[int] = field(default_factory=list)
+    aux_streams: list[int] = field(default_factory=list)
+    """Extra DMA lanes; they join ``stream`` before ``done`` is recorded."""
     failed: bool = False
 
 
@@ -540,6 +547,11 @@ class CudaCopyBackend(CopyBackend):
     def _drain_failed(self, transfer: _Transfer) -> None:
         """A transfer failed after part of it was enqueued: keep it in flight until that part has
         run (so its slots and blocks are not reused under a running copy), then report it."""
+        for stream in transfer.aux_streams:
+            try:  # rare path: a lane may not have joined the main stream, so wait for it here
+                self._rt.stream_synchronize(stream)
+            except CudaError as exc:
+                log.error("copy stream unusable: %s", exc)
         try:
             done = self._events.acquire()
             transfer.done = done
@@ -595,30 +607,55 @@ class CudaCopyBackend(CopyBackend):
             if self.strategy == "kernel":
                 self._launch(transfer.stream, plan, 0, len(geo.regions))
             else:
-                self._dma(transfer.stream, plan, self._merged)
+                self._dma(transfer, plan, self._merged)
             return
         for layer in range(geo.num_layers):
             if self.strategy == "kernel":
                 rng = geo.layer_regions(layer)
                 self._launch(transfer.stream, plan, rng.start, len(rng))
             else:
-                self._dma(transfer.stream, plan, self._layer_merged[layer])
+                self._dma(transfer, plan, self._layer_merged[layer])
             event = self._events.acquire()
             transfer.layer_events.append(event)
             self._rt.event_record(event, transfer.stream)
 
-    def _dma(self, stream: int, plan: _Plan, regions: Sequence[Region]) -> None:
+    def _dma(self, transfer: _Transfer, plan: _Plan, regions: Sequence[Region]) -> None:
         copies = copy_list(regions, plan.blocks, plan.hosts, plan.to_host)
         rt = self._rt
-        if rt.has_batch_memcpy:
-            rt.memcpy_batch_async(
-                copies.dsts, copies.srcs, copies.sizes, self._attrs[plan.to_host], stream
-            )
+        attrs = self._attrs[plan.to_host]
+        lanes = min(self.options.dma_lanes, len(copies.sizes))
+        if rt.has_batch_memcpy and lanes > 1:
+            # Fork: the lanes start after everything already on the transfer's stream.
+            fork = self._events.acquire()
+            try:
+                rt.event_record(fork, transfer.stream)
+                while len(transfer.aux_streams) < lanes - 1:
+                    transfer.aux_streams.append(self._streams.acquire())
+                for stream in transfer.aux_streams[: lanes - 1]:
+                    rt.stream_wait_event(stream, fork)
+            finally:
+                self._events.release(fork)  # a wait binds to the record before it
+            bounds = np.linspace(0, len(copies.sizes), lanes + 1).astype(np.int64).tolist()
+            streams = [transfer.stream, *transfer.aux_streams[: lanes - 1]]
+            for lane, stream in enumerate(streams):
+                part = slice(bounds[lane], bounds[lane + 1])
+                rt.memcpy_batch_async(
+                    copies.dsts[part], copies.srcs[part], copies.sizes[part], attrs, stream
+                )
+            for stream in streams[1:]:  # join
+                join = self._events.acquire()
+                try:
+                    rt.event_record(join, stream)
+                    rt.stream_wait_event(transfer.stream, join)
+                finally:
+                    self._events.release(join)
+        elif rt.has_batch_memcpy:
+            rt.memcpy_batch_async(copies.dsts, copies.srcs, copies.sizes, attrs, transfer.stream)
         else:
             for dst, src, size in zip(
                 copies.dsts.tolist(), copies.srcs.tolist(), copies.sizes.tolist(), strict=True
             ):
-                rt.memcpy_async(dst, src, size, stream)
+                rt.memcpy_async(dst, src, size, transfer.stream)
 
     def _launch(self, stream: int, plan: _Plan, region_begin: int, n_regions: int) -> None:
         from kvtier.copy.cuda_kernels import THREADS
@@ -698,6 +735,9 @@ class CudaCopyBackend(CopyBackend):
         for event in transfer.layer_events:
             self._events.release(event)
         transfer.layer_events = []
+        for stream in transfer.aux_streams:
+            self._streams.release(stream)
+        transfer.aux_streams = []
         if transfer.stream:
             self._streams.release(transfer.stream)
             transfer.stream = 0

@@ -101,9 +101,17 @@ class CopyKernels:
 
         module = cupy.RawModule(code=kernel_source(), options=("-std=c++17",))
         functions = {
-            cap: int(module.get_function(f"kvtier_copy_{cap}").ptr) for cap in KERNEL_CAPACITIES
+            cap: _function_handle(module, f"kvtier_copy_{cap}") for cap in KERNEL_CAPACITIES
         }
         return cls(functions, module)
+
+
+def _function_handle(module: Any, name: str) -> int:
+    """The ``CUfunction`` of a kernel in a CuPy module (``RawKernel.kernel`` is the loaded
+    ``cupy.cuda.Function``)."""
+    kernel = module.get_function(name)
+    function = getattr(kernel, "kernel", kernel)
+    return int(function.ptr)
 
 
 class ParamBuffer:
