@@ -297,3 +297,20 @@ def test_payload_check_catches_wrong_data() -> None:
     assert result.hit_blocks > 100
     assert 0 < result.mismatched_blocks < result.hit_blocks
     assert result.cache["cache"]["load_failed"] >= result.mismatched_blocks
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "manager: with write-on-evict a full pool gives no slot in the same call: the victims' "
+        "slots stay held by their cascade jobs until a later step(), so the request that evicted "
+        "them loses its stores and its promotions"
+    ),
+)
+def test_on_evict_keeps_stores_when_the_pool_is_full(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", [[1, 2], [3, 4], [3, 4], [1, 2]])
+    through = run(trace, pool_blocks=2, tiers=[{"kind": "memory", "write": "through"}])
+    assert through.hit_blocks == 4  # [3,4] from the pool, [1,2] promoted from memory
+    on_evict = run(trace, pool_blocks=2, tiers=[{"kind": "memory", "write": "on_evict"}])
+    assert on_evict.cache["cache"]["store_skipped_full"] == 0
+    assert on_evict.hit_blocks == through.hit_blocks
