@@ -54,6 +54,8 @@ class PoolConfig:
     shm_dir: str = DEFAULT_SHM_DIR
     allow_pageable: bool = False
     """Keep running with pageable memory where pinning (page-locking for DMA) fails."""
+    writeback_window: float = 0.25
+    """Fraction of the pool, coldest first, copied ahead of eviction to write-on-evict tiers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +186,7 @@ def _pool(s: Section) -> PoolConfig:
         size=s.size("size", DEFAULT_POOL_SIZE, minimum=1),
         shm_dir=s.string("shm_dir", DEFAULT_SHM_DIR),
         allow_pageable=s.boolean("allow_pageable", False),
+        writeback_window=s.number("writeback_window", 0.25, minimum=0.0, maximum=1.0),
     )
     s.done()
     return pool

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 from kvtier.config import KVTierConfig
@@ -62,6 +63,7 @@ def build_cache(
             admission=admission,
             job_timeout_s=config.job_timeout_s,
             record_events=config.events,
+            writeback_window=math.ceil(config.pool.writeback_window * num_slots),
         )
     except BaseException:
         for tier in reversed(tiers):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 
 from kvtier.errors import ConfigError
 
@@ -35,6 +36,8 @@ class Namespace:
     extra: str = ""
     """Anything else an engine adapter knows changes the bytes (e.g. a KV quantisation scheme)."""
     tenant: str = "default"
+    _fingerprint: str = field(init=False, repr=False, compare=False, default="")
+    _digest: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -45,24 +48,28 @@ class Namespace:
             raise ConfigError("namespace.tp_size", self.tp_size, "a positive integer")
         if not -1 <= self.tp_rank < self.tp_size:
             raise ConfigError("namespace.tp_rank", self.tp_rank, f"-1 or 0..{self.tp_size - 1}")
+        # Computed once: keys_from_hashes and chain_keys use the digest on every call.
+        fields = {f.name: getattr(self, f.name) for f in dataclass_fields(self) if f.init}
+        del fields["tenant"]
+        fields["format_version"] = FORMAT_VERSION
+        fingerprint = _digest(json.dumps(fields, sort_keys=True).encode()).hex()
+        object.__setattr__(self, "_fingerprint", fingerprint)
+        object.__setattr__(self, "_digest", _digest(f"{fingerprint}\0{self.tenant}".encode()))
 
     @property
     def fingerprint(self) -> str:
         """Hex digest of model and geometry (not tenant): what the bytes of a block depend on."""
-        fields = asdict(self)
-        del fields["tenant"]
-        fields["format_version"] = FORMAT_VERSION
-        return _digest(json.dumps(fields, sort_keys=True).encode()).hex()
+        return self._fingerprint
 
     @property
     def digest(self) -> bytes:
         """16 bytes identifying fingerprint and tenant together; the root of every key chain."""
-        return _digest(f"{self.fingerprint}\0{self.tenant}".encode())
+        return self._digest
 
     @property
     def hex(self) -> str:
         """Path- and key-safe name of this namespace (tenant names never reach file paths)."""
-        return self.digest.hex()
+        return self._digest.hex()
 
 
 def _digest(data: bytes) -> bytes:

@@ -81,6 +81,7 @@ class TieredCache:
         admission: AdmissionFilter | None = None,
         job_timeout_s: float = 30.0,
         record_events: bool = True,
+        writeback_window: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool
@@ -91,6 +92,7 @@ class TieredCache:
         self._through = [i for i, mode in enumerate(modes) if mode is WriteMode.THROUGH]
         self._on_evict = [i for i, mode in enumerate(modes) if mode is WriteMode.ON_EVICT]
         self._admission = admission if admission is not None and admission.min_seen > 1 else None
+        self._writeback_window = writeback_window if self._on_evict else 0
         self._job_timeout_s = job_timeout_s
         self._record = record_events
         self._clock = clock
@@ -107,6 +109,8 @@ class TieredCache:
         self._held: dict[int, int] = {}
         """Slots owned by running jobs after their key left the pool -> number of such jobs."""
         self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
+        self._dirty: set[BlockKey] = set()
+        """Visible keys not yet copied to the write-on-evict tiers (empty without such tiers)."""
         self._jobs: dict[tuple[int, int], _Job] = {}
         self._next_job_id = 0
         self._failed_promotions: OrderedDict[BlockKey, float] = OrderedDict()
@@ -140,7 +144,7 @@ class TieredCache:
             if not final:
                 return self._pending(hits)
         counters.lookup_blocks += len(keys)
-        counters.pool_hit_blocks += hits
+        counters.hit_blocks += hits
         return LookupResult(hits, True)
 
     def _pending(self, hits: int) -> LookupResult:
@@ -255,6 +259,8 @@ class TieredCache:
         if stored and self._through:
             for tier_index in self._through:
                 self._submit_write(tier_index, stored)
+        if stored and self._on_evict:
+            self._dirty.update(stored)
 
     # -- engine-step housekeeping ---------------------------------------------------------------
 
@@ -281,6 +287,8 @@ class TieredCache:
                 self._events.extend(CacheEvent(EventKind.EVICTED, k, tier.name) for k in evicted)
         if self._jobs:
             self._time_out_jobs()
+        if self._dirty and self._writeback_window:
+            self._write_back()
         return ended
 
     def wait(self, timeout_s: float) -> bool:
@@ -356,10 +364,29 @@ class TieredCache:
         self._counters.pool_evictions += len(victims)
         if self._record:
             self._events.extend(CacheEvent(EventKind.EVICTED, key, POOL_TIER) for key in victims)
-        for tier_index in self._on_evict:
-            self._submit_write(tier_index, victims, slots)
+        dirty = self._dirty
+        if dirty:
+            pairs = [(k, s) for k, s in zip(victims, slots, strict=True) if k in dirty]
+            if pairs:
+                dirty.difference_update(k for k, _ in pairs)
+                for tier_index in self._on_evict:
+                    self._submit_write(tier_index, [k for k, _ in pairs], [s for _, s in pairs])
         held = self._held
         self._pool.free([slot for slot in slots if slot not in held] if held else slots)
+
+    def _write_back(self) -> None:
+        """Copy the coldest dirty blocks to the write-on-evict tiers ahead of their eviction.
+
+        Blocks never change once stored, so an early copy is never stale; it lets the eviction
+        of a clean block free its slot at once instead of holding it until a copy finished.
+        """
+        dirty = self._dirty
+        candidates = [k for k in self._policy.coldest(self._writeback_window) if k in dirty]
+        if not candidates:
+            return
+        dirty.difference_update(candidates)
+        for tier_index in self._on_evict:
+            self._submit_write(tier_index, candidates)
 
     def _submit_write(
         self, tier_index: int, keys: list[BlockKey], evicted_slots: list[int] | None = None
@@ -516,7 +543,7 @@ class TieredCache:
                 self._remember_failed_promotion(key, now)
         promoted = len(job.keys) - len(free)
         self._promoted[tier_name] += promoted
-        counters.secondary_hit_blocks += promoted
+        counters.promoted_blocks += promoted
         if free:
             counters.promotion_failures += len(free)
             self._pool.free(free)
@@ -529,6 +556,11 @@ class TieredCache:
         else:
             for key in job.keys:
                 self._unpin(key)
+        if not job.holds_slots and self._writeback_window and not all(ok):
+            index = self._index
+            self._dirty.update(
+                k for k, k_ok in zip(job.keys, ok, strict=True) if not k_ok and k in index
+            )
         good = sum(ok)
         self._counters.cascade_writes += good
         self._counters.cascade_failures += len(ok) - good

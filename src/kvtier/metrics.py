@@ -34,8 +34,10 @@ class CacheCounters:
 
     lookups: int = 0
     lookup_blocks: int = 0
-    pool_hit_blocks: int = 0
-    secondary_hit_blocks: int = 0
+    hit_blocks: int = 0
+    """Leading blocks found in final lookup answers (promoted blocks included)."""
+    promoted_blocks: int = 0
+    """Blocks copied from a secondary tier into the pool (counted once, when they arrive)."""
     pending_lookups: int = 0
     stored_blocks: int = 0
     store_skipped_present: int = 0
@@ -46,6 +48,7 @@ class CacheCounters:
     load_failed: int = 0
     pool_evictions: int = 0
     promotions: int = 0
+    """Blocks whose promotion was started."""
     promotion_failures: int = 0
     cascade_writes: int = 0
     cascade_failures: int = 0

@@ -207,3 +207,30 @@ def test_close_settles_running_jobs(ns, make_pool, mode):
     cache.close()
     assert cache.jobs_in_flight == 0
     assert cache.stats().pool_pinned == 0
+
+
+def test_write_back_copies_coldest_blocks_ahead_so_eviction_frees_at_once(ns, make_pool):
+    pool = make_pool(4)
+    tier = ScriptedTier("disk", ns, pool)
+    cache = TieredCache(
+        pool, LRUPolicy(), [SecondaryTier(tier, WriteMode.ON_EVICT)], writeback_window=2
+    )
+    a = keys_for(ns, 4, seed=1)
+    store(cache, a)
+    cache.step()
+    assert [job.keys for job in tier.submitted] == [a[:2]]  # only the two coldest
+    assert cache.stats().pool_pinned == 2  # pinned while being copied
+    tier.release()
+    cache.step()
+    assert set(tier.stored) == set(a[:2])
+    b = keys_for(ns, 2, seed=2)
+    assert store(cache, b) == b  # the clean victims freed their slots at once
+    assert cache.lookup(a[2:]).hits == 2
+    tier.fail_keys = set(a[2:])
+    cache.step()  # write-back of a[2:] submitted (they are now the coldest)
+    tier.release()
+    cache.step()  # the copies failed: still dirty, retried on the next step
+    assert [job.keys for job in tier.submitted][-1] == a[2:]
+    cache.step()
+    assert [job.keys for job in tier.submitted][-1] == a[2:]
+    assert len(tier.submitted) == 3

@@ -299,18 +299,38 @@ def test_payload_check_catches_wrong_data() -> None:
     assert result.cache["cache"]["load_failed"] >= result.mismatched_blocks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "manager: with write-on-evict a full pool gives no slot in the same call: the victims' "
-        "slots stay held by their cascade jobs until a later step(), so the request that evicted "
-        "them loses its stores and its promotions"
-    ),
-)
-def test_on_evict_keeps_stores_when_the_pool_is_full(tmp_path: Path) -> None:
+def test_on_evict_with_full_writeback_window_keeps_stores_when_the_pool_is_full(
+    tmp_path: Path,
+) -> None:
     trace = write_trace(tmp_path / "t.jsonl", [[1, 2], [3, 4], [3, 4], [1, 2]])
     through = run(trace, pool_blocks=2, tiers=[{"kind": "memory", "write": "through"}])
     assert through.hit_blocks == 4  # [3,4] from the pool, [1,2] promoted from memory
-    on_evict = run(trace, pool_blocks=2, tiers=[{"kind": "memory", "write": "on_evict"}])
+    on_evict = run(
+        trace,
+        pool_blocks=2,
+        pool={"writeback_window": 1.0},
+        tiers=[{"kind": "memory", "write": "on_evict"}],
+    )
     assert on_evict.cache["cache"]["store_skipped_full"] == 0
     assert on_evict.hit_blocks == through.hit_blocks
+    # Without write-back, evicted blocks hold their slots until copied: the evicting store loses.
+    no_window = run(
+        trace,
+        pool_blocks=2,
+        pool={"writeback_window": 0.0},
+        tiers=[{"kind": "memory", "write": "on_evict"}],
+    )
+    assert no_window.cache["cache"]["store_skipped_full"] > 0
+    assert_consistent(no_window)
+
+
+def test_on_evict_hit_ratio_matches_write_through_on_the_bundled_trace() -> None:
+    trace = bundled_trace_path()
+    through = run(trace, pool_blocks=600, limit=1500, tiers=[{"kind": "memory"}])
+    on_evict = run(
+        trace, pool_blocks=600, limit=1500, tiers=[{"kind": "memory", "write": "on_evict"}]
+    )
+    assert_consistent(on_evict)
+    assert on_evict.hit_blocks > 0.99 * through.hit_blocks
+    written = on_evict.cache["cache"]["cascade_writes"]
+    assert 0 < written <= through.cache["cache"]["cascade_writes"]

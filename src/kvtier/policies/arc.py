@@ -8,6 +8,7 @@ frequency. Pinned keys are skipped when choosing victims.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Container
 
@@ -70,6 +71,12 @@ class ARCPolicy(EvictionPolicy):
             victims.append(key)
         self._trim_ghosts()
         return victims
+
+    def coldest(self, n: int) -> list[BlockKey]:
+        # Approximates ``evict``'s order: the list it prefers now first, then the other.
+        prefer_t1 = len(self._t1) > self.p
+        first, second = (self._t1, self._t2) if prefer_t1 else (self._t2, self._t1)
+        return list(itertools.islice(itertools.chain(first, second), n))
 
     def _trim_ghosts(self) -> None:
         # Keep |T1| + |B1| <= c and the whole directory <= 2c, as in the paper.

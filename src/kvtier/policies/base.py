@@ -33,4 +33,8 @@ class EvictionPolicy(ABC):
         """
 
     @abstractmethod
+    def coldest(self, n: int) -> list[BlockKey]:
+        """Up to ``n`` keys in the order they would be evicted, pins ignored; nothing changes."""
+
+    @abstractmethod
     def __len__(self) -> int: ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Container
 
@@ -37,6 +38,9 @@ class LRUPolicy(EvictionPolicy):
         for key in victims:
             del order[key]
         return victims
+
+    def coldest(self, n: int) -> list[BlockKey]:
+        return list(itertools.islice(self._order, n))
 
     def __len__(self) -> int:
         return len(self._order)
