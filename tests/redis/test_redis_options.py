@@ -25,6 +25,10 @@ def test_defaults() -> None:
     assert opts.connections == opts.io_threads + 2
     assert opts.ttl_s is None and opts.ttl_ms is None
     assert opts.config_path == "tiers[0]"
+    assert opts.batch_blocks(2 * 1024 * 1024) == 1
+    assert opts.batch_blocks(64 * 1024) == 32
+    assert opts.batch_blocks(1024) == 64
+    assert options(pipeline_blocks=3).batch_blocks(2 * 1024 * 1024) == 3
 
 
 def test_full_options(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,7 +64,7 @@ def test_full_options(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"url": "redis://u:p@h", "username": "x"}, "tiers[0].username"),
         ({"ttl_s": 0}, "tiers[0].ttl_s"),
         ({"ttl_s": "1h"}, "tiers[0].ttl_s"),
-        ({"pipeline_blocks": 0}, "tiers[0].pipeline_blocks"),
+        ({"pipeline_blocks": -1}, "tiers[0].pipeline_blocks"),
         ({"io_threads": 4, "max_connections": 5}, "tiers[0].max_connections"),
         ({"key_prefix": "kv{tag}"}, "tiers[0].key_prefix"),
         ({"tls_verify": False}, "tiers[0].url"),

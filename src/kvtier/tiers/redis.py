@@ -48,6 +48,7 @@ from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobKind, Tier, TierJob
 from kvtier.tiers.payload import HEADER_BYTES, encode_header, header_matches, payload_matches
+from kvtier.tiers import redis_wire
 from kvtier.tiers.redis_client import (
     BlockValue,
     Client,
@@ -192,6 +193,7 @@ class RedisTier(Tier):
         self._digest = namespace.digest
         self._prefix = f"{opts.key_prefix}:{namespace.hex}:".encode()
         self._value_bytes = HEADER_BYTES + pool.slot_bytes
+        self._batch_blocks = opts.batch_blocks(pool.slot_bytes)
         self._presence = _Presence(opts.presence_entries)
         self._lock = threading.Lock()
         """Guards counters bumped off the manager's thread and job states."""
@@ -205,6 +207,9 @@ class RedisTier(Tier):
         )
         self._order = itertools.count()
         self._client: Client | None = None
+        self._wire = not opts.cluster
+        """Standalone: blocks move on the socket directly (redis_wire); cluster: redis-py
+        pipelines, which route each key to its node."""
         self._server_ids: frozenset[str] | None = None
 
         self._connect_at_start()
@@ -257,7 +262,7 @@ class RedisTier(Tier):
             if n == 0:
                 self._finish(job.job_id, [])
                 return
-            step = self.options.pipeline_blocks
+            step = self._batch_blocks
             starts = range(0, n, step)
             state = _JobState(job, [False] * n, len(starts))
             priority = _READ_FIRST if reading else _WRITE
@@ -492,17 +497,25 @@ class RedisTier(Tier):
             return [False] * len(keys)
 
     def _write(self, client: Client, keys: list[BlockKey], slots: list[int]) -> list[bool]:
-        pipe = client.pipeline(transaction=False)
         digest, view = self._digest, self.pool.view
         ttl = self.options.ttl_ms
-        for key, slot in zip(keys, slots, strict=True):
-            payload = view(slot)
-            value = BlockValue(encode_header(digest, key, payload), payload)
-            if ttl is None:
-                pipe.execute_command("SET", self.redis_key(key), value)
-            else:
-                pipe.execute_command("SET", self.redis_key(key), value, "PX", ttl)
-        replies = pipe.execute(raise_on_error=False)
+        payloads = [view(slot) for slot in slots]
+        headers = [encode_header(digest, k, p) for k, p in zip(keys, payloads, strict=True)]
+        rkeys = [self.redis_key(key) for key in keys]
+        replies: list[Any]
+        if self._wire:
+            with redis_wire.Batch(client) as batch:
+                batch.send(redis_wire.set_chunks(rkeys, headers, payloads, ttl))
+                replies = [batch.simple() for _ in keys]
+        else:
+            pipe = client.pipeline(transaction=False)
+            for rkey, header, payload in zip(rkeys, headers, payloads, strict=True):
+                value = BlockValue(header, payload)
+                if ttl is None:
+                    pipe.execute_command("SET", rkey, value)
+                else:
+                    pipe.execute_command("SET", rkey, value, "PX", ttl)
+            replies = pipe.execute(raise_on_error=False)
         until = self._present_until()
         ok: list[bool] = []
         for key, reply in zip(keys, replies, strict=True):
@@ -522,46 +535,69 @@ class RedisTier(Tier):
         return ok
 
     def _read(self, client: Client, keys: list[BlockKey], slots: list[int]) -> list[bool]:
-        pipe = client.pipeline(transaction=False)
         ttl = self.options.ttl_ms if self.options.ttl_touch_on_read else None
-        for key in keys:
-            if ttl is None:
-                pipe.execute_command("GET", self.redis_key(key))
-            else:
-                pipe.execute_command("GETEX", self.redis_key(key), "PX", ttl)
-        replies = pipe.execute(raise_on_error=False)
+        rkeys = [self.redis_key(key) for key in keys]
         ok: list[bool] = []
-        for key, slot, reply in zip(keys, slots, replies, strict=True):
-            if isinstance(reply, Exception):
-                self._io_failed(reply, 1)
-                ok.append(False)
-            elif reply is None:
-                # The server dropped it (TTL, maxmemory) or never had it: a miss, not an error.
-                self._presence.set(key, False, _now() + self.options.negative_cache_s)
-                self._report_evicted(key)
-                self._bump(evictions=1)
-                ok.append(False)
-            else:
-                ok.append(self._land(key, slot, reply))
-        got = sum(ok)
-        self._bump(read_blocks=got, read_bytes=got * self.pool.slot_bytes)
+        if self._wire:
+            header = memoryview(bytearray(HEADER_BYTES))
+            with redis_wire.Batch(client) as batch:
+                batch.send([redis_wire.get_command(rkeys, ttl)])
+                for key, slot in zip(keys, slots, strict=True):
+                    target = self.pool.view(slot)
+                    got = batch.block(header, target)
+                    if got is redis_wire.Got.VALUE:
+                        ok.append(self._verify(key, header, target))
+                    else:
+                        ok.append(self._not_read(key, got))
+        else:
+            pipe = client.pipeline(transaction=False)
+            for rkey in rkeys:
+                if ttl is None:
+                    pipe.execute_command("GET", rkey)
+                else:
+                    pipe.execute_command("GETEX", rkey, "PX", ttl)
+            replies = pipe.execute(raise_on_error=False)
+            for key, slot, reply in zip(keys, slots, replies, strict=True):
+                if isinstance(reply, bytes) and len(reply) == self._value_bytes:
+                    data = memoryview(reply)
+                    target = self.pool.view(slot)
+                    target[:] = data[HEADER_BYTES:]  # the one unavoidable copy here
+                    ok.append(self._verify(key, data[:HEADER_BYTES], target))
+                elif isinstance(reply, bytes):
+                    ok.append(self._not_read(key, redis_wire.Got.WRONG_SIZE))
+                elif reply is None:
+                    ok.append(self._not_read(key, redis_wire.Got.MISSING))
+                else:
+                    ok.append(self._not_read(key, reply))
+        got_blocks = sum(ok)
+        self._bump(read_blocks=got_blocks, read_bytes=got_blocks * self.pool.slot_bytes)
         return ok
 
-    def _land(self, key: BlockKey, slot: int, value: Any) -> bool:
-        """Check the header, copy the payload into the slot and check its checksum there."""
-        good = False
-        if isinstance(value, bytes) and len(value) == self._value_bytes:
-            data = memoryview(value)
-            header = data[:HEADER_BYTES]
-            if header_matches(header, self._digest, key, self.pool.slot_bytes):
-                target = self.pool.view(slot)
-                target[:] = data[HEADER_BYTES:]  # the one unavoidable copy
-                good = payload_matches(header, target)
-        if good:
+    def _verify(self, key: BlockKey, header: memoryview, payload: memoryview) -> bool:
+        """A value's header and the checksum of the bytes now in the slot."""
+        if header_matches(header, self._digest, key, len(payload)) and payload_matches(
+            header, payload
+        ):
             self._presence.set(key, True, self._present_until())
             return True
-        with self._lock:
-            self.counters.corrupt += 1
+        return self._corrupt(key)
+
+    def _not_read(self, key: BlockKey, outcome: Any) -> bool:
+        """A read that found no usable value: missing, of the wrong size, or an error."""
+        if outcome is redis_wire.Got.MISSING:
+            # The server dropped it (TTL, maxmemory) or never had it: a miss, not an error.
+            self._presence.set(key, False, _now() + self.options.negative_cache_s)
+            self._report_evicted(key)
+            self._bump(evictions=1)
+        elif outcome is redis_wire.Got.WRONG_SIZE or not isinstance(outcome, BaseException):
+            self._corrupt(key)
+        else:
+            self._io_failed(outcome, 1)
+        return False
+
+    def _corrupt(self, key: BlockKey) -> bool:
+        """A value that is not a valid block of this key: count it, drop it, report it."""
+        self._bump(corrupt=1)
         log.warning("redis tier %s: corrupt value for key %s dropped", self.name, key.hex())
         self._presence.set(key, False, _now() + self.options.negative_cache_s)
         self._report_evicted(key)

@@ -137,6 +137,7 @@ def build_client(options: Options) -> Client:
         "socket_connect_timeout": options.timeout_s,
         "socket_keepalive": True,
         "socket_read_size": SOCKET_READ_BYTES,
+        "protocol": 2,  # the block data path parses RESP2 replies itself (redis_wire)
         "max_connections": options.connections,
         "timeout": options.timeout_s,  # wait for a free pooled connection
     }

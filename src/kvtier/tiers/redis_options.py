@@ -17,6 +17,8 @@ from kvtier.errors import ConfigError
 from kvtier.validation import Section
 
 SCHEMES = ("redis", "rediss", "unix")
+AUTO_PIPELINE_BYTES = 2 * 1024 * 1024
+AUTO_PIPELINE_MAX = 64
 _PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 """Key prefixes may not hold ``{`` or ``}``: a hash tag would put every block on one cluster node."""
 
@@ -38,8 +40,11 @@ class Options:
     """Reads restart the TTL (``GETEX``), so blocks in use stay; needs write permission."""
     timeout_s: float = 2.0
     """Socket connect, send and receive timeout of every call."""
-    pipeline_blocks: int = 8
-    """Blocks per pipelined round trip (a job is split into batches of this many)."""
+    pipeline_blocks: int = 0
+    """Blocks per pipelined round trip (a job is split into batches of this many, spread over
+    the I/O threads); 0: as many as make ``AUTO_PIPELINE_BYTES`` (one 2 MiB block, 32 blocks of
+    64 KiB). Deeper pipelines of multi-MiB values are slower: the server then writes big replies
+    in small slices (see docs/redis.md)."""
     io_threads: int = 4
     """Threads (each with its own connection) moving block data in parallel."""
     max_connections: int = 0
@@ -63,6 +68,12 @@ class Options:
     key_prefix: str = "kvtier"
     config_path: str = field(default="redis", compare=False)
     """Where these options came from in the config (for error messages)."""
+
+    def batch_blocks(self, block_bytes: int) -> int:
+        """Blocks per pipelined round trip for blocks of ``block_bytes``."""
+        if self.pipeline_blocks:
+            return self.pipeline_blocks
+        return max(1, min(AUTO_PIPELINE_MAX, AUTO_PIPELINE_BYTES // max(1, block_bytes)))
 
     @property
     def connections(self) -> int:
@@ -160,7 +171,7 @@ class Options:
             ttl_touch_on_read=section.boolean("ttl_touch_on_read", True),
             timeout_s=section.number("timeout_s", defaults.timeout_s, minimum=0.01, maximum=600.0),
             pipeline_blocks=section.integer(
-                "pipeline_blocks", defaults.pipeline_blocks, minimum=1, maximum=1024
+                "pipeline_blocks", defaults.pipeline_blocks, minimum=0, maximum=1024
             ),
             io_threads=io_threads,
             max_connections=max_connections,

@@ -1,0 +1,239 @@
+"""The block data path on a standalone server: pipelined SET / GET written and read on a redis-py
+connection's socket, moving block bytes straight between pool slots and the kernel.
+
+redis-py's reply parser hands a GET value over as ``bytes`` after copying it three times
+(socket buffer, hiredis buffer, ``bytes`` object); here a value's 64-byte header lands in a small
+buffer and its payload straight in the slot (``recv_into``), and a batch of SETs goes out as one
+scatter-gather ``sendmsg`` of header and slot views. Connections, authentication, TLS and
+timeouts stay redis-py's: a connection is taken from the client's pool, used for one batch, and
+given back clean (every reply read) or disconnected.
+
+Only RESP2 replies to SET, GET and GETEX are parsed here (the client is built with
+``protocol=2``); anything unexpected is a protocol error and the connection is dropped.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+_BUFFER = 64 * 1024
+_MAX_LINE = 64 * 1024
+_IOV_MAX = 512
+"""Buffers per sendmsg call (Linux allows 1024)."""
+
+
+class Got(Enum):
+    """What a GET reply was, besides an error."""
+
+    VALUE = "value"
+    """A value of the expected size: header in the header buffer, payload in the slot."""
+    MISSING = "missing"
+    WRONG_SIZE = "wrong_size"
+    """A value of another size (read and discarded): not a block of ours."""
+
+
+class WireError(RedisConnectionError):  # type: ignore[misc]
+    """The connection is unusable (protocol desync, closed by the server)."""
+
+
+def supported(client: Any) -> bool:
+    """True when ``client`` is a standalone redis-py client whose connections expose a socket."""
+    pool = getattr(client, "connection_pool", None)
+    return pool is not None and callable(getattr(pool, "get_connection", None))
+
+
+class Batch:
+    """One connection borrowed from ``client``'s pool for one pipelined batch.
+
+    Use as a context manager; on any exception the connection is disconnected before it goes
+    back to the pool, so no half-read reply can reach its next user.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self._pool = client.connection_pool
+        self._conn: Any = None
+        self._sock: socket.socket | None = None
+        self._buf = bytearray(_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def __enter__(self) -> Batch:
+        self._conn = self._pool.get_connection()
+        sock = getattr(self._conn, "_sock", None)
+        if not isinstance(sock, socket.socket):
+            self._conn.disconnect()
+            self._pool.release(self._conn)
+            raise WireError("redis-py connection has no socket to use")
+        self._sock = sock
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        conn = self._conn
+        if exc is not None or self._start != self._end:
+            conn.disconnect()  # never hand on a connection with unread bytes
+        self._pool.release(conn)
+
+    # -- sending --------------------------------------------------------------------------------
+
+    def send(self, chunks: Sequence[bytes | memoryview]) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            if isinstance(sock, ssl.SSLSocket):
+                for chunk in chunks:
+                    sock.sendall(chunk)
+                return
+            pending = list(chunks)
+            while pending:
+                sent = sock.sendmsg(pending[:_IOV_MAX])
+                while pending and sent >= len(pending[0]):
+                    sent -= len(pending[0])
+                    pending.pop(0)
+                if sent:
+                    pending[0] = memoryview(pending[0])[sent:]
+        except TimeoutError as exc:
+            raise RedisTimeoutError("timeout writing to socket") from exc
+        except OSError as exc:
+            raise RedisConnectionError(f"error writing to socket: {exc}") from exc
+
+    # -- replies --------------------------------------------------------------------------------
+
+    def simple(self) -> bytes | int | None | ResponseError:
+        """One reply that is a status, an integer, a null or an error (bulk strings rejected)."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return ResponseError(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if line in (b"$-1", b"_"):
+            return None
+        raise WireError(f"unexpected reply {line[:40]!r}")
+
+    def block(self, header: memoryview, payload: memoryview) -> Got | ResponseError:
+        """One GET reply: header bytes into ``header``, the rest into ``payload``."""
+        line = self._line()
+        kind = line[:1]
+        if kind == b"-":
+            return ResponseError(line[1:].decode(errors="replace"))
+        if line in (b"$-1", b"_"):
+            return Got.MISSING
+        if kind != b"$":
+            raise WireError(f"unexpected reply {line[:40]!r}")
+        try:
+            size = int(line[1:])
+        except ValueError:
+            raise WireError(f"bad bulk length {line[:40]!r}") from None
+        if size == len(header) + len(payload):
+            self._into(header)
+            self._into(payload)
+        else:
+            self._skip(size)
+        self._crlf()
+        return Got.VALUE if size == len(header) + len(payload) else Got.WRONG_SIZE
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _recv(self, into: memoryview) -> int:
+        sock = self._sock
+        assert sock is not None
+        try:
+            n = sock.recv_into(into)
+        except TimeoutError as exc:
+            raise RedisTimeoutError("timeout reading from socket") from exc
+        except OSError as exc:
+            raise RedisConnectionError(f"error reading from socket: {exc}") from exc
+        if n == 0:
+            raise WireError("connection closed by server")
+        return n
+
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            # Move the unread tail to the front (only happens while looking for a line end).
+            tail = self._end - self._start
+            self._buf[:tail] = self._buf[self._start : self._end]
+            self._start, self._end = 0, tail
+        self._end += self._recv(self._view[self._end :])
+
+    def _line(self) -> bytes:
+        while True:
+            at = self._buf.find(b"\r\n", self._start, self._end)
+            if at >= 0:
+                line = bytes(self._buf[self._start : at])
+                self._start = at + 2
+                return line
+            if self._end - self._start > _MAX_LINE:
+                raise WireError("reply line too long")
+            self._fill()
+
+    def _into(self, target: memoryview) -> None:
+        """Fill ``target`` with the next bytes: what is buffered, then straight from the socket."""
+        have = min(self._end - self._start, len(target))
+        if have:
+            target[:have] = self._view[self._start : self._start + have]
+            self._start += have
+        filled = have
+        while filled < len(target):
+            filled += self._recv(target[filled:])
+
+    def _skip(self, n: int) -> None:
+        while n > 0:
+            if self._start == self._end:
+                self._fill()
+            take = min(n, self._end - self._start)
+            self._start += take
+            n -= take
+
+    def _crlf(self) -> None:
+        while self._end - self._start < 2:
+            if self._start == self._end:
+                self._start = self._end = 0
+            self._fill()
+        if self._buf[self._start : self._start + 2] != b"\r\n":
+            raise WireError("bulk string not followed by CRLF")
+        self._start += 2
+
+
+def set_chunks(
+    keys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequence[memoryview],
+    ttl_ms: int | None,
+) -> list[bytes | memoryview]:
+    """The RESP2 bytes of ``SET key header+payload [PX ttl]`` for each block, the payloads as
+    views (never joined)."""
+    argc = b"*5\r\n" if ttl_ms is not None else b"*3\r\n"
+    tail = b"\r\n"
+    if ttl_ms is not None:
+        tail += b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(ttl_ms)), ttl_ms)
+    out: list[bytes | memoryview] = []
+    lead = b""
+    for key, header, payload in zip(keys, headers, payloads, strict=True):
+        out.append(
+            b"%s%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s"
+            % (lead, argc, len(key), key, len(header) + len(payload), header)
+        )
+        out.append(payload)
+        lead = tail
+    out.append(lead)
+    return out
+
+
+def get_command(keys: Sequence[bytes], ttl_ms: int | None) -> bytes:
+    """``GET key`` (or ``GETEX key PX ttl``) for each key, as one buffer."""
+    if ttl_ms is None:
+        return b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
+    px = b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(ttl_ms)), ttl_ms)
+    return b"".join(b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%s\r\n%s" % (len(k), k, px) for k in keys)
+
