@@ -74,6 +74,8 @@ class Outstanding:
     first_over_100us: int
     """Index of the first submit over 100 us (-1: none)."""
     first_over_1ms: int
+    slowest: list[tuple[int, float]]
+    """(index, us) of the five slowest submits."""
     device_max_connections: str
 
 
@@ -200,8 +202,10 @@ def variant_name(options: CudaCopyOptions) -> str:
     if options.strategy == "auto":
         return "auto"
     parts = [options.strategy]
-    if options.strategy == "kernel":
+    if options.strategy in ("kernel", "staged"):
         parts.append(f"sms={options.max_sms or 'default'}")
+    if options.strategy == "staged":
+        parts.append(f"stage={options.stage_bytes >> 20}M")
     else:
         parts.append(f"lanes={options.dma_lanes}")
         if not options.prefer_copy_engine:
@@ -312,7 +316,8 @@ def run_outstanding(
         gc.enable()
         gc.unfreeze()
     held = not gate.query()
-    in_flight = backend.stats().in_flight
+    stats = backend.stats()
+    in_flight = stats.in_flight + stats.queued
     streams = backend.stats().streams_created
     backend.wait([100 + job for job in range(n)])
     res = backend.poll()
@@ -335,6 +340,7 @@ def run_outstanding(
         len(slow),
         int(slow[0]) if len(slow) else -1,
         int(very_slow[0]) if len(very_slow) else -1,
+        [(int(i), round(float(us[i]), 1)) for i in np.argsort(us)[-5:][::-1]],
         os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
     )
 
@@ -394,24 +400,18 @@ def main() -> None:
         (per_layer, KVLayout.LAYER_KV_FIRST, CudaCopyOptions(strategy="auto")),
     ]
     if not args.defaults_only:
+        per = KVLayout.LAYER_KV_FIRST
         configs += [
-            (per_layer, KVLayout.LAYER_KV_FIRST, CudaCopyOptions(strategy="kernel", max_sms=s))
-            for s in sms_values
-            if s != 0
+            (per_layer, per, CudaCopyOptions(strategy="kernel", max_sms=s)) for s in sms_values
         ]
         configs += [
-            (compact, KVLayout.BLOCK_COMPACT, CudaCopyOptions(strategy="dma", dma_lanes=lanes))
-            for lanes in (1, 2, 4)
-        ]
-        configs += [
-            (
-                compact,
-                KVLayout.BLOCK_COMPACT,
-                CudaCopyOptions(strategy="dma", prefer_copy_engine=False),
-            ),
-            (compact, KVLayout.BLOCK_COMPACT, CudaCopyOptions(strategy="kernel", max_sms=8)),
-            (compact, KVLayout.BLOCK_COMPACT, CudaCopyOptions(strategy="kernel", max_sms=16)),
-            (per_layer, KVLayout.LAYER_KV_FIRST, CudaCopyOptions(strategy="dma")),
+            (per_layer, per, CudaCopyOptions(strategy="staged", max_sms=4)),
+            (per_layer, per, CudaCopyOptions(strategy="staged", max_sms=16)),
+            (per_layer, per, CudaCopyOptions(strategy="staged", stage_bytes=32 << 20)),
+            (per_layer, per, CudaCopyOptions(strategy="staged", dma_lanes=1)),
+            (compact, KVLayout.BLOCK_COMPACT, CudaCopyOptions(strategy="dma", dma_lanes=1)),
+            (compact, KVLayout.BLOCK_COMPACT, CudaCopyOptions(strategy="dma", dma_lanes=4)),
+            (compact, KVLayout.BLOCK_COMPACT, CudaCopyOptions(strategy="kernel")),
         ]
     if args.outstanding_only:
         configs = []
@@ -435,10 +435,14 @@ def main() -> None:
             )
 
     outstanding: list[Outstanding] = []
-    for kv, layout in ((compact, KVLayout.BLOCK_COMPACT), (per_layer, KVLayout.LAYER_KV_FIRST)):
+    for kv, layout, strategy in (
+        (compact, KVLayout.BLOCK_COMPACT, "auto"),
+        (per_layer, KVLayout.LAYER_KV_FIRST, "auto"),
+        (per_layer, KVLayout.LAYER_KV_FIRST, "kernel"),
+    ):
         try:
             o = run_outstanding(
-                kv, layout, pool, CudaCopyOptions(strategy="auto"), args.outstanding
+                kv, layout, pool, CudaCopyOptions(strategy=strategy), args.outstanding
             )
         except Exception as exc:
             print(f"outstanding {layout.value}: FAILED: {exc!r}", flush=True)

@@ -213,6 +213,10 @@ class EmulatedBackend(CudaCopyBackend):
     def _compile_kernels(self) -> Any:
         return SimpleNamespace(functions={cap: cap for cap in KERNEL_CAPACITIES})
 
+    def _alloc_device(self, nbytes: int) -> tuple[Any, int]:
+        memory = np.full(nbytes, 0xEE, dtype=np.uint8)
+        return memory, int(memory.ctypes.data)
+
     def _upload(self, table: np.ndarray) -> tuple[Any, int]:
         copy = np.ascontiguousarray(table.copy())
         return copy, int(copy.ctypes.data)

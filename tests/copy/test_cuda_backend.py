@@ -97,12 +97,12 @@ def backend_for(
 
 
 def idle(backend: CudaCopyBackend) -> bool:
+    return backend.stats().idle
+
+
+def outstanding(backend: CudaCopyBackend) -> int:
     s = backend.stats()
-    return (
-        s.in_flight == 0
-        and s.streams_idle == s.streams_created
-        and s.events_idle == s.events_created
-    )
+    return s.in_flight + s.queued
 
 
 def drain(backend: CudaCopyBackend, timeout: float = 30.0) -> tuple[list[int], list[int]]:
@@ -111,7 +111,7 @@ def drain(backend: CudaCopyBackend, timeout: float = 30.0) -> tuple[list[int], l
     failed: list[int] = []
     deadline = time.monotonic() + timeout
     while True:
-        in_flight = backend.stats().in_flight
+        in_flight = outstanding(backend)
         res = backend.poll()
         done += res.done
         failed += res.failed
@@ -123,7 +123,7 @@ def drain(backend: CudaCopyBackend, timeout: float = 30.0) -> tuple[list[int], l
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
-@pytest.mark.parametrize("strategy", ["dma", "kernel"])
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_roundtrip_every_element(
     pool: HostPool, layout: KVLayout, strategy: str, layerwise: bool
@@ -131,7 +131,8 @@ def test_roundtrip_every_element(
     seed = zlib.crc32(f"{layout.value}/{strategy}/{layerwise}".encode())
     gen = torch.Generator(device="cuda").manual_seed(seed)
     kv = make_kv(layout, gen)
-    backend = backend_for(pool, kv, layout, strategy)
+    # Staging buffers of 3 blocks: a 20-block job takes 7 chunks through 2 buffers.
+    backend = backend_for(pool, kv, layout, strategy, stage_bytes=3 * LAYERS * 2 * 32768)
     nbytes = backend.slot_part_bytes
     ref = logical(kv, layout)
     rng = np.random.default_rng(7)
@@ -170,7 +171,7 @@ def test_roundtrip_every_element(
     backend.close()
 
 
-@pytest.mark.parametrize("strategy", ["dma", "kernel"])
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
 def test_store_waits_for_the_kernel_writing_the_block(pool: HostPool, strategy: str) -> None:
     layout = KVLayout.LAYER_KV_FIRST
     kv = make_kv(layout, torch.Generator(device="cuda").manual_seed(1))
@@ -186,7 +187,7 @@ def test_store_waits_for_the_kernel_writing_the_block(pool: HostPool, strategy: 
     backend.close()
 
 
-@pytest.mark.parametrize("strategy", ["dma", "kernel"])
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
 def test_load_does_not_overwrite_a_block_still_being_read(pool: HostPool, strategy: str) -> None:
     layout = KVLayout.LAYER_KV_FIRST
     kv = make_kv(layout, torch.Generator(device="cuda").manual_seed(2))
@@ -205,7 +206,7 @@ def test_load_does_not_overwrite_a_block_still_being_read(pool: HostPool, strate
     backend.close()
 
 
-@pytest.mark.parametrize("strategy", ["dma", "kernel"])
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
 def test_stream_wait_orders_a_load_before_the_next_kernel(pool: HostPool, strategy: str) -> None:
     layout = KVLayout.LAYER_KV_FIRST
     kv = make_kv(layout, torch.Generator(device="cuda").manual_seed(3))
@@ -230,15 +231,15 @@ def test_stream_wait_orders_a_load_before_the_next_kernel(pool: HostPool, strate
     backend.close()
 
 
-@pytest.mark.parametrize("strategy", ["dma", "kernel"])
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
 @pytest.mark.parametrize("fail_at", [0, 2])
 def test_failed_enqueue_returns_streams_and_events(
     pool: HostPool, strategy: str, fail_at: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     layout = KVLayout.LAYER_KV_FIRST
     kv = make_kv(layout, torch.Generator(device="cuda").manual_seed(4))
-    backend = backend_for(pool, kv, layout, strategy, prealloc_streams=0)
-    name = "_launch" if strategy == "kernel" else "_dma"
+    backend = backend_for(pool, kv, layout, strategy, stage_bytes=LAYERS * 2 * 32768)
+    name = "_dma" if strategy == "dma" else "_launch"
     real = getattr(backend, name)
     calls = {"n": 0}
 
@@ -250,7 +251,10 @@ def test_failed_enqueue_returns_streams_and_events(
 
     monkeypatch.setattr(backend, name, flaky)
     pool.array()[:] = 0
-    backend.submit(CopyJob(1, Direction.STORE, [1, 2, 3], [0, 1, 2]), layerwise=True)
+    # Layer by layer (dma, kernel) or one block per staging chunk (staged): several steps.
+    backend.submit(
+        CopyJob(1, Direction.STORE, [1, 2, 3], [0, 1, 2]), layerwise=strategy != "staged"
+    )
     monkeypatch.setattr(backend, name, real)
     backend.submit(CopyJob(2, Direction.STORE, [4], [3]))
     done, failed = drain(backend)
@@ -266,7 +270,11 @@ def test_failed_enqueue_returns_streams_and_events(
 
 @pytest.mark.parametrize(
     ("layout", "strategy"),
-    [(KVLayout.BLOCK_COMPACT, "dma"), (KVLayout.LAYER_KV_FIRST, "kernel")],
+    [
+        (KVLayout.BLOCK_COMPACT, "dma"),
+        (KVLayout.LAYER_KV_FIRST, "kernel"),
+        (KVLayout.LAYER_KV_FIRST, "staged"),
+    ],
 )
 def test_ten_thousand_outstanding_transfers_never_block(
     pool: HostPool, layout: KVLayout, strategy: str
@@ -293,10 +301,10 @@ def test_ten_thousand_outstanding_transfers_never_block(
     finally:
         gc.enable()
         gc.unfreeze()
-    outstanding = backend.stats().in_flight
+    held = outstanding(backend)
     early = backend.poll()
     assert not gate.query(), "the gate opened before all transfers were submitted"
-    assert outstanding == n and early.done == [] and early.failed == []
+    assert held == n and early.done == [] and early.failed == []
     done, failed = drain(backend, timeout=60)
     assert failed == [] and sorted(done) == list(range(n))
     assert idle(backend)

@@ -39,7 +39,7 @@ def _backend(
 ) -> tuple[EmulatedBackend, np.ndarray, list[np.ndarray]]:
     logical = logical_blocks(np.random.default_rng(seed), NUM_BLOCKS)
     arrays = engine_arrays(logical, layout)
-    opts = kwargs.pop("options", None) or CudaCopyOptions(strategy=strategy, prealloc_streams=2)
+    opts = kwargs.pop("options", None) or CudaCopyOptions(strategy=strategy, max_streams=4)
     backend = EmulatedBackend(
         [FakeTensor(a) for a in arrays], layout, pool, opts, fake=fake or FakeRuntime(), **kwargs
     )
@@ -47,12 +47,7 @@ def _backend(
 
 
 def _idle(backend: EmulatedBackend) -> bool:
-    s = backend.stats()
-    return (
-        s.in_flight == 0
-        and s.streams_idle == s.streams_created
-        and s.events_idle == s.events_created
-    )
+    return backend.stats().idle
 
 
 def _slot_part(pool: HostPool, slot: int, offset: int, nbytes: int) -> bytes:
@@ -60,18 +55,20 @@ def _slot_part(pool: HostPool, slot: int, offset: int, nbytes: int) -> bytes:
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
-@pytest.mark.parametrize("strategy", ["dma", "kernel"])
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_store_then_load_every_byte(
     pool: HostPool, layout: KVLayout, strategy: str, layerwise: bool
 ) -> None:
     fake = FakeRuntime(deferred=True)
+    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
+    # Staging buffers of two blocks: three chunks per job, so the two buffers are reused.
+    opts = CudaCopyOptions(strategy=strategy, max_streams=4, stage_bytes=2 * block + 5)
     backend, logical, arrays = _backend(
-        pool, layout, strategy, fake, blocks_per_slot=2, tp_rank=1, tp_size=2
+        pool, layout, strategy, fake, options=opts, blocks_per_slot=2, tp_rank=1, tp_size=2
     )
     assert backend.strategy == strategy
     part = backend.slot_part_bytes
-    block = part // 2
     pool.array()[:] = 0xAB
     blocks = [5, 17, 3, 0, 23, 9]
     slots = [7, 2, 11]
@@ -110,7 +107,11 @@ def test_auto_picks_dma_for_compact_blocks_and_kernel_for_small_pieces(pool: Hos
     compact, _, _ = _backend(pool, KVLayout.BLOCK_COMPACT, "auto", options=opts)
     per_layer, _, _ = _backend(pool, KVLayout.LAYER_KV_FIRST, "auto", options=opts)
     assert compact.strategy == "dma" and compact.sms_used == 0
-    assert per_layer.strategy == "kernel" and per_layer.sms_used == 8
+    assert per_layer.strategy == "staged" and per_layer.sms_used == 8
+    no_dma = FakeRuntime(has_batch_memcpy=False)
+    direct, _, _ = _backend(pool, KVLayout.LAYER_KV_FIRST, "auto", no_dma, options=opts)
+    assert direct.strategy == "kernel"
+    direct.close()
     compact.close()
     per_layer.close()
 
@@ -159,7 +160,6 @@ def test_duplicate_in_flight_id_is_refused(pool: HostPool) -> None:
 @pytest.mark.parametrize(
     ("method", "after_calls", "layerwise"),
     [
-        ("stream_create", 0, False),  # nothing enqueued
         ("stream_wait_event", 0, False),  # the gate fails
         ("launch", 0, False),  # the copy fails before anything ran
         ("launch", 1, True),  # fails after layer 0 was enqueued
@@ -178,7 +178,7 @@ def test_failures_return_streams_and_events(
         KVLayout.LAYER_KV_FIRST,
         "kernel",
         fake,
-        options=CudaCopyOptions(strategy="kernel", prealloc_streams=0),
+        options=CudaCopyOptions(strategy="kernel", max_streams=2),
     )
     backend.submit(CopyJob(9, Direction.STORE, [0], [0]))  # a healthy job alongside
     fake.fail[method] = after_calls
@@ -210,13 +210,52 @@ def test_many_outstanding_share_streams_beyond_the_cap(pool: HostPool) -> None:
     for job in range(n):
         backend.submit(CopyJob(job, Direction.STORE, [job % NUM_BLOCKS], [job % NUM_SLOTS]))
     stats = backend.stats()
-    assert stats.in_flight == n and stats.streams_created == 64
+    assert stats.in_flight == 256 and stats.queued == n - 256 and stats.streams_created == 64
     assert backend.poll().done == []
-    fake.run()
-    res = backend.poll()
-    assert sorted(res.done) == list(range(n)) and res.failed == []
+    done: list[int] = []
+    while backend.stats().in_flight:
+        fake.run()
+        res = backend.poll()  # reports what ran, enqueues the next ones
+        assert res.failed == []
+        done += res.done
+    assert sorted(done) == list(range(n))
     assert _idle(backend)
     backend.close()
+
+
+def test_the_host_queue_feeds_the_device_in_order(pool: HostPool) -> None:
+    fake = FakeRuntime(deferred=True)
+    opts = CudaCopyOptions(strategy="dma", max_in_flight=4)
+    backend, _, _ = _backend(pool, KVLayout.BLOCK_COMPACT, "dma", fake, options=opts)
+    for job in range(10):
+        backend.submit(CopyJob(job, Direction.LOAD, [job], [job]))
+    assert backend.stats()[-2:] == (4, 6)
+    backend.wait([8])  # waiting for a queued job enqueues it first
+    assert backend.stats()[-2:] == (5, 5)
+    backend.stream_wait(9)
+    assert backend.stats()[-2:] == (6, 4)
+    res = backend.poll()
+    assert sorted(res.done) == [0, 1, 2, 3, 8]  # the emulated wait runs everything enqueued
+    assert backend.stats()[-2:] == (4, 1)  # 9, and 4, 5, 6 enqueued as room was made
+    fake.run()
+    assert sorted(backend.poll().done) == [4, 5, 6, 9]
+    fake.run()
+    assert sorted(backend.poll().done) == [7]
+    assert _idle(backend)
+    # Queued jobs hold their gate event; close returns it.
+    fake.deferred = True
+    backend.submit(CopyJob(20, Direction.LOAD, [1], [1]))
+    backend.close()
+    assert fake.events == set() and fake.streams == set()
+
+
+def test_stream_creation_failure_unregisters_the_pool(pool: HostPool) -> None:
+    from kvtier.copy.cuda_runtime import CudaError
+
+    fake = FakeRuntime(fail={"stream_create": 2})
+    with pytest.raises(CudaError, match="injected"):
+        _backend(pool, KVLayout.BLOCK_COMPACT, "dma", fake)
+    assert fake.registered == []
 
 
 def test_pinning_failure_raises_unless_pageable_allowed(pool: HostPool) -> None:
@@ -282,7 +321,7 @@ def test_options() -> None:
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_dma_lanes_split_the_copy_and_join(pool: HostPool, layerwise: bool) -> None:
     fake = FakeRuntime(deferred=True)
-    opts = CudaCopyOptions(strategy="dma", dma_lanes=3, prealloc_streams=0)
+    opts = CudaCopyOptions(strategy="dma", dma_lanes=3, max_streams=3)
     backend, logical, _ = _backend(pool, KVLayout.BLOCK_COMPACT, "dma", fake, options=opts)
     pool.array()[:] = 0xAB
     blocks, slots = [4, 9, 1, 7, 2], [3, 0, 8, 5, 6]

@@ -2,26 +2,36 @@
 
 How a transfer runs:
 
-* It takes a stream of its own from a stream pool (real CUDA streams, created through the runtime,
-  up to ``max_streams``; past that, busy streams are shared round robin) and events from an event
-  pool. Thousands of outstanding transfers therefore never fill one stream's queue and block the
-  host. Stream and events go back to their pools when ``poll`` or ``wait`` sees the transfer
-  finished, on every path: a failure while enqueueing keeps the transfer in flight, marked failed,
-  until the work already enqueued has drained, so a slot is never freed while a copy may still
-  touch it.
-* Before copying it waits (on the GPU, not the host) for an event recorded on the caller's current
-  stream at ``submit``: a STORE reads the blocks only after the forward pass that wrote them, and
-  a LOAD overwrites blocks only after the kernels queued before it that may still read them. A
-  caller may pass its own event (``after=``), e.g. one per engine step for many jobs.
-* It copies with one of two strategies, chosen per registration:
-  ``dma``: one ``cudaMemcpyBatchAsync`` (CUDA >= 12.8) over all pieces, on the copy engines, no SM
-  used; the right choice when pieces are large (``BLOCK_COMPACT``: one 2 MiB copy per block).
-  ``kernel``: the gather/scatter kernel of ``cuda_kernels``, on at most ``max_sms`` SMs, reading
-  and writing the mapped host pool directly; the right choice for small pieces (vLLM's per-layer
-  layout: 32 KiB per layer, K/V and block).
+* ``submit`` validates the job, notes the point on the caller's current stream it must wait for
+  (an event recorded there; or the caller's own ``after=`` event, e.g. one per engine step for
+  many jobs) and returns. The copy is enqueued on the device at once while fewer than
+  ``max_in_flight`` transfers are enqueued and unfinished; past that it waits in a host-side queue
+  and ``poll`` / ``submit`` / ``wait`` enqueue it as earlier ones finish. So no number of
+  outstanding transfers ever fills a CUDA queue and blocks the host inside ``submit``.
+* An enqueued transfer runs on a stream of its own from a pool of ``max_streams`` CUDA streams,
+  created at registration (creating streams later can take milliseconds; past the pool size busy
+  streams are shared round robin), with events from an event pool. Streams and events go back to
+  their pools when ``poll`` or ``wait`` sees the transfer finished, on every path: a failure while
+  enqueueing keeps the transfer in flight, marked failed, until the work already enqueued has
+  drained, so a slot is never freed while a copy may still touch it.
+* On the GPU it first waits for the noted point: a STORE reads blocks only after the forward pass
+  that wrote them; a LOAD overwrites blocks only after the kernels queued before it, which may
+  still read them.
+* It copies with one strategy, chosen at registration (``auto``: by layout and the measurements in
+  ``docs/cuda.md``):
+  ``dma``: ``cudaMemcpyBatchAsync`` (CUDA >= 12.8) over all pieces, on the copy engines, no SM;
+  for large pieces (``BLOCK_COMPACT``: one 2 MiB copy per block), spread over ``dma_lanes``
+  streams so two copy engines hide each other's per-copy gaps.
+  ``staged``: for small pieces (vLLM's per-layer layout: 32 KiB per layer, K/V and block). The
+  gather/scatter kernel of ``cuda_kernels`` (on at most ``max_sms`` SMs) packs the blocks into a
+  device staging buffer, at device-memory speed, and the copy engines move whole blocks across
+  PCIe; chunks are double-buffered so the two overlap.
+  ``kernel``: the same kernel reading and writing the mapped host pool directly, no staging; it
+  leaves the copy engines free but moves fewer bytes per PCIe transaction (about 93% of a DMA).
+  A ``staged`` backend runs ``layerwise`` jobs this way, layer by layer.
 * A LOAD is complete, visible to the next kernels of any stream, once ``poll`` reported it or
-  ``wait`` returned. ``stream_wait`` makes the current stream wait for a load (or one layer of a
-  layer-wise load) without blocking the host.
+  ``wait`` returned. ``stream_wait`` makes the current stream wait for a load (or, for a
+  ``layerwise`` load, one layer of it) without blocking the host.
 
 The pool is registered with ``cudaHostRegister`` (page-locked and mapped, in pieces of about
 ``register_chunk_bytes``), so DMA runs at full speed and the kernel can address it. If that fails
@@ -44,6 +54,7 @@ from kvtier.copy.base import CopyBackend, CopyJob, CopyResults, Direction
 from kvtier.copy.cuda_plan import (
     KERNEL_CAPACITIES,
     SLOT_LAYOUT,
+    CopyList,
     KVGeometry,
     KVLayout,
     Region,
@@ -69,45 +80,47 @@ from kvtier.pool import HostPool
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "dma", "kernel")
+STRATEGIES = ("auto", "dma", "staged", "kernel")
 DEFAULT_MAX_SMS = 8
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class CudaCopyOptions:
     strategy: str = "auto"
-    """``auto`` (DMA for pieces of at least ``dma_min_piece_bytes``, else the kernel), ``dma`` or
-    ``kernel``."""
+    """``auto``: ``dma`` for pieces of at least ``dma_min_piece_bytes``, else ``staged``;
+    or one of ``dma``, ``staged``, ``kernel`` (see the module docstring)."""
     max_sms: int = 0
     """SMs the copy kernel may occupy (its grid size); 0: ``DEFAULT_MAX_SMS``."""
     allow_pageable: bool = False
     """Run on pageable memory (DMA only, slow) where pinning the pool fails, instead of raising."""
     dma_min_piece_bytes: int = 256 << 10
-    register_chunk_bytes: int = GIB
-    """Pin the pool in pieces of about this size (whole slots each)."""
-    max_streams: int = 1024
-    """Distinct CUDA streams at most; beyond, outstanding transfers share streams round robin."""
-    prealloc_streams: int = 16
-    """Streams created at registration, so early submits do not pay for stream creation."""
-    stream_priority: int = 0
+    dma_lanes: int = 2
+    """Streams one DMA transfer (or a staged transfer's DMA side) is spread over."""
     prefer_copy_engine: bool = True
     """Ask ``cudaMemcpyBatchAsync`` for the copy engines (never SMs) for DMA copies."""
-    dma_lanes: int = 1
-    """Streams one DMA transfer is spread over, so several copy engines overlap their per-copy
-    overheads."""
+    stage_bytes: int = 64 * MIB
+    """Size of one staging buffer (``staged``); two per direction are allocated on the device."""
+    stage_buffers: int = 2
+    max_in_flight: int = 256
+    """Transfers enqueued on the device and unfinished at most; more wait on the host."""
+    max_streams: int = 64
+    """CUDA streams in the pool, all created at registration."""
+    stream_priority: int = 0
+    register_chunk_bytes: int = GIB
+    """Pin the pool in pieces of about this size (whole slots each)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError("copy.strategy", self.strategy, f"one of {', '.join(STRATEGIES)}")
         if self.max_sms < 0:
             raise ConfigError("copy.max_sms", self.max_sms, "0 (backend's choice) or more")
-        if self.max_streams < 1:
-            raise ConfigError("copy.max_streams", self.max_streams, "at least 1")
-        if self.dma_lanes < 1:
-            raise ConfigError("copy.dma_lanes", self.dma_lanes, "at least 1")
-        if self.register_chunk_bytes < 1:
-            raise ConfigError("copy.register_chunk_bytes", self.register_chunk_bytes, "at least 1")
+        for name in ("dma_lanes", "stage_buffers", "max_in_flight", "max_streams"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"copy.{name}", getattr(self, name), "at least 1")
+        if self.stage_bytes < 1 or self.register_chunk_bytes < 1:
+            raise ConfigError("copy.stage_bytes", self.stage_bytes, "positive byte counts")
 
     @classmethod
     def from_config(cls, config: Any, **overrides: Any) -> CudaCopyOptions:
@@ -130,34 +143,44 @@ class ResourceStats(NamedTuple):
     streams_idle: int
     events_created: int
     events_idle: int
+    events_staging: int
+    """Events the staging buffers hold (each marks when its buffer is free again)."""
     in_flight: int
+    """Transfers enqueued on the device and not yet reported."""
+    queued: int
+    """Transfers waiting on the host for room (``max_in_flight``)."""
+
+    @property
+    def idle(self) -> bool:
+        """Nothing outstanding and every stream and event back in its pool."""
+        return (
+            self.in_flight == 0
+            and self.queued == 0
+            and self.streams_idle == self.streams_created
+            and self.events_idle + self.events_staging == self.events_created
+        )
 
 
 # -- pools of streams and events ---------------------------------------------------------------
 
 
 class _StreamPool:
-    def __init__(self, rt: CudaRuntime, limit: int, priority: int) -> None:
+    """``size`` streams created up front; a busy pool shares its streams round robin."""
+
+    def __init__(self, rt: CudaRuntime, size: int, priority: int) -> None:
         self._rt = rt
-        self._limit = limit
-        self._priority = priority
         self._all: list[int] = []
         self._idle: list[int] = []
         self._users: dict[int, int] = {}
         self._next_shared = 0
-
-    def create(self, n: int) -> None:
-        for _ in range(min(n, self._limit - len(self._all))):
-            stream = self._rt.stream_create(self._priority)
+        for _ in range(size):
+            stream = rt.stream_create(priority)
             self._all.append(stream)
             self._idle.append(stream)
 
     def acquire(self) -> int:
         if self._idle:
             stream = self._idle.pop()
-        elif len(self._all) < self._limit:
-            stream = self._rt.stream_create(self._priority)
-            self._all.append(stream)
         else:
             stream = self._all[self._next_shared % len(self._all)]
             self._next_shared += 1
@@ -304,23 +327,43 @@ def _event_handle(event: Any) -> int:
     return int(handle)
 
 
-@dataclass(slots=True)
-class _Transfer:
-    job_id: int
-    stream: int
-    done: int
-    """Event recorded after the last copy; 0 when nothing could be recorded."""
-    layer_events: list[int] = field(default_factory=list)
-    aux_streams: list[int] = field(default_factory=list)
-    """Extra DMA lanes; they join ``stream`` before ``done`` is recorded."""
-    failed: bool = False
-
-
 @dataclass(frozen=True, slots=True)
 class _Plan:
     to_host: bool
     blocks: np.ndarray
+    """Engine block ids (int64)."""
     hosts: np.ndarray
+    """Host address of each engine block's bytes in its slot (uint64)."""
+
+
+@dataclass(slots=True)
+class _Transfer:
+    job_id: int
+    plan: _Plan
+    layerwise: bool
+    gate: int
+    """Event the copy waits for before touching engine memory (0 once waited on)."""
+    owns_gate: bool
+    """The gate came from this backend's event pool (returned once waited on)."""
+    stream: int = 0
+    done: int = 0
+    """Event recorded after the last copy; 0 when none (nothing enqueued, or drained)."""
+    layer_events: list[int] = field(default_factory=list)
+    aux_streams: list[int] = field(default_factory=list)
+    """DMA lanes; they join ``stream`` before ``done`` is recorded."""
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class _StageRing:
+    """Device staging buffers of one direction, used in turn by every staged transfer."""
+
+    owner: Any
+    base: int
+    buffer_bytes: int
+    free: list[int]
+    """Per buffer: an event recorded after its last use (0: never used)."""
+    next: int = 0
 
 
 class CudaCopyBackend(CopyBackend):
@@ -362,6 +405,7 @@ class CudaCopyBackend(CopyBackend):
         self._pool = pool
         self._num_slots = pool.num_slots
         self._kv_refs = list(kv_caches)  # the addresses below stay valid while these live
+        self._rings: dict[bool, _StageRing] = {}
 
         rt = self._rt = self._make_runtime()
         with self._device_context():
@@ -369,15 +413,16 @@ class CudaCopyBackend(CopyBackend):
                 rt, pool, options.register_chunk_bytes, options.allow_pageable
             )
             try:
+                self._events = _EventPool(rt)
                 self._setup_strategy()
                 self._streams = _StreamPool(rt, options.max_streams, options.stream_priority)
-                self._events = _EventPool(rt)
-                self._streams.create(options.prealloc_streams)
             except BaseException:
+                self._rings = {}
                 self._pinned.close()
                 raise
         self._inflight: dict[int, _Transfer] = {}
-        self._finished_early: list[int] = []
+        self._queued: dict[int, _Transfer] = {}
+        self._done_early: list[int] = []
         self._failed_early: list[int] = []
         self._closed = False
 
@@ -392,19 +437,21 @@ class CudaCopyBackend(CopyBackend):
         ]
         kernel_why = self._kernel_unavailable()
         dma_why = "" if rt.has_batch_memcpy else "cudaMemcpyBatchAsync needs CUDA runtime >= 12.8"
-        if opts.strategy == "kernel" and kernel_why:
+        strategy = opts.strategy
+        if strategy in ("kernel", "staged") and kernel_why:
             raise ConfigError(
-                "copy.strategy", "kernel", f"the kernel cannot run here: {kernel_why}"
+                "copy.strategy", strategy, f"the kernel cannot run here: {kernel_why}"
             )
-        if opts.strategy == "dma":
-            strategy = "dma"
-        elif opts.strategy == "kernel":
-            strategy = "kernel"
-        else:
+        if strategy == "staged" and dma_why:
+            raise ConfigError("copy.strategy", strategy, dma_why)
+        if strategy == "auto":
             small = min(r.nbytes for r in self._merged) < opts.dma_min_piece_bytes
-            strategy = (
-                "kernel" if (small and not kernel_why) or (dma_why and not kernel_why) else "dma"
-            )
+            if not small or kernel_why:
+                strategy = "dma"  # large pieces, or no kernel: the copy engines alone
+            elif dma_why:
+                strategy = "kernel"
+            else:
+                strategy = "staged"
         if strategy == "dma" and dma_why:
             log.warning("%s: falling back to one cudaMemcpyAsync per piece", dma_why)
         self.strategy = strategy
@@ -417,15 +464,23 @@ class CudaCopyBackend(CopyBackend):
         self._kernels: Any = None
         self._region_table: Any = None
         self._region_table_address = 0
-        if strategy == "kernel":
+        if strategy in ("kernel", "staged"):
             from kvtier.copy.cuda_kernels import ParamBuffer
 
             self._kernels = self._compile_kernels()
             self._params = ParamBuffer()
             self._region_table, self._region_table_address = self._upload(region_table(geo.regions))
+        if strategy == "staged":
+            block = geo.block_bytes
+            buffer_bytes = max(1, opts.stage_bytes // block) * block
+            for to_host in (True, False):
+                owner, base = self._alloc_device(buffer_bytes * opts.stage_buffers)
+                self._rings[to_host] = _StageRing(
+                    owner, base, buffer_bytes, [0] * opts.stage_buffers
+                )
 
     def _kernel_unavailable(self) -> str:
-        """Why the kernel strategy cannot run here ('' when it can)."""
+        """Why the kernel cannot run here ('' when it can)."""
         if not self._pinned.pinned:
             return "the host pool is not pinned"
         if not self._pinned.device_addressable:
@@ -464,6 +519,13 @@ class CudaCopyBackend(CopyBackend):
 
         return CopyKernels.compile()
 
+    def _alloc_device(self, nbytes: int) -> tuple[Any, int]:
+        """Device memory: (owner object, address)."""
+        import torch
+
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+        return tensor, int(tensor.data_ptr())
+
     def _upload(self, table: np.ndarray) -> tuple[Any, int]:
         """A device copy of a uint64 array: (owner object, device address)."""
         import torch
@@ -472,10 +534,12 @@ class CudaCopyBackend(CopyBackend):
         torch.cuda.synchronize(self.device)
         return tensor, int(tensor.data_ptr())
 
+    # -- properties ----------------------------------------------------------------------------
+
     @property
     def sms_used(self) -> int:
         """SMs a copy may occupy: 0 for DMA (copy engines), the kernel's grid size otherwise."""
-        return self.max_sms if self.strategy == "kernel" else 0
+        return 0 if self.strategy == "dma" else self.max_sms
 
     @property
     def pinned(self) -> bool:
@@ -492,14 +556,15 @@ class CudaCopyBackend(CopyBackend):
     # -- submit --------------------------------------------------------------------------------
 
     def submit(self, job: CopyJob, after: Any = None, layerwise: bool = False) -> None:
-        """Enqueue ``job``; never raises for a bad job (``poll`` reports it failed).
+        """Queue ``job``; never raises for a bad job (``poll`` reports it failed) and never waits
+        for the device.
 
         ``after``: an event (``torch.cuda.Event`` or a ``cudaEvent_t`` as int) to wait for instead
-        of the work queued on the current stream. ``layerwise``: copy layer by layer and record an
-        event after each, for ``stream_wait(job_id, layer)``.
+        of the work queued on the current stream now. ``layerwise``: copy layer by layer and
+        record an event after each, for ``stream_wait(job_id, layer)``.
         """
         job_id = job.job_id
-        if self._closed or job_id in self._inflight:
+        if self._closed or job_id in self._inflight or job_id in self._queued:
             log.error("copy job %d rejected: %s", job_id, "closed" if self._closed else "id in use")
             self._failed_early.append(job_id)
             return
@@ -510,63 +575,27 @@ class CudaCopyBackend(CopyBackend):
             self._failed_early.append(job_id)
             return
         if len(plan.blocks) == 0:
-            self._finished_early.append(job_id)
+            self._done_early.append(job_id)
             return
         rt = self._rt
-        transfer: _Transfer | None = None
-        enqueued = False
         try:
             if rt.get_device() != self.device:
                 rt.set_device(self.device)
-            stream = self._streams.acquire()
-            transfer = _Transfer(job_id, stream, 0)
-            self._gate(stream, after)
-            enqueued = True
-            self._enqueue(transfer, plan, layerwise)
-            done = self._events.acquire()
-            transfer.done = done
-            rt.event_record(done, stream)
-        except Exception as exc:
-            log.error("copy job %d failed while enqueueing: %s", job_id, exc)
-            if transfer is None:
-                self._failed_early.append(job_id)
-                return
-            transfer.failed = True
-            if transfer.done:
-                # The event exists but its record failed: it must not gate the release.
-                self._events.release(transfer.done)
-                transfer.done = 0
-            if enqueued:
-                self._drain_failed(transfer)
+            if after is None:
+                gate = self._events.acquire()
+                try:
+                    rt.event_record(gate, self._current_stream())
+                except BaseException:
+                    self._events.release(gate)
+                    raise
             else:
-                self._release(transfer)
-                self._failed_early.append(job_id)
+                gate = _event_handle(after)
+        except Exception as exc:
+            log.error("copy job %d failed: %s", job_id, exc)
+            self._failed_early.append(job_id)
             return
-        self._inflight[job_id] = transfer
-
-    def _drain_failed(self, transfer: _Transfer) -> None:
-        """A transfer failed after part of it was enqueued: keep it in flight until that part has
-        run (so its slots and blocks are not reused under a running copy), then report it."""
-        for stream in transfer.aux_streams:
-            try:  # rare path: a lane may not have joined the main stream, so wait for it here
-                self._rt.stream_synchronize(stream)
-            except CudaError as exc:
-                log.error("copy stream unusable: %s", exc)
-        try:
-            done = self._events.acquire()
-            transfer.done = done
-            self._rt.event_record(done, transfer.stream)
-            self._inflight[transfer.job_id] = transfer
-        except Exception:
-            if transfer.done:
-                self._events.release(transfer.done)
-                transfer.done = 0
-            try:
-                self._rt.stream_synchronize(transfer.stream)
-            except CudaError as exc:
-                log.error("copy stream unusable: %s", exc)
-            self._release(transfer)
-            self._failed_early.append(transfer.job_id)
+        self._queued[job_id] = _Transfer(job_id, plan, layerwise, gate, after is None)
+        self._pump()
 
     def _plan(self, job: CopyJob) -> _Plan:
         if job.direction not in (Direction.STORE, Direction.LOAD):
@@ -588,98 +617,228 @@ class CudaCopyBackend(CopyBackend):
         )
         return _Plan(job.direction is Direction.STORE, blocks, hosts)
 
-    def _gate(self, stream: int, after: Any) -> None:
-        rt = self._rt
-        if after is not None:
-            rt.stream_wait_event(stream, _event_handle(after))
-            return
-        gate = self._events.acquire()
-        try:
-            rt.event_record(gate, self._current_stream())
-            rt.stream_wait_event(stream, gate)
-        finally:
-            # Safe to reuse at once: a stream wait binds to the record made before it.
-            self._events.release(gate)
+    def _pump(self) -> None:
+        """Enqueue queued transfers while there is room."""
+        queued, limit = self._queued, self.options.max_in_flight
+        while queued and len(self._inflight) < limit:
+            self._start(queued.pop(next(iter(queued))))
 
-    def _enqueue(self, transfer: _Transfer, plan: _Plan, layerwise: bool) -> None:
-        geo = self.geometry
-        if not layerwise:
-            if self.strategy == "kernel":
-                self._launch(transfer.stream, plan, 0, len(geo.regions))
+    def _start_now(self, job_id: int) -> None:
+        transfer = self._queued.pop(job_id, None)
+        if transfer is not None:
+            self._start(transfer)
+
+    def _start(self, transfer: _Transfer) -> None:
+        """Enqueue one transfer on the device. On failure it stays in flight, marked failed,
+        until what it enqueued has drained; ``poll`` reports it."""
+        rt = self._rt
+        self._inflight[transfer.job_id] = transfer
+        enqueued = False
+        try:
+            transfer.stream = self._streams.acquire()
+            rt.stream_wait_event(transfer.stream, transfer.gate)
+            self._release_gate(transfer)  # a wait binds to the record made before it
+            enqueued = True
+            self._enqueue(transfer)
+            transfer.done = self._events.acquire()
+            rt.event_record(transfer.done, transfer.stream)
+        except Exception as exc:
+            log.error("copy job %d failed while enqueueing: %s", transfer.job_id, exc)
+            transfer.failed = True
+            self._release_gate(transfer)
+            if transfer.done:  # its record failed: it marks nothing
+                self._events.release(transfer.done)
+                transfer.done = 0
+            if enqueued:
+                self._drain_failed(transfer)
+
+    def _drain_failed(self, transfer: _Transfer) -> None:
+        """Make ``done`` mark the end of whatever a failed transfer enqueued (so its slots and
+        blocks are not reused under a running copy); where even that fails, wait here."""
+        rt = self._rt
+        for stream in transfer.aux_streams:
+            try:  # rare path: a lane may not have joined the main stream, so wait for it here
+                rt.stream_synchronize(stream)
+            except CudaError as exc:
+                log.error("copy stream unusable: %s", exc)
+        try:
+            transfer.done = self._events.acquire()
+            rt.event_record(transfer.done, transfer.stream)
+        except Exception:
+            if transfer.done:
+                self._events.release(transfer.done)
+                transfer.done = 0
+            try:
+                rt.stream_synchronize(transfer.stream)
+            except CudaError as exc:
+                log.error("copy stream unusable: %s", exc)
+
+    def _release_gate(self, transfer: _Transfer) -> None:
+        if transfer.gate and transfer.owns_gate:
+            self._events.release(transfer.gate)
+        transfer.gate = 0
+
+    # -- enqueueing copies ---------------------------------------------------------------------
+
+    def _enqueue(self, transfer: _Transfer) -> None:
+        plan, geo = transfer.plan, self.geometry
+        if self.strategy == "staged" and not transfer.layerwise:
+            self._staged(transfer)
+            return
+        # A layer-wise job of the staged strategy runs the kernel straight to the pool, layer by
+        # layer: staging chunks hold whole blocks, so no layer would be complete before the last.
+        direct = self.strategy != "dma"
+        if not transfer.layerwise:
+            if direct:
+                self._launch(
+                    transfer.stream, plan.blocks, plan.hosts, plan.to_host, 0, len(geo.regions)
+                )
             else:
-                self._dma(transfer, plan, self._merged)
+                self._dma(
+                    transfer,
+                    copy_list(self._merged, plan.blocks, plan.hosts, plan.to_host),
+                    plan.to_host,
+                )
             return
         for layer in range(geo.num_layers):
-            if self.strategy == "kernel":
+            if direct:
                 rng = geo.layer_regions(layer)
-                self._launch(transfer.stream, plan, rng.start, len(rng))
+                self._launch(
+                    transfer.stream, plan.blocks, plan.hosts, plan.to_host, rng.start, len(rng)
+                )
             else:
-                self._dma(transfer, plan, self._layer_merged[layer])
+                copies = copy_list(self._layer_merged[layer], plan.blocks, plan.hosts, plan.to_host)
+                self._dma(transfer, copies, plan.to_host)
             event = self._events.acquire()
             transfer.layer_events.append(event)
             self._rt.event_record(event, transfer.stream)
 
-    def _dma(self, transfer: _Transfer, plan: _Plan, regions: Sequence[Region]) -> None:
-        copies = copy_list(regions, plan.blocks, plan.hosts, plan.to_host)
-        rt = self._rt
-        attrs = self._attrs[plan.to_host]
-        lanes = min(self.options.dma_lanes, len(copies.sizes))
-        if rt.has_batch_memcpy and lanes > 1:
-            # Fork: the lanes start after everything already on the transfer's stream.
-            fork = self._events.acquire()
-            try:
-                rt.event_record(fork, transfer.stream)
-                while len(transfer.aux_streams) < lanes - 1:
-                    transfer.aux_streams.append(self._streams.acquire())
-                for stream in transfer.aux_streams[: lanes - 1]:
-                    rt.stream_wait_event(stream, fork)
-            finally:
-                self._events.release(fork)  # a wait binds to the record before it
-            bounds = np.linspace(0, len(copies.sizes), lanes + 1).astype(np.int64).tolist()
-            streams = [transfer.stream, *transfer.aux_streams[: lanes - 1]]
-            for lane, stream in enumerate(streams):
-                part = slice(bounds[lane], bounds[lane + 1])
-                rt.memcpy_batch_async(
-                    copies.dsts[part], copies.srcs[part], copies.sizes[part], attrs, stream
-                )
-            for stream in streams[1:]:  # join
-                join = self._events.acquire()
-                try:
-                    rt.event_record(join, stream)
-                    rt.stream_wait_event(transfer.stream, join)
-                finally:
-                    self._events.release(join)
-        elif rt.has_batch_memcpy:
-            rt.memcpy_batch_async(copies.dsts, copies.srcs, copies.sizes, attrs, transfer.stream)
-        else:
-            for dst, src, size in zip(
-                copies.dsts.tolist(), copies.srcs.tolist(), copies.sizes.tolist(), strict=True
-            ):
-                rt.memcpy_async(dst, src, size, transfer.stream)
+    def _lanes(self, transfer: _Transfer, lanes: int) -> list[int]:
+        while len(transfer.aux_streams) < lanes:
+            transfer.aux_streams.append(self._streams.acquire())
+        return transfer.aux_streams[:lanes]
 
-    def _launch(self, stream: int, plan: _Plan, region_begin: int, n_regions: int) -> None:
+    def _hand_over(self, src: int, dst: int) -> None:
+        """Work enqueued on ``dst`` from now on starts after the work enqueued on ``src`` so far."""
+        event = self._events.acquire()
+        try:
+            self._rt.event_record(event, src)
+            self._rt.stream_wait_event(dst, event)
+        finally:
+            self._events.release(event)  # a wait binds to the record made before it
+
+    def _batch(self, stream: int, copies: CopyList, to_host: bool) -> None:
+        rt = self._rt
+        if rt.has_batch_memcpy:
+            rt.memcpy_batch_async(
+                copies.dsts, copies.srcs, copies.sizes, self._attrs[to_host], stream
+            )
+            return
+        for dst, src, size in zip(
+            copies.dsts.tolist(), copies.srcs.tolist(), copies.sizes.tolist(), strict=True
+        ):
+            rt.memcpy_async(dst, src, size, stream)
+
+    def _dma(self, transfer: _Transfer, copies: CopyList, to_host: bool) -> None:
+        """One batched copy, split over ``dma_lanes`` streams that fork from and join back into
+        the transfer's stream."""
+        lanes = min(self.options.dma_lanes, len(copies.sizes))
+        if lanes <= 1:
+            self._batch(transfer.stream, copies, to_host)
+            return
+        extra = self._lanes(transfer, lanes - 1)
+        for stream in extra:
+            self._hand_over(transfer.stream, stream)
+        bounds = np.linspace(0, len(copies.sizes), lanes + 1).astype(np.int64).tolist()
+        for lane, stream in enumerate([transfer.stream, *extra]):
+            part = slice(bounds[lane], bounds[lane + 1])
+            self._batch(
+                stream, CopyList(copies.dsts[part], copies.srcs[part], copies.sizes[part]), to_host
+            )
+        for stream in extra:
+            self._hand_over(stream, transfer.stream)
+
+    def _staged(self, transfer: _Transfer) -> None:
+        """Chunks of blocks through the staging ring: for a STORE, gather (kernel, on the
+        transfer's stream) then DMA (on a lane); for a LOAD, DMA then scatter. A buffer is
+        reused only after the step that last read it."""
+        plan, rt = transfer.plan, self._rt
+        ring = self._rings[plan.to_host]
+        block = self.geometry.block_bytes
+        per = ring.buffer_bytes // block
+        n_regions = len(self.geometry.regions)
+        lanes = self._lanes(transfer, self.options.dma_lanes)
+        main = transfer.stream
+        for k, start in enumerate(range(0, len(plan.blocks), per)):
+            end = min(len(plan.blocks), start + per)
+            j = ring.next
+            ring.next = (j + 1) % len(ring.free)
+            stage = ring.base + j * ring.buffer_bytes
+            staged = np.uint64(stage) + np.arange(end - start, dtype=np.uint64) * np.uint64(block)
+            blocks, hosts = plan.blocks[start:end], plan.hosts[start:end]
+            whole = [Region(stage, block, block, 0, 0)]
+            copies = copy_list(whole, np.arange(end - start), hosts, plan.to_host)
+            lane = lanes[k % len(lanes)]
+            if plan.to_host:
+                if ring.free[j]:
+                    rt.stream_wait_event(main, ring.free[j])
+                self._launch(main, blocks, staged, True, 0, n_regions)
+                self._hand_over(main, lane)
+                self._batch(lane, copies, True)
+                self._mark_free(ring, j, lane)
+            else:
+                if ring.free[j]:
+                    rt.stream_wait_event(lane, ring.free[j])
+                self._batch(lane, copies, False)
+                self._hand_over(lane, main)
+                self._launch(main, blocks, staged, False, 0, n_regions)
+                self._mark_free(ring, j, main)
+        if plan.to_host:
+            for lane in lanes:
+                self._hand_over(lane, main)
+
+    def _mark_free(self, ring: _StageRing, index: int, stream: int) -> None:
+        event = self._events.acquire()
+        try:
+            self._rt.event_record(event, stream)
+        except BaseException:
+            self._events.release(event)
+            raise
+        old, ring.free[index] = ring.free[index], event
+        if old:
+            self._events.release(old)
+
+    def _launch(
+        self,
+        stream: int,
+        blocks: np.ndarray,
+        hosts: np.ndarray,
+        to_host: bool,
+        region_begin: int,
+        n_regions: int,
+    ) -> None:
+        """The copy kernel over ``blocks`` x regions ``[region_begin, +n_regions)``; ``hosts``
+        are the other side's addresses (the pool, or a staging buffer)."""
         from kvtier.copy.cuda_kernels import THREADS
 
         warps_per_cta = THREADS // 32
         limit = KERNEL_CAPACITIES[-1]
-        table = self._region_table_address
         buf = self._params
-        for start in range(0, len(plan.blocks), limit):
-            blocks = plan.blocks[start : start + limit]
-            capacity = pick_capacity(len(blocks))
+        for start in range(0, len(blocks), limit):
+            part = blocks[start : start + limit]
+            capacity = pick_capacity(len(part))
             pack_params(
                 buf.array,
                 capacity,
-                table,
+                self._region_table_address,
                 self.geometry.piece_bytes,
                 region_begin,
                 n_regions,
-                plan.to_host,
-                blocks,
-                plan.hosts[start : start + limit],
+                to_host,
+                part,
+                hosts[start : start + limit],
             )
-            units = len(blocks) * n_regions
-            grid = max(1, min(self.max_sms, -(-units // warps_per_cta)))
+            grid = max(1, min(self.max_sms, -(-len(part) * n_regions // warps_per_cta)))
             self._rt.launch(
                 self._kernels.functions[capacity], grid, THREADS, buf.kernel_params, stream
             )
@@ -687,13 +846,14 @@ class CudaCopyBackend(CopyBackend):
     # -- completion ----------------------------------------------------------------------------
 
     def poll(self) -> CopyResults:
-        done, failed = self._finished_early, self._failed_early
-        self._finished_early, self._failed_early = [], []
+        self._pump()
+        done, failed = self._done_early, self._failed_early
+        self._done_early, self._failed_early = [], []
         query = self._rt.event_query
         finished: list[_Transfer] = []
         for transfer in self._inflight.values():
             try:
-                if query(transfer.done):
+                if not transfer.done or query(transfer.done):
                     finished.append(transfer)
             except CudaError as exc:
                 log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
@@ -703,12 +863,16 @@ class CudaCopyBackend(CopyBackend):
             del self._inflight[transfer.job_id]
             self._release(transfer)
             (failed if transfer.failed else done).append(transfer.job_id)
+        if finished:
+            self._pump()
         return CopyResults(done, failed)
 
     def wait(self, job_ids: Sequence[int]) -> None:
         for job_id in job_ids:
+            self._start_now(job_id)
+        for job_id in job_ids:
             transfer = self._inflight.get(job_id)
-            if transfer is None:
+            if transfer is None or not transfer.done:
                 continue
             try:
                 self._rt.event_synchronize(transfer.done)
@@ -719,8 +883,9 @@ class CudaCopyBackend(CopyBackend):
     def stream_wait(self, job_id: int, layer: int | None = None) -> None:
         """Make the current stream wait (on the GPU) for job ``job_id``, or for one layer of a
         layer-wise job; a no-op for a job already reported."""
+        self._start_now(job_id)
         transfer = self._inflight.get(job_id)
-        if transfer is None:
+        if transfer is None or not transfer.done:
             return
         if layer is None or not transfer.layer_events:
             event = transfer.done
@@ -729,6 +894,7 @@ class CudaCopyBackend(CopyBackend):
         self._rt.stream_wait_event(self._current_stream(), event)
 
     def _release(self, transfer: _Transfer) -> None:
+        self._release_gate(transfer)
         if transfer.done:
             self._events.release(transfer.done)
             transfer.done = 0
@@ -743,28 +909,41 @@ class CudaCopyBackend(CopyBackend):
             transfer.stream = 0
 
     def stats(self) -> ResourceStats:
+        staging = sum(1 for ring in self._rings.values() for e in ring.free if e)
         return ResourceStats(
             self._streams.created,
             self._streams.idle,
             self._events.created,
             self._events.idle,
+            staging,
             len(self._inflight),
+            len(self._queued),
         )
 
     def close(self) -> None:
-        """Wait for outstanding copies, then free streams and events and unregister the pool.
-        Jobs not yet reported by ``poll`` are not reported any more. Safe to call twice."""
+        """Wait for enqueued copies, then free streams, events and staging buffers and unregister
+        the pool. Jobs not yet reported by ``poll`` are not reported any more (queued ones never
+        run). Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         with self._device_context():
+            for transfer in self._queued.values():
+                self._release_gate(transfer)
+            self._queued.clear()
             for transfer in list(self._inflight.values()):
-                try:
-                    self._rt.event_synchronize(transfer.done)
-                except CudaError as exc:
-                    log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
+                if transfer.done:
+                    try:
+                        self._rt.event_synchronize(transfer.done)
+                    except CudaError as exc:
+                        log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
                 self._release(transfer)
             self._inflight.clear()
+            for ring in self._rings.values():
+                for event in ring.free:
+                    if event:
+                        self._events.release(event)
+            self._rings = {}
             self._streams.destroy()
             self._events.destroy()
             self._pinned.close()
