@@ -205,7 +205,12 @@ def block_keys(n: int, salt: int) -> list[bytes]:
 
 
 def redis_benchmark(
-    url: str, test: str, value_bytes: int, requests: int, clients: int, pipeline: int,
+    url: str,
+    test: str,
+    value_bytes: int,
+    requests: int,
+    clients: int,
+    pipeline: int,
     keyspace: int | None,
 ) -> float:
     """Requests per second of one redis-benchmark test (``set`` or ``get``) over ``keyspace``
@@ -305,19 +310,26 @@ def main(argv: list[str] | None = None) -> int:
                     n, c = args.blocks, args.io_threads
                     who = f"redis-benchmark -P {depth}"
                     raw.flushall()
-                    rates = [("SET new keys", redis_benchmark(url, "set", block_bytes, n, c,
-                                                              depth, 10**9))]
+                    rates = [
+                        (
+                            "SET new keys",
+                            redis_benchmark(url, "set", block_bytes, n, c, depth, 10**9),
+                        )
+                    ]
                     # Fill a keyspace as large as the tier's (6n random SETs leave < 0.3% of the
                     # n keys unset), then overwrite and read it, as the tier does.
                     redis_benchmark(url, "set", block_bytes, 6 * n, c, depth, n)
-                    rates.append(("SET overwrite",
-                                  redis_benchmark(url, "set", block_bytes, n, c, depth, n)))
+                    rates.append(
+                        ("SET overwrite", redis_benchmark(url, "set", block_bytes, n, c, depth, n))
+                    )
                     rates.append(("GET", redis_benchmark(url, "get", block_bytes, n, c, depth, n)))
                     # For reference only: redis-benchmark's default, one key over and over.
-                    rates.append(("SET one key", redis_benchmark(url, "set", block_bytes, n, c,
-                                                                 depth, None)))
-                    rates.append(("GET one key", redis_benchmark(url, "get", block_bytes, n, c,
-                                                                 depth, None)))
+                    rates.append(
+                        ("SET one key", redis_benchmark(url, "set", block_bytes, n, c, depth, None))
+                    )
+                    rates.append(
+                        ("GET one key", redis_benchmark(url, "get", block_bytes, n, c, depth, None))
+                    )
                     for op, rate in rates:
                         report.runs.append(asdict(Run(who, op, n, n / rate, c, depth)))
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
@@ -341,8 +353,16 @@ def main(argv: list[str] | None = None) -> int:
         ref_rate = median_rate(ref_who, op)
         ratio = tier_rate / ref_rate
         report.rows.append(
-            Row(op, tier_rate, tier_rate * block_bytes / GB, ref_who, ref_rate,
-                ref_rate * block_bytes / GB, ratio, ratio >= 0.8)
+            Row(
+                op,
+                tier_rate,
+                tier_rate * block_bytes / GB,
+                ref_who,
+                ref_rate,
+                ref_rate * block_bytes / GB,
+                ratio,
+                ratio >= 0.8,
+            )
         )
     report.passed = all(row.passed for row in report.rows)
     informational = {

@@ -4,17 +4,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis_servers import RedisCluster, RedisServer, TlsFiles, binaries_missing, make_tls_files
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-
-from redis_servers import RedisCluster, RedisServer, TlsFiles, binaries_missing, make_tls_files
 
 SLOT_BYTES = 64 * 1024 + 100
 """Not a multiple of the pool's slot alignment, on purpose."""
 NUM_SLOTS = 64
 
-pytestmark = pytest.mark.redis
 
 
 def _require_binaries() -> None:

@@ -42,7 +42,9 @@ def options(**values: Any) -> Options:
     return Options.parse(Section(dict(values), "tiers[0]"))
 
 
-def make_tier(pool: HostPool, namespace: Namespace, name: str = "redis", **values: Any) -> RedisTier:
+def make_tier(
+    pool: HostPool, namespace: Namespace, name: str = "redis", **values: Any
+) -> RedisTier:
     values.setdefault("timeout_s", 2.0)
     values.setdefault("reconnect_initial_s", 0.05)
     values.setdefault("reconnect_max_s", 0.5)

@@ -56,12 +56,50 @@ def make_tls_files(directory: Path) -> TlsFiles:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvtier-test-ca",
-        "-keyout", str(ca_key), "-out", str(ca))
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
-        "-keyout", str(key), "-out", str(csr))
-    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-        "-days", "2", "-extfile", str(ext), "-out", str(cert))
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvtier-test-ca",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+        "-out",
+        str(cert),
+    )
     return TlsFiles(ca=ca, cert=cert, key=key)
 
 
@@ -232,9 +270,18 @@ class RedisCluster:
             server.start()
         addresses = [f"127.0.0.1:{s.port}" for s in self.servers]
         subprocess.run(
-            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0",
-             "--cluster-yes"],
-            capture_output=True, timeout=CLUSTER_TIMEOUT_S, check=True,
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *addresses,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=CLUSTER_TIMEOUT_S,
+            check=True,
         )
         self.wait_ok()
         return self

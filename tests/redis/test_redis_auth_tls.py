@@ -37,8 +37,11 @@ def test_wrong_or_missing_password_is_a_clear_error(
     make_server: object, pool: HostPool, namespace: Namespace, credentials: dict[str, str]
 ) -> None:
     srv: RedisServer = make_server("requirepass top-secret")  # type: ignore[operator]
-    url = srv.url(password=credentials.get("url_password")) if "url_password" in credentials \
+    url = (
+        srv.url(password=credentials.get("url_password"))
+        if "url_password" in credentials
         else srv.url()
+    )
     extra = {"password": credentials["password"]} if "password" in credentials else {}
     with pytest.raises(ConfigError) as info:
         make_tier(pool, namespace, url=url, **extra)
@@ -54,8 +57,9 @@ def test_acl_user_from_config_keys_and_env(
 ) -> None:
     srv: RedisServer = make_server("requirepass admin-pw", ACL_USER)  # type: ignore[operator]
     monkeypatch.setenv("KVTIER_TEST_PW", "engine-pw")
-    tier = make_tier(pool, namespace, url=srv.url(), username="engine",
-                     password_env="KVTIER_TEST_PW")
+    tier = make_tier(
+        pool, namespace, url=srv.url(), username="engine", password_env="KVTIER_TEST_PW"
+    )
     try:
         keys = make_keys(3, "acl")
         assert Driver(tier).store(keys) == [True] * 3
@@ -88,7 +92,10 @@ def test_acl_user_without_access_to_our_keys(
 
 
 def test_tls_round_trip(
-    make_server: object, pool: HostPool, pool_b: HostPool, namespace: Namespace,
+    make_server: object,
+    pool: HostPool,
+    pool_b: HostPool,
+    namespace: Namespace,
     tls_files: TlsFiles,
 ) -> None:
     srv = _tls_server(make_server, tls_files, "requirepass tls-pw")

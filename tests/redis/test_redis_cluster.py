@@ -37,7 +37,9 @@ def test_cluster_corruption_and_isolation(
     cluster: RedisCluster, pool: HostPool, pool_b: HostPool, namespace: Namespace
 ) -> None:
     other = Namespace(
-        model=namespace.model, dtype=namespace.dtype, block_tokens=namespace.block_tokens,
+        model=namespace.model,
+        dtype=namespace.dtype,
+        block_tokens=namespace.block_tokens,
         tenant="someone-else",
     )
     a = make_tier(pool, namespace, url=cluster.url, cluster=True)
@@ -51,8 +53,9 @@ def test_cluster_corruption_and_isolation(
         for server in cluster.servers:
             if server.cli("exists", rkey) == "1":
                 raw = server.client()
-                old = raw.getrange(rkey, 100, 100)[0]
-                raw.setrange(rkey, 100, bytes([old ^ 0xFF]))
+                old = raw.getrange(rkey, 100, 100)
+                assert isinstance(old, bytes)
+                raw.setrange(rkey, 100, bytes([old[0] ^ 0xFF]))
                 raw.close()
         assert Driver(a).load_exact(keys, first_slot=10) == [False] + [True] * 5
         assert a.counters.corrupt == 1

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 from redis.connection import PythonRespSerializer
+from redis_helpers import options
 
+from kvtier.config import options_class
 from kvtier.errors import ConfigError
 from kvtier.tiers import tier_class
 from kvtier.tiers.redis import Options, RedisTier
 from kvtier.tiers.redis_client import BlockValue, ZeroCopyPacker
 from kvtier.tiers.redis_options import masked_url
 
-from redis_helpers import options
-
 
 def test_registry_finds_the_tier() -> None:
     assert tier_class("redis") is RedisTier
-    assert RedisTier.Options is Options
+    assert options_class(RedisTier) is Options
 
 
 def test_defaults() -> None:
@@ -101,9 +101,13 @@ def _wire(chunks: list[bytes | memoryview]) -> bytes:
 def test_packer_matches_redis_py_and_never_copies_blocks() -> None:
     reference = PythonRespSerializer(6000, lambda v: v if isinstance(v, bytes) else str(v).encode())
     packer = ZeroCopyPacker()
-    for args in [("PING",), ("SET", b"k", b"v", "PX", 1000), ("CONFIG GET", "maxmemory"),
-                 ("SET", b"k", b"x" * 10_000)]:
-        assert _wire(packer.pack(*args)) == _wire(reference.pack(*args))
+    for args in [
+        ("PING",),
+        ("SET", b"k", b"v", "PX", 1000),
+        ("CONFIG GET", "maxmemory"),
+        ("SET", b"k", b"x" * 10_000),
+    ]:
+        assert _wire(packer.pack(*args)) == _wire(reference.pack(*args))  # type: ignore[no-untyped-call]
     header = b"H" * 64
     slot = memoryview(bytearray(b"p" * 100_000))
     chunks = packer.pack("SET", b"key", BlockValue(header, slot), "PX", 5)

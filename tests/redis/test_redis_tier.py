@@ -83,7 +83,7 @@ def test_zero_negative_cache_still_answers_once(
     try:
         keys = make_keys(3, "zero")
         assert tier.lookup(keys) == [None] * 3
-        wait_for(lambda: tier._presence._pending == set(), what="EXISTS answers")  # noqa: SLF001
+        wait_for(lambda: tier._presence._pending == set(), what="EXISTS answers")
         time.sleep(0.05)
         assert tier.lookup(keys) == [False] * 3  # served once although already expired
         assert tier.lookup(keys) == [None] * 3
@@ -110,7 +110,9 @@ def test_corrupt_value_is_a_counted_dropped_miss(
             raw.setrange(rkey, 40, b"\x07")
         elif where == "payload":
             last = HEADER_BYTES + pool.slot_bytes - 1
-            raw.setrange(rkey, last, bytes([raw.getrange(rkey, last, last)[0] ^ 0x01]))
+            old = raw.getrange(rkey, last, last)
+            assert isinstance(old, bytes)
+            raw.setrange(rkey, last, bytes([old[0] ^ 0x01]))
         else:
             raw.set(rkey, b"short")
         raw.close()
@@ -163,7 +165,9 @@ def test_tenants_are_isolated(
     server: RedisServer, pool: HostPool, pool_b: HostPool, namespace: Namespace
 ) -> None:
     other = Namespace(
-        model=namespace.model, dtype=namespace.dtype, block_tokens=namespace.block_tokens,
+        model=namespace.model,
+        dtype=namespace.dtype,
+        block_tokens=namespace.block_tokens,
         tenant="b",
     )
     assert other.fingerprint == namespace.fingerprint and other.digest != namespace.digest
@@ -175,7 +179,9 @@ def test_tenants_are_isolated(
         assert Driver(tenant_b).lookup(keys) == [False] * 3
         assert Driver(tenant_b).load_exact(keys) == [False] * 3
         # Even a copy planted under tenant B's key name is refused: the header names tenant A.
-        server.cli("copy", tenant_a.redis_key(keys[0]).decode(), tenant_b.redis_key(keys[0]).decode())
+        server.cli(
+            "copy", tenant_a.redis_key(keys[0]).decode(), tenant_b.redis_key(keys[0]).decode()
+        )
         assert Driver(tenant_b).load_exact(keys[:1]) == [False]
         assert tenant_b.counters.corrupt == 1
         assert Driver(tenant_a).load_exact(keys, first_slot=10) == [True] * 3
@@ -235,8 +241,10 @@ def test_jobs_split_into_batches_over_threads(
         ids = [drv.submit(JobKind.WRITE, [], []) for _ in range(2)]
         for i, key in enumerate(keys):
             pool.view(i)[:] = payload_for(key, pool.slot_bytes)
-        ids += [drv.submit(JobKind.WRITE, keys[i : i + 10], list(range(i, i + 10)))
-                for i in range(0, 40, 10)]
+        ids += [
+            drv.submit(JobKind.WRITE, keys[i : i + 10], list(range(i, i + 10)))
+            for i in range(0, 40, 10)
+        ]
         results = [drv.wait(job_id) for job_id in ids]
         assert results[:2] == [[], []]
         assert all(r == [True] * 10 for r in results[2:])

@@ -46,9 +46,9 @@ from typing import Any
 
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
+from kvtier.tiers import redis_wire
 from kvtier.tiers.base import JobKind, Tier, TierJob
 from kvtier.tiers.payload import HEADER_BYTES, encode_header, header_matches, payload_matches
-from kvtier.tiers import redis_wire
 from kvtier.tiers.redis_client import (
     BlockValue,
     Client,
@@ -138,7 +138,9 @@ class _Presence:
             self._pending.discard(key)
             self._put(key, until if present else -until)
 
-    def resolve(self, keys: Sequence[BlockKey], present: Sequence[bool], pos: float, neg: float):
+    def resolve(
+        self, keys: Sequence[BlockKey], present: Sequence[bool], pos: float, neg: float
+    ) -> None:
         """EXISTS answers; keys no longer pending were settled by a read or write meanwhile."""
         with self._lock:
             pending = self._pending
@@ -181,9 +183,7 @@ def _now() -> float:
 
 
 class RedisTier(Tier):
-    """Blocks in Redis / Valkey; see the module docstring."""
-
-    Options = Options
+    """Blocks in Redis / Valkey; see the module docstring (options: ``Options`` here)."""
 
     def __init__(
         self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
@@ -202,9 +202,7 @@ class RedisTier(Tier):
         self._stop = threading.Event()
         self._probe_needed = threading.Event()
         self._data_q: queue.PriorityQueue[tuple[int, int, _Batch | None]] = queue.PriorityQueue()
-        self._meta_q: queue.SimpleQueue[tuple[_MetaOp, list[BlockKey]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._meta_q: queue.SimpleQueue[tuple[_MetaOp, list[BlockKey]] | None] = queue.SimpleQueue()
         self._order = itertools.count()
         self._client: Client | None = None
         self._wire = not opts.cluster
@@ -359,7 +357,7 @@ class RedisTier(Tier):
                     raise reply
 
     def _check_eviction_policy(self) -> None:
-        """Warn when the server would refuse writes when full (best effort: CONFIG may be denied)."""
+        """Warn if the server would refuse writes once full (best effort: CONFIG may be denied)."""
         try:
             assert self._client is not None
             config = self._client.config_get("maxmemory*")
@@ -695,4 +693,3 @@ class RedisTier(Tier):
             if not isinstance(slot, int) or not 0 <= slot < num_slots:
                 return False
         return True
-

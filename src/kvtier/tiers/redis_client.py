@@ -121,7 +121,7 @@ class _Pool(BlockingConnectionPool):  # type: ignore[misc]
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs["command_packer"] = _PACKER
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
 
 
 def _no_retry() -> Retry:
@@ -161,7 +161,7 @@ def build_client(options: Options) -> Client:
             require_full_coverage=False,
             **kwargs,
         )
-    conn_kwargs = parse_url(options.url)
+    conn_kwargs: dict[str, Any] = parse_url(options.url)  # type: ignore[no-untyped-call]
     conn_kwargs.update(kwargs)
     conn_kwargs["retry"] = _no_retry()
     return redis.Redis(connection_pool=_Pool(**conn_kwargs))
@@ -222,11 +222,10 @@ def config_error(options: Options, exc: BaseException) -> ConfigError | None:
         )
     if isinstance(exc, ResponseError) and ("AUTH" in reason or "WRONGPASS" in reason):
         return ConfigError(field, url, f"credentials the server accepts; it said: {reason}")
-    if isinstance(exc, AskError | ClusterDownError) or "MOVED" in reason:
-        if not options.cluster:
-            return ConfigError(
-                f"{options.config_path}.cluster", False, f"true for a Redis Cluster ({reason})"
-            )
+    if (isinstance(exc, AskError | ClusterDownError) or "MOVED" in reason) and not options.cluster:
+        return ConfigError(
+            f"{options.config_path}.cluster", False, f"true for a Redis Cluster ({reason})"
+        )
     if isinstance(exc, RedisClusterException) and "not enabled" in reason:
         return ConfigError(
             f"{options.config_path}.cluster", True, f"false for a standalone server ({reason})"
@@ -236,7 +235,9 @@ def config_error(options: Options, exc: BaseException) -> ConfigError | None:
     if isinstance(exc, UNREACHABLE):
         return None
     if isinstance(exc, ResponseError):
-        return ConfigError(field, url, f"a server that accepts kvtier's commands; it said: {reason}")
+        return ConfigError(
+            field, url, f"a server that accepts kvtier's commands; it said: {reason}"
+        )
     return None
 
 
@@ -247,7 +248,8 @@ def _reason(exc: BaseException, options: Options) -> str:
 
 def _url_password(url: str) -> str | None:
     try:
-        return parse_url(url).get("password")
+        password = parse_url(url).get("password")  # type: ignore[no-untyped-call]
+        return password if isinstance(password, str) else None
     except ValueError:
         return None
 

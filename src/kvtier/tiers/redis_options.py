@@ -20,7 +20,7 @@ SCHEMES = ("redis", "rediss", "unix")
 AUTO_PIPELINE_BYTES = 2 * 1024 * 1024
 AUTO_PIPELINE_MAX = 64
 _PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-"""Key prefixes may not hold ``{`` or ``}``: a hash tag would put every block on one cluster node."""
+"""Key prefixes may not hold ``{`` or ``}``: a hash tag would put all blocks on one cluster node."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,9 @@ class Options:
             raise ConfigError(where("url"), masked_url(url), "a URL with a host name")
         cluster = section.boolean("cluster", False)
         if cluster and parts.scheme == "unix":
-            raise ConfigError(where("url"), masked_url(url), "redis:// or rediss:// in cluster mode")
+            raise ConfigError(
+                where("url"), masked_url(url), "redis:// or rediss:// in cluster mode"
+            )
         if cluster and parts.path not in ("", "/", "/0"):
             raise ConfigError(where("url"), masked_url(url), "database 0 in cluster mode")
 
@@ -107,7 +109,9 @@ class Options:
         password = section.optional_string("password")
         password_env = section.optional_string("password_env")
         if password is not None and password_env is not None:
-            raise ConfigError(where("password_env"), password_env, "either password or password_env")
+            raise ConfigError(
+                where("password_env"), password_env, "either password or password_env"
+            )
         if password_env is not None:
             password = os.environ.get(password_env)
             if password is None:
@@ -116,11 +120,15 @@ class Options:
                 )
         if password is not None and parts.password is not None:
             raise ConfigError(
-                where("password"), "***", "no password key when the URL holds one (give it in one place)"
+                where("password"),
+                "***",
+                "no password key when the URL holds one (give it in one place)",
             )
         if username is not None and parts.username:
             raise ConfigError(
-                where("username"), username, "no username key when the URL holds one (give it in one place)"
+                where("username"),
+                username,
+                "no username key when the URL holds one (give it in one place)",
             )
 
         ttl_s = None

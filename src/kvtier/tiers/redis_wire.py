@@ -107,7 +107,7 @@ class Batch:
 
     # -- replies --------------------------------------------------------------------------------
 
-    def simple(self) -> bytes | int | None | ResponseError:
+    def simple(self) -> bytes | int | ResponseError | None:
         """One reply that is a status, an integer, a null or an error (bulk strings rejected)."""
         line = self._line()
         kind, rest = line[:1], line[1:]
@@ -208,7 +208,9 @@ class Batch:
 
 
 def set_chunks(
-    keys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequence[memoryview],
+    keys: Sequence[bytes],
+    headers: Sequence[bytes],
+    payloads: Sequence[memoryview],
     ttl_ms: int | None,
 ) -> list[bytes | memoryview]:
     """The RESP2 bytes of ``SET key header+payload [PX ttl]`` for each block, the payloads as
@@ -236,4 +238,3 @@ def get_command(keys: Sequence[bytes], ttl_ms: int | None) -> bytes:
         return b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
     px = b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(ttl_ms)), ttl_ms)
     return b"".join(b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%s\r\n%s" % (len(k), k, px) for k in keys)
-
