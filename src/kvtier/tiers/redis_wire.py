@@ -67,7 +67,10 @@ class Batch:
         self._end = 0
 
     def __enter__(self) -> Batch:
-        self._conn = self._pool.get_connection()
+        try:
+            self._conn = self._pool.get_connection()
+        except TypeError:  # redis-py < 5.3 wants a command name
+            self._conn = self._pool.get_connection("GET")
         sock = getattr(self._conn, "_sock", None)
         if not isinstance(sock, socket.socket):
             self._conn.disconnect()
