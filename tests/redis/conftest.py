@@ -14,7 +14,6 @@ SLOT_BYTES = 64 * 1024 + 100
 NUM_SLOTS = 64
 
 
-
 def _require_binaries() -> None:
     reason = binaries_missing()
     if reason is not None:

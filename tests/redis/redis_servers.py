@@ -269,9 +269,12 @@ class RedisCluster:
         for server in self.servers:
             server.start()
         addresses = [f"127.0.0.1:{s.port}" for s in self.servers]
+        password = self.servers[0].password
+        auth = ["--no-auth-warning", "-a", password] if password else []
         subprocess.run(
             [
                 "redis-cli",
+                *auth,
                 "--cluster",
                 "create",
                 *addresses,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 from redis_helpers import Driver, make_keys, make_tier
-from redis_servers import RedisCluster
+from redis_servers import RedisCluster, binaries_missing
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
@@ -79,3 +82,41 @@ def test_standalone_server_with_cluster_flag(
     with pytest.raises(ConfigError) as info:
         make_tier(pool, namespace, url=srv.url(), cluster=True)
     assert info.value.field == "tiers[0].cluster"
+
+
+@pytest.fixture(scope="module")
+def auth_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    reason = binaries_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    directory: Path = tmp_path_factory.mktemp("auth-cluster")
+    nodes = RedisCluster(directory, config=["requirepass cl-pw", "masterauth cl-pw"]).start()
+    yield nodes
+    nodes.stop()
+
+
+def test_cluster_with_password(
+    auth_cluster: RedisCluster, pool: HostPool, pool_b: HostPool, namespace: Namespace
+) -> None:
+    url = auth_cluster.servers[0].url(password="cl-pw")
+    a = make_tier(pool, namespace, url=url, cluster=True)
+    b = make_tier(pool_b, namespace, url=url, cluster=True)
+    try:
+        keys = make_keys(6, "cluster-auth")
+        assert Driver(a).store(keys) == [True] * 6
+        assert Driver(b).load_exact(keys, first_slot=8) == [True] * 6
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("password", [None, "wrong-cl-pw"])
+def test_cluster_wrong_password_is_a_clear_error(
+    auth_cluster: RedisCluster, pool: HostPool, namespace: Namespace, password: str | None
+) -> None:
+    url = auth_cluster.servers[0].url(password=password)
+    with pytest.raises(ConfigError) as info:
+        make_tier(pool, namespace, url=url, cluster=True)
+    assert info.value.field == "tiers[0].url"
+    assert "credentials" in str(info.value)
+    assert "wrong-cl-pw" not in str(info.value) and "cl-pw" not in str(info.value)

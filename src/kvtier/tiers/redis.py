@@ -67,6 +67,8 @@ log = logging.getLogger("kvtier.tiers.redis")
 
 EXISTS_BATCH = 1024
 """Keys per pipelined EXISTS round trip."""
+ERROR_LOG_INTERVAL_S = 10.0
+"""At most one warning this often for refused commands (each is counted in ``errors``)."""
 POSITIVE_TTL_MARGIN = 0.9
 """With a TTL, a key written (or read) is believed present for this fraction of the TTL."""
 _READ_FIRST, _WRITE, _STOP = 0, 1, 2
@@ -209,6 +211,7 @@ class RedisTier(Tier):
         """Standalone: blocks move on the socket directly (redis_wire); cluster: redis-py
         pipelines, which route each key to its node."""
         self._server_ids: frozenset[str] | None = None
+        self._last_error_log = -math.inf
 
         self._connect_at_start()
         self._threads = [
@@ -665,7 +668,11 @@ class RedisTier(Tier):
             self._bump(errors=blocks)
         if is_unreachable(exc):
             self._mark_unhealthy(exc)
-        else:
+            return
+        # Server refusals (OOM under noeviction, ACL, WRONGTYPE) repeat per block: log a few.
+        now = time.monotonic()
+        if now - self._last_error_log >= ERROR_LOG_INTERVAL_S:
+            self._last_error_log = now
             log.warning("redis tier %s: %s", self.name, describe(exc, self.options))
 
     def _batch_done(self, batch: _Batch, ok: list[bool]) -> None:

@@ -194,15 +194,23 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, RedisTimeoutError | TimeoutError)
 
 
-def _tls_failure(exc: BaseException) -> bool:
-    seen: set[int] = set()
+_AUTH_TEXT = (
+    "WRONGPASS",
+    "NOAUTH",
+    "invalid username-password",
+    "Authentication required",
+    "AUTH <password> called without",
+)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes (redis-py wraps socket, SSL and auth errors)."""
+    out: list[BaseException] = []
     current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, ssl.SSLError) or "SSL" in str(current):
-            return True
+    while current is not None and all(current is not seen for seen in out):
+        out.append(current)
         current = current.__cause__ or current.__context__
-    return False
+    return out
 
 
 def config_error(options: Options, exc: BaseException) -> ConfigError | None:
@@ -211,17 +219,20 @@ def config_error(options: Options, exc: BaseException) -> ConfigError | None:
     url = masked_url(options.url)
     field = f"{options.config_path}.url"
     reason = _reason(exc, options)
-    if isinstance(exc, AuthenticationError | AuthenticationWrongNumberOfArgsError):
+    chain = _chain(exc)
+    if any(
+        isinstance(e, AuthenticationError | AuthenticationWrongNumberOfArgsError)
+        or any(text in str(e) for text in _AUTH_TEXT)
+        for e in chain
+    ):
         return ConfigError(field, url, f"credentials the server accepts; it said: {reason}")
-    if isinstance(exc, NoPermissionError) or "NOPERM" in reason:
+    if any(isinstance(e, NoPermissionError) or "NOPERM" in str(e) for e in chain):
         return ConfigError(
             field,
             url,
             "an ACL user allowed PING, EXISTS, GET, GETEX, SET and DEL on keys "
             f"'{options.key_prefix}:*'; the server said: {reason}",
         )
-    if isinstance(exc, ResponseError) and ("AUTH" in reason or "WRONGPASS" in reason):
-        return ConfigError(field, url, f"credentials the server accepts; it said: {reason}")
     if (isinstance(exc, AskError | ClusterDownError) or "MOVED" in reason) and not options.cluster:
         return ConfigError(
             f"{options.config_path}.cluster", False, f"true for a Redis Cluster ({reason})"
@@ -230,7 +241,9 @@ def config_error(options: Options, exc: BaseException) -> ConfigError | None:
         return ConfigError(
             f"{options.config_path}.cluster", True, f"false for a standalone server ({reason})"
         )
-    if options.scheme == "rediss" and _tls_failure(exc):
+    if options.scheme == "rediss" and any(
+        isinstance(e, ssl.SSLError) or "SSL" in str(e) for e in chain
+    ):
         return ConfigError(field, url, f"a TLS handshake that succeeds; it failed: {reason}")
     if isinstance(exc, UNREACHABLE):
         return None
