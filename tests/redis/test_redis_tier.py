@@ -283,3 +283,72 @@ def test_close_reports_every_job_and_later_calls_are_noops(
     assert [r.ok for r in tier.poll()] == [[False]]
     assert tier.lookup(keys[:2]) == [False, False]
     assert not tier.healthy
+
+
+def test_full_server_with_noeviction_refuses_writes_but_stays_healthy(
+    make_server: object, pool: HostPool, namespace: Namespace
+) -> None:
+    srv: RedisServer = make_server("maxmemory 2mb", "maxmemory-policy noeviction")  # type: ignore[operator]
+    tier = make_tier(pool, namespace, url=srv.url())
+    try:
+        ok = Driver(tier).store(make_keys(60, "full"))
+        assert not all(ok)
+        assert tier.counters.errors == ok.count(False)
+        assert tier.healthy
+        # What was stored reads back.
+        stored = [k for k, good in zip(make_keys(60, "full"), ok, strict=True) if good][:4]
+        assert Driver(tier).load_exact(stored, first_slot=60 - len(stored)) == [True] * len(stored)
+    finally:
+        tier.close()
+
+
+def test_lru_eviction_by_the_server_is_a_reported_miss(
+    make_server: object, pool: HostPool, pool_b: HostPool, namespace: Namespace
+) -> None:
+    srv: RedisServer = make_server("maxmemory 3mb", "maxmemory-policy allkeys-lru")  # type: ignore[operator]
+    writer = make_tier(pool, namespace, url=srv.url())
+    reader = make_tier(pool_b, namespace, url=srv.url())
+    try:
+        keys = make_keys(60, "lru")
+        assert Driver(writer).store(keys) == [True] * 60  # the server evicts to make room
+        assert writer.lookup(keys) == [True] * 60  # the writer still believes all stored
+        ok = Driver(writer).load_exact(keys[:20], first_slot=0)
+        assert not all(ok)
+        evicted = writer.take_evicted()
+        assert set(evicted) == {k for k, good in zip(keys[:20], ok, strict=True) if not good}
+        assert writer.counters.evictions == len(evicted)
+        assert writer.counters.corrupt == 0
+        # Another instance asks the server and agrees with it.
+        on_server = [srv.cli("exists", writer.redis_key(k).decode()) == "1" for k in keys]
+        assert Driver(reader).lookup(keys) == on_server
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_unix_socket(make_server: object, pool: HostPool, namespace: Namespace, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "redis.sock"
+    make_server(f"unixsocket {path}", "unixsocketperm 700")  # type: ignore[operator]
+    tier = make_tier(pool, namespace, url=f"unix://{path}")
+    try:
+        keys = make_keys(5, "unix")
+        assert Driver(tier).store(keys) == [True] * 5
+        assert Driver(tier).load_exact(keys, first_slot=10) == [True] * 5
+    finally:
+        tier.close()
+
+
+def test_numpy_slot_numbers_are_accepted(
+    server: RedisServer, pool: HostPool, namespace: Namespace
+) -> None:
+    import numpy as np
+
+    tier = make_tier(pool, namespace, url=server.url())
+    try:
+        drv = Driver(tier)
+        key = make_keys(1, "np")
+        slots = list(np.arange(3, 4))
+        pool.view(3)[:] = payload_for(key[0], pool.slot_bytes)
+        assert drv.wait(drv.submit(JobKind.WRITE, key, slots)) == [True]
+    finally:
+        tier.close()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import operator
 import queue
 import random
 import threading
@@ -697,6 +698,10 @@ class RedisTier(Tier):
         for key, slot in zip(job.keys, job.slots, strict=True):
             if not isinstance(key, bytes) or len(key) != KEY_BYTES:
                 return False
-            if not isinstance(slot, int) or not 0 <= slot < num_slots:
+            try:
+                index = operator.index(slot)
+            except TypeError:
+                return False
+            if not 0 <= index < num_slots:
                 return False
         return True

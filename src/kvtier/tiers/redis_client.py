@@ -134,13 +134,14 @@ def build_client(options: Options) -> Client:
     (``RedisClusterException`` when it cannot)."""
     kwargs: dict[str, Any] = {
         "socket_timeout": options.timeout_s,
-        "socket_connect_timeout": options.timeout_s,
-        "socket_keepalive": True,
         "socket_read_size": SOCKET_READ_BYTES,
         "protocol": 2,  # the block data path parses RESP2 replies itself (redis_wire)
         "max_connections": options.connections,
         "timeout": options.timeout_s,  # wait for a free pooled connection
     }
+    if options.scheme != "unix":
+        kwargs["socket_connect_timeout"] = options.timeout_s
+        kwargs["socket_keepalive"] = True
     if options.username is not None:
         kwargs["username"] = options.username
     if options.password is not None:
@@ -251,7 +252,7 @@ def config_error(options: Options, exc: BaseException) -> ConfigError | None:
         return ConfigError(
             field, url, f"a server that accepts kvtier's commands; it said: {reason}"
         )
-    return None
+    return ConfigError(field, url, f"settings the redis client accepts; it failed: {reason}")
 
 
 def _reason(exc: BaseException, options: Options) -> str:
