@@ -16,6 +16,7 @@ Needs a CUDA GPU, PyTorch and CuPy. Prints a table naming the GPU and writes JSO
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -50,11 +51,14 @@ class Row:
     sms_used: int
     direction: str
     gbps: float
+    """Throughput with ``--pipeline`` transfers issued back to back (the engine's steady state)."""
     reference_gbps: float
     percent_of_contiguous: float
+    single_gbps: float
+    """One transfer alone, timed from ``submit`` (so including its issue time) to ``wait``."""
+    single_percent: float
     issue_us_median: float
     issue_us_max: float
-    seconds_median: float
     verified: bool
 
 
@@ -81,13 +85,13 @@ class Outstanding:
 
 @dataclass(slots=True)
 class Reference:
-    h2d_gbps: dict[str, float] = field(default_factory=dict)
-    d2h_gbps: dict[str, float] = field(default_factory=dict)
-    bidir_gbps: dict[str, float] = field(default_factory=dict)
+    """Contiguous pinned copies, GB/s: ``[mode][direction][host buffer]``; mode ``single`` is one
+    1-transfer-sized copy timed alone, ``pipelined`` is ``--pipeline`` of them back to back."""
 
-    def best(self, direction: str) -> float:
-        table = {"load": self.h2d_gbps, "store": self.d2h_gbps, "both": self.bidir_gbps}[direction]
-        return max(table.values())
+    gbps: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+    def best(self, mode: str, direction: str) -> float:
+        return max(self.gbps[mode][direction].values())
 
 
 def gpu_info() -> dict[str, Any]:
@@ -130,8 +134,11 @@ def median_time(fn: Callable[[], None], repeats: int, warmup: int) -> float:
     return float(np.median(times))
 
 
-def measure_reference(pool: HostPool, nbytes: int, repeats: int, warmup: int) -> Reference:
-    """Contiguous copies of ``nbytes``: PyTorch-pinned buffers and the registered pool."""
+def measure_reference(
+    pool: HostPool, nbytes: int, repeats: int, warmup: int, pipeline: int
+) -> Reference:
+    """Contiguous copies of ``nbytes``, from PyTorch-pinned buffers and from the registered
+    pool: alone, and ``pipeline`` back to back (on one stream, and alternating two)."""
     rt = runtime()
     s1, s2 = rt.stream_create(), rt.stream_create()
     dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
@@ -143,27 +150,32 @@ def measure_reference(pool: HostPool, nbytes: int, repeats: int, warmup: int) ->
         "torch_pinned": (pinned[0].data_ptr(), pinned[1].data_ptr()),
         "pool_registered": (base, base + pool.slot_stride * (pool.num_slots // 2)),
     }
-    ref = Reference()
     d0, d1 = dev[0].data_ptr(), dev[1].data_ptr()
+    ref = Reference({m: {"load": {}, "store": {}, "both": {}} for m in ("single", "pipelined")})
+
+    def run(copies: list[tuple[int, int, int]]) -> None:
+        for dst, src, stream in copies:
+            rt.memcpy_async(dst, src, nbytes, stream)
+        rt.stream_synchronize(s1)
+        rt.stream_synchronize(s2)
+
     for name, (h0, h1) in hosts.items():
-
-        def h2d(h0: int = h0) -> None:
-            rt.memcpy_async(d0, h0, nbytes, s1)
-            rt.stream_synchronize(s1)
-
-        def d2h(h0: int = h0) -> None:
-            rt.memcpy_async(h0, d0, nbytes, s1)
-            rt.stream_synchronize(s1)
-
-        def both(h0: int = h0, h1: int = h1) -> None:
-            rt.memcpy_async(d0, h0, nbytes, s1)
-            rt.memcpy_async(h1, d1, nbytes, s2)
-            rt.stream_synchronize(s1)
-            rt.stream_synchronize(s2)
-
-        ref.h2d_gbps[name] = nbytes / median_time(h2d, repeats, warmup) / GB
-        ref.d2h_gbps[name] = nbytes / median_time(d2h, repeats, warmup) / GB
-        ref.bidir_gbps[name] = 2 * nbytes / median_time(both, repeats, warmup) / GB
+        plans: dict[str, list[tuple[int, int, int]]] = {
+            "load": [(d0, h0, s1)],
+            "store": [(h0, d0, s1)],
+            "both": [(d0, h0, s1), (h1, d1, s2)],
+        }
+        for direction, copies in plans.items():
+            moved = nbytes * len(copies)
+            t = median_time(functools.partial(run, copies), repeats, warmup)
+            ref.gbps["single"][direction][name] = moved / t / GB
+            variants = {"one_stream": copies * pipeline}
+            if direction != "both":
+                dst, src, _ = copies[0]
+                variants["two_streams"] = [(dst, src, (s1, s2)[i % 2]) for i in range(pipeline)]
+            for label, plan in variants.items():
+                t = median_time(functools.partial(run, plan), repeats, warmup)
+                ref.gbps["pipelined"][direction][f"{name}/{label}"] = moved * pipeline / t / GB
     rt.stream_destroy(s1)
     rt.stream_destroy(s2)
     del dev, pinned
@@ -231,7 +243,7 @@ def run_config(
     slots = rng.permutation(pool.num_slots)
     sa, sb = slots[:n].tolist(), slots[n : 2 * n].tolist()
     job_ids = iter(range(1, 1 << 30))
-    issue: dict[str, list[float]] = {"store": [], "load": [], "both": []}
+    issue: dict[str, list[float]] = {"store": [], "load": [], "both": [], "_": []}
 
     def transfer(kind: str, jobs: list[tuple[Direction, list[int], list[int]]]) -> None:
         ids = []
@@ -246,27 +258,44 @@ def run_config(
         if res.failed or sorted(res.done) != sorted(ids):
             raise RuntimeError(f"transfer failed: {res}")
 
-    reps, warm = args.repeats, args.warmup
-    t_store = median_time(lambda: transfer("store", [(Direction.STORE, a, sa)]), reps, warm)
-    t_load = median_time(lambda: transfer("load", [(Direction.LOAD, b, sa)]), reps, warm)
+    reps, warm, k = args.repeats, args.warmup, args.pipeline
+    store_one = [(Direction.STORE, a, sa)]
+    load_one = [(Direction.LOAD, b, sa)]
+    both_one = [(Direction.STORE, c, sb), (Direction.LOAD, b, sa)]
+    single = {
+        "store": median_time(lambda: transfer("store", store_one), reps, warm),
+        "load": median_time(lambda: transfer("load", load_one), reps, warm),
+    }
     ok_single = blocks_equal(kv, layout, a, b)
-    jobs = [(Direction.STORE, c, sb), (Direction.LOAD, b, sa)]
-    t_both = median_time(lambda: transfer("both", jobs), reps, warm)
+    single["both"] = median_time(lambda: transfer("both", both_one), reps, warm)
     transfer("load", [(Direction.LOAD, d, sb)])
     ok_both = blocks_equal(kv, layout, a, b) and blocks_equal(kv, layout, c, d)
+    # Back to back: stores alternate slot sets, loads alternate target blocks.
+    piped = {
+        "store": median_time(
+            lambda: transfer("_", [(Direction.STORE, a, (sa, sb)[i % 2]) for i in range(k)]),
+            reps,
+            warm,
+        ),
+        "load": median_time(
+            lambda: transfer("_", [(Direction.LOAD, (b, d)[i % 2], sa) for i in range(k)]),
+            reps,
+            warm,
+        ),
+        "both": median_time(lambda: transfer("_", both_one * k), reps, warm),
+    }
     sms = backend.sms_used
     strategy = backend.strategy
     backend.close()
 
     rows = []
     nbytes = n * BLOCK_BYTES
-    for direction, seconds, moved, ok in (
-        ("store", t_store, nbytes, ok_single),
-        ("load", t_load, nbytes, ok_single),
-        ("both", t_both, 2 * nbytes, ok_both),
-    ):
-        gbps = moved / seconds / GB
-        reference = ref.best(direction)
+    for direction, ok in (("store", ok_single), ("load", ok_single), ("both", ok_both)):
+        moved = nbytes * (2 if direction == "both" else 1)
+        gbps = moved * k / piped[direction] / GB
+        one = moved / single[direction] / GB
+        reference = ref.best("pipelined", direction)
+        ref_one = ref.best("single", direction)
         times = np.array(issue[direction][warm:]) * 1e6
         rows.append(
             Row(
@@ -278,9 +307,10 @@ def run_config(
                 round(gbps, 2),
                 round(reference, 2),
                 round(100 * gbps / reference, 1),
+                round(one, 2),
+                round(100 * one / ref_one, 1),
                 round(float(np.median(times)), 1),
                 round(float(times.max()), 1),
-                round(seconds * 1e3, 3),
                 ok,
             )
         )
@@ -300,6 +330,8 @@ def run_outstanding(
     torch.cuda.synchronize()
     torch.cuda._sleep(int(4e9))  # several seconds of GPU time at boost clock
     gate.record()
+    for job in range(8):  # warm the gated path; these stay outstanding too
+        backend.submit(CopyJob(100 + n + job, Direction.LOAD, [job], [job]), after=gate)
     times = np.empty(n)
     slots = pool.num_slots
     gc.collect()
@@ -319,9 +351,9 @@ def run_outstanding(
     stats = backend.stats()
     in_flight = stats.in_flight + stats.queued
     streams = backend.stats().streams_created
-    backend.wait([100 + job for job in range(n)])
+    backend.wait([100 + job for job in range(n + 8)])
     res = backend.poll()
-    if res.failed or len(res.done) != n:
+    if res.failed or len(res.done) != n + 8:
         raise RuntimeError(f"outstanding transfers: {len(res.done)} done, {len(res.failed)} failed")
     backend.close()
     us = times * 1e6
@@ -331,7 +363,7 @@ def run_outstanding(
         layout.value,
         backend.strategy,
         n,
-        held and in_flight == n,
+        held and in_flight == n + 8,
         round(float(np.median(us)), 1),
         round(float(np.percentile(us, 99)), 1),
         round(float(np.percentile(us, 99.9)), 1),
@@ -361,7 +393,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=512)
     parser.add_argument("--engine-blocks", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--pipeline", type=int, default=8, help="transfers back to back")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--sms", default="8", help="comma-separated max_sms values for the kernel")
     parser.add_argument("--outstanding", type=int, default=10_000)
@@ -388,9 +421,11 @@ def main() -> None:
     anchor = CudaCopyBackend(compact, KVLayout.BLOCK_COMPACT, pool, CudaCopyOptions(strategy="dma"))
     t0 = time.perf_counter()
     ref = (
-        Reference({"none": 1.0}, {"none": 1.0}, {"none": 1.0})
+        Reference()
         if args.outstanding_only
-        else measure_reference(pool, args.blocks * BLOCK_BYTES, args.repeats, args.warmup)
+        else measure_reference(
+            pool, args.blocks * BLOCK_BYTES, args.repeats, args.warmup, args.pipeline
+        )
     )
     print(f"reference (contiguous {args.blocks * BLOCK_BYTES / 2**30:.2f} GiB): {ref}", flush=True)
 
@@ -428,9 +463,9 @@ def main() -> None:
         rows += new
         for r in new:
             print(
-                f"  {r.layout:<16}{r.variant:<20}{r.strategy:<8}sms={r.sms_used:<4}{r.direction:<6}"
-                f"{r.gbps:7.2f} GB/s {r.percent_of_contiguous:6.1f}%  "
-                f"issue {r.issue_us_median:.0f} us",
+                f"  {r.layout:<16}{r.variant:<26}{r.strategy:<8}sms={r.sms_used:<4}"
+                f"{r.direction:<6}{r.gbps:7.2f} GB/s {r.percent_of_contiguous:6.1f}%  "
+                f"single {r.single_percent:5.1f}%  issue {r.issue_us_median:.0f} us",
                 flush=True,
             )
 
@@ -474,19 +509,21 @@ def main() -> None:
         f"blocks), median of {args.repeats}; "
         "reference: contiguous pinned cudaMemcpyAsync, same run"
     )
+    if ref.gbps:
+        for mode in ("pipelined", "single"):
+            print(
+                f"reference GB/s ({mode}): load {ref.best(mode, 'load'):.2f}, "
+                f"store {ref.best(mode, 'store'):.2f}, both {ref.best(mode, 'both'):.2f}"
+            )
     print(
-        f"reference GB/s: load {ref.best('load'):.2f}, store {ref.best('store'):.2f}, "
-        f"both {ref.best('both'):.2f}"
-    )
-    print(
-        f"{'layout':<16}{'variant':<20}{'strategy':<9}{'SMs':>4} {'dir':<6}{'GB/s':>8}"
-        f"{'% contig':>10}{'issue us':>10}{'max us':>9}  ok"
+        f"{'layout':<16}{'variant':<26}{'strategy':<9}{'SMs':>4} {'dir':<6}{'GB/s':>8}"
+        f"{'% contig':>10}{'1 xfer':>8}{'%':>7}{'issue us':>10}{'max us':>9}  ok"
     )
     for r in rows:
         print(
-            f"{r.layout:<16}{r.variant:<20}{r.strategy:<9}{r.sms_used:>4} {r.direction:<6}"
-            f"{r.gbps:>8.2f}"
-            f"{r.percent_of_contiguous:>9.1f}%{r.issue_us_median:>10.0f}{r.issue_us_max:>9.0f}"
+            f"{r.layout:<16}{r.variant:<26}{r.strategy:<9}{r.sms_used:>4} {r.direction:<6}"
+            f"{r.gbps:>8.2f}{r.percent_of_contiguous:>9.1f}%{r.single_gbps:>8.2f}"
+            f"{r.single_percent:>6.1f}%{r.issue_us_median:>10.0f}{r.issue_us_max:>9.0f}"
             f"  {r.verified}"
         )
     for o in outstanding:

@@ -146,40 +146,104 @@ class Model:
             x = self._mlp(layer, x, attn[0].transpose(0, 1).reshape(n, c.heads * c.head_dim))
         return self._norm(x[-1:], self.norm) @ self.lm_head
 
+    def _decode_layer(
+        self,
+        index: int,
+        x: torch.Tensor,
+        kv: torch.Tensor,
+        position: int,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer ``index`` of one decode step at ``position``: writes the token's K/V into the
+        paged cache, attends over positions ``0..position``."""
+        c = self.cfg
+        # One-element tensors, never 0-dim: indexing with a 0-dim tensor reads it back to the
+        # host, a synchronisation per layer (and no CUDA graph capture).
+        pos = self.positions[position : position + 1]
+        n_blocks = position // c.block_tokens + 1
+        table = block_table[:n_blocks]
+        slot = block_table[n_blocks - 1 : n_blocks] * c.block_tokens + position % c.block_tokens
+        layer = self.layers[index]
+        q, k, v = self._qkv(layer, x, pos)
+        kv[0].view(-1, c.kv_heads, c.head_dim)[slot] = k
+        kv[1].view(-1, c.kv_heads, c.head_dim)[slot] = v
+        keys = kv[0][table].view(-1, c.kv_heads, c.head_dim)[: position + 1]
+        values = kv[1][table].view(-1, c.kv_heads, c.head_dim)[: position + 1]
+        qg = q.view(c.kv_heads, c.heads // c.kv_heads, c.head_dim)
+        scores = torch.bmm(qg, keys.permute(1, 2, 0)).float() * (1.0 / math.sqrt(c.head_dim))
+        probs = scores.softmax(dim=-1).to(torch.bfloat16)
+        attn = torch.bmm(probs, values.transpose(0, 1)).reshape(1, c.heads * c.head_dim)
+        return self._mlp(layer, x, attn)
+
     def decode(
         self,
         token: torch.Tensor,
         position: int,
         cache: list[torch.Tensor],
         block_table: torch.Tensor,
-        before_layer: Any = None,
     ) -> torch.Tensor:
-        """One token at ``position`` attending to the paged cache; ``before_layer(l)`` runs before
-        layer ``l`` reads the cache (the reload run makes the stream wait for that layer there)."""
-        c = self.cfg
-        # Tensors with one element, never 0-dim: indexing with a 0-dim tensor reads it back to the
-        # host, a synchronisation per layer.
-        pos = self.positions[position : position + 1]
-        n_blocks = position // c.block_tokens + 1
-        table = block_table[:n_blocks]
-        last = block_table[n_blocks - 1 : n_blocks]
-        slot = last * c.block_tokens + position % c.block_tokens
-        group = c.heads // c.kv_heads
+        """One decode step, eagerly; the next token's logits."""
         x = self.embed[token]
-        for index, (layer, kv) in enumerate(zip(self.layers, cache, strict=True)):
-            q, k, v = self._qkv(layer, x, pos)
+        for index, kv in enumerate(cache):
+            x = self._decode_layer(index, x, kv, position, block_table)
+        return self._norm(x, self.norm) @ self.lm_head
+
+    def capture_decode(
+        self,
+        token: torch.Tensor,
+        position: int,
+        cache: list[torch.Tensor],
+        block_table: torch.Tensor,
+    ) -> None:
+        """Record the decode step as CUDA graphs: the embedding, one per layer, the head. As an
+        engine runs decode (one launch per graph instead of ~30 per layer from Python); one graph
+        per layer so that a reload can make layer ``l`` wait for layer ``l`` of the load."""
+        c = self.cfg
+        xs = [
+            torch.zeros(1, c.hidden, device=token.device, dtype=torch.bfloat16)
+            for _ in range(c.layers + 1)
+        ]
+        logits = torch.zeros(1, c.vocab, device=token.device, dtype=torch.bfloat16)
+
+        def embed() -> None:
+            xs[0].copy_(self.embed[token])
+
+        def layer(index: int) -> None:
+            xs[index + 1].copy_(
+                self._decode_layer(index, xs[index], cache[index], position, block_table)
+            )
+
+        def head() -> None:
+            logits.copy_(self._norm(xs[-1], self.norm) @ self.lm_head)
+
+        steps = [embed, *(lambda i=i: layer(i) for i in range(c.layers)), head]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (cuBLAS handles, workspaces)
+            for _ in range(2):
+                for step in steps:
+                    step()
+        torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs = []
+        for step in steps:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                step()
+            self.graphs.append(graph)
+        self.graph_logits = logits
+
+    def decode_graphed(self, before_layer: Any = None) -> torch.Tensor:
+        """Replay the captured decode step; ``before_layer(l)`` runs before layer ``l``'s graph is
+        launched (the reload run makes the stream wait there for layer ``l`` of the load)."""
+        graphs = self.graphs
+        graphs[0].replay()
+        for index in range(self.cfg.layers):
             if before_layer is not None:
                 before_layer(index)
-            kv[0].view(-1, c.kv_heads, c.head_dim)[slot] = k
-            kv[1].view(-1, c.kv_heads, c.head_dim)[slot] = v
-            keys = kv[0][table].view(-1, c.kv_heads, c.head_dim)[: position + 1]
-            values = kv[1][table].view(-1, c.kv_heads, c.head_dim)[: position + 1]
-            qg = q.view(c.kv_heads, group, c.head_dim)
-            scores = torch.bmm(qg, keys.permute(1, 2, 0)).float() * (1.0 / math.sqrt(c.head_dim))
-            probs = scores.softmax(dim=-1).to(torch.bfloat16)
-            attn = torch.bmm(probs, values.transpose(0, 1)).reshape(1, c.heads * c.head_dim)
-            x = self._mlp(layer, x, attn)
-        return self._norm(x, self.norm) @ self.lm_head
+            graphs[index + 1].replay()
+        graphs[-1].replay()
+        return self.graph_logits
 
 
 def shm_dir(needed: int, preferred: str) -> str:
@@ -251,10 +315,16 @@ def main() -> None:
 
     def recompute() -> torch.Tensor:
         model.prefill(prompt[:-1], cache, slot_mapping)
-        return model.decode(prompt[-1:], args.tokens, cache, block_table)
+        return model.decode_graphed()
 
     # 1. The reference, and the full-recompute TTFT (first token id on the host).
     with torch.no_grad():
+        model.prefill(prompt[:-1], cache, slot_mapping)
+        eager = model.decode(prompt[-1:], args.tokens, cache, block_table)
+        model.capture_decode(prompt[-1:], args.tokens, cache, block_table)
+        graphed = model.decode_graphed().clone()
+        diff = (graphed.float() - eager.float()).norm() / eager.float().norm()
+        print(f"graphed vs eager decode: relative difference {float(diff):.2e}", flush=True)
         recompute()  # warm-up: cuBLAS handles, kernels, allocator
         recompute_ms, prefill_ms = [], []
         for _ in range(args.repeats):
@@ -264,11 +334,12 @@ def main() -> None:
             int(logits.argmax())
             recompute_ms.append((time.perf_counter() - t0) * 1e3)
             prefill_ms.append(cuda_ms(lambda: model.prefill(prompt[:-1], cache, slot_mapping))[0])
-        reference = model.decode(prompt[-1:], args.tokens, cache, block_table).clone()
+        reference = model.decode_graphed().clone()
         torch.cuda.synchronize()
         prompt_blocks = block_table[:n_prompt_blocks]
         saved = [kv[:, prompt_blocks].clone() for kv in cache]
-        decode_ms = [
+        decode_ms = [cuda_ms(model.decode_graphed)[0] for _ in range(3)]
+        eager_decode_ms = [
             cuda_ms(lambda: model.decode(prompt[-1:], args.tokens, cache, block_table))[0]
             for _ in range(3)
         ]
@@ -347,12 +418,8 @@ def main() -> None:
             t_submit = time.perf_counter()
             if repeat:
                 phases.append((t_keys - t0, t_lookup - t_keys, t_submit - t_lookup))
-            logits = model.decode(
-                prompt[-1:],
-                args.tokens,
-                cache,
-                block_table,
-                before_layer=lambda layer, job=job: backend.stream_wait(job, layer),
+            logits = model.decode_graphed(
+                before_layer=lambda layer, job=job: backend.stream_wait(job, layer)
             )
             int(logits.argmax())
             elapsed = (time.perf_counter() - t0) * 1e3
@@ -416,6 +483,8 @@ def main() -> None:
         "ttft_recompute_ms": round(med, 2),
         "prefill_ms": round(float(np.median(prefill_ms)), 2),
         "decode_ms": round(float(np.median(decode_ms)), 2),
+        "decode_eager_ms": round(float(np.median(eager_decode_ms)), 2),
+        "graphed_vs_eager_decode_rel_diff": float(diff),
         "store_ms": round(store_ms, 2),
         "store_gbps": round(kv_gb / store_ms * 1e3, 2),
         "load_only_ms": round(float(np.median(load_only_ms)), 2),

@@ -63,7 +63,9 @@ def test_store_then_load_every_byte(
     fake = FakeRuntime(deferred=True)
     block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
     # Staging buffers of two blocks: three chunks per job, so the two buffers are reused.
-    opts = CudaCopyOptions(strategy=strategy, max_streams=4, stage_bytes=2 * block + 5)
+    opts = CudaCopyOptions(
+        strategy=strategy, max_streams=4, stage_bytes=2 * block + 5, staged_min_blocks=1
+    )
     backend, logical, arrays = _backend(
         pool, layout, strategy, fake, options=opts, blocks_per_slot=2, tp_rank=1, tp_size=2
     )
@@ -72,7 +74,11 @@ def test_store_then_load_every_byte(
     pool.array()[:] = 0xAB
     blocks = [5, 17, 3, 0, 23, 9]
     slots = [7, 2, 11]
+    fake.calls.clear()
     backend.submit(CopyJob(1, Direction.STORE, blocks, slots), layerwise=layerwise)
+    kinds = {c[0] for c in fake.calls}
+    if strategy == "staged":  # through the staging buffers: kernel and copy engines
+        assert kinds >= ({"launch"} if layerwise else {"launch", "memcpy"})
     assert backend.poll().done == []  # nothing ran yet
     fake.run()
     assert backend.poll().done == [1]

@@ -57,7 +57,6 @@ from kvtier.copy.cuda_plan import (
     CopyList,
     KVGeometry,
     KVLayout,
-    Region,
     check_job,
     copy_list,
     describe_kv,
@@ -100,9 +99,12 @@ class CudaCopyOptions:
     """Streams one DMA transfer (or a staged transfer's DMA side) is spread over."""
     prefer_copy_engine: bool = True
     """Ask ``cudaMemcpyBatchAsync`` for the copy engines (never SMs) for DMA copies."""
-    stage_bytes: int = 64 * MIB
-    """Size of one staging buffer (``staged``); two per direction are allocated on the device."""
+    stage_bytes: int = 128 * MIB
+    """Size of one staging buffer (``staged``): ``stage_buffers`` per direction are allocated on
+    the device (512 MiB by default). Smaller buffers cost more chunks, so more issue time."""
     stage_buffers: int = 2
+    staged_min_blocks: int = 8
+    """``staged``: jobs of fewer engine blocks go straight to the pool through the kernel."""
     max_in_flight: int = 256
     """Transfers enqueued on the device and unfinished at most; more wait on the host."""
     max_streams: int = 64
@@ -116,7 +118,13 @@ class CudaCopyOptions:
             raise ConfigError("copy.strategy", self.strategy, f"one of {', '.join(STRATEGIES)}")
         if self.max_sms < 0:
             raise ConfigError("copy.max_sms", self.max_sms, "0 (backend's choice) or more")
-        for name in ("dma_lanes", "stage_buffers", "max_in_flight", "max_streams"):
+        for name in (
+            "dma_lanes",
+            "stage_buffers",
+            "max_in_flight",
+            "max_streams",
+            "staged_min_blocks",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"copy.{name}", getattr(self, name), "at least 1")
         if self.stage_bytes < 1 or self.register_chunk_bytes < 1:
@@ -682,11 +690,13 @@ class CudaCopyBackend(CopyBackend):
 
     def _enqueue(self, transfer: _Transfer) -> None:
         plan, geo = transfer.plan, self.geometry
-        if self.strategy == "staged" and not transfer.layerwise:
+        small = len(plan.blocks) < self.options.staged_min_blocks
+        if self.strategy == "staged" and not transfer.layerwise and not small:
             self._staged(transfer)
             return
         # A layer-wise job of the staged strategy runs the kernel straight to the pool, layer by
-        # layer: staging chunks hold whole blocks, so no layer would be complete before the last.
+        # layer (staging chunks hold whole blocks: no layer would be complete before the last);
+        # so does a small one, for the few microseconds of issue time the staging steps cost.
         direct = self.strategy != "dma"
         if not transfer.layerwise:
             if direct:
@@ -761,28 +771,34 @@ class CudaCopyBackend(CopyBackend):
     def _staged(self, transfer: _Transfer) -> None:
         """Chunks of blocks through the staging ring: for a STORE, gather (kernel, on the
         transfer's stream) then DMA (on a lane); for a LOAD, DMA then scatter. A buffer is
-        reused only after the step that last read it."""
+        reused only after the step that last read it. Addresses are computed for the whole
+        transfer at once; per chunk only the launch, the batch and a few events are issued."""
         plan, rt = transfer.plan, self._rt
         ring = self._rings[plan.to_host]
         block = self.geometry.block_bytes
         per = ring.buffer_bytes // block
+        n = len(plan.blocks)
+        chunks = -(-n // per)
+        index = np.arange(n, dtype=np.uint64)
+        buffers = (ring.next + np.arange(chunks, dtype=np.uint64)) % np.uint64(len(ring.free))
+        ring.next = (ring.next + chunks) % len(ring.free)
+        offsets = buffers[index // np.uint64(per)] * np.uint64(ring.buffer_bytes)
+        staged = np.uint64(ring.base) + offsets + (index % np.uint64(per)) * np.uint64(block)
+        stage_side, host_side = staged.astype(np.uintp), plan.hosts.astype(np.uintp)
+        dsts, srcs = (host_side, stage_side) if plan.to_host else (stage_side, host_side)
+        sizes = np.full(n, block, dtype=np.uintp)
         n_regions = len(self.geometry.regions)
         lanes = self._lanes(transfer, self.options.dma_lanes)
         main = transfer.stream
-        for k, start in enumerate(range(0, len(plan.blocks), per)):
-            end = min(len(plan.blocks), start + per)
-            j = ring.next
-            ring.next = (j + 1) % len(ring.free)
-            stage = ring.base + j * ring.buffer_bytes
-            staged = np.uint64(stage) + np.arange(end - start, dtype=np.uint64) * np.uint64(block)
-            blocks, hosts = plan.blocks[start:end], plan.hosts[start:end]
-            whole = [Region(stage, block, block, 0, 0)]
-            copies = copy_list(whole, np.arange(end - start), hosts, plan.to_host)
+        for k in range(chunks):
+            part = slice(k * per, min(n, (k + 1) * per))
+            j = int(buffers[k])
+            copies = CopyList(dsts[part], srcs[part], sizes[part])
             lane = lanes[k % len(lanes)]
             if plan.to_host:
                 if ring.free[j]:
                     rt.stream_wait_event(main, ring.free[j])
-                self._launch(main, blocks, staged, True, 0, n_regions)
+                self._launch(main, plan.blocks[part], staged[part], True, 0, n_regions)
                 self._hand_over(main, lane)
                 self._batch(lane, copies, True)
                 self._mark_free(ring, j, lane)
@@ -791,7 +807,7 @@ class CudaCopyBackend(CopyBackend):
                     rt.stream_wait_event(lane, ring.free[j])
                 self._batch(lane, copies, False)
                 self._hand_over(lane, main)
-                self._launch(main, blocks, staged, False, 0, n_regions)
+                self._launch(main, plan.blocks[part], staged[part], False, 0, n_regions)
                 self._mark_free(ring, j, main)
         if plan.to_host:
             for lane in lanes:
