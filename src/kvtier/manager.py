@@ -172,7 +172,15 @@ class TieredCache:
         return slots
 
     def complete_load(self, keys: Sequence[BlockKey], ok: bool = True) -> None:
-        """Unpin keys returned by ``prepare_load``; ``ok=False`` counts a failed copy."""
+        """Unpin keys returned by ``prepare_load`` after the copy; ``ok=False`` counts a failure."""
+        self.release_load(keys)
+        if ok:
+            self._counters.loaded_blocks += len(keys)
+        else:
+            self._counters.load_failed += len(keys)
+
+    def release_load(self, keys: Sequence[BlockKey]) -> None:
+        """Unpin keys returned by ``prepare_load`` whose copy never started."""
         loading = self._loading
         for key in keys:
             count = loading.get(key, 0)
@@ -183,10 +191,6 @@ class TieredCache:
             else:
                 loading[key] = count - 1
             self._unpin(key)
-        if ok:
-            self._counters.loaded_blocks += len(keys)
-        else:
-            self._counters.load_failed += len(keys)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark visible keys as recently used."""

@@ -1,0 +1,242 @@
+"""``KVTierConnector``: kvtier as a vLLM V1 KV connector (loaded via ``kv_connector_module_path``).
+
+A thin adapter: it translates vLLM's hooks into ``SchedulerSide`` / ``WorkerSide`` calls. kvtier
+is a best-effort cache: loads are synchronous (done before the step's forward pass), stores never
+delay a request, and a failed load is reported to vLLM, which recomputes those blocks (set vLLM's
+``kv_load_failure_policy`` to ``"recompute"``; its default fails the request instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.errors import ConfigError
+from kvtier.events import EventKind
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.settings import VllmSettings
+from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.keys import Namespace
+
+log = logging.getLogger(__name__)
+
+
+class KVTierStats(KVConnectorStats):
+    """The scheduler's latest kvtier stats snapshot, for vLLM's stats loggers."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        return other if other.data else self
+
+    def reduce(self) -> dict[str, int | float]:
+        cache = self.data.get("cache", {})
+        return {k: v for k, v in cache.items() if isinstance(v, int | float)}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        extra.setdefault("model", str(vllm_config.model_config.model))
+        config = load_config(extra)
+        self.settings = VllmSettings.parse(config.vllm)
+        engine_block_size = int(vllm_config.cache_config.block_size)
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        if int(getattr(parallel, "pipeline_parallel_size", 1)) != 1:
+            raise ConfigError("pipeline_parallel_size", parallel.pipeline_parallel_size, "1")
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            group = _single_group(kv_cache_config)
+            page_bytes = int(group.kv_cache_spec.page_size_bytes)
+            layers = len(group.layer_names)
+            slot_bytes = self.tp_size * layers * self.settings.blocks_per_slot * page_bytes
+            namespace = _namespace(vllm_config, config, engine_block_size, layers, page_bytes)
+            self._scheduler = SchedulerSide(
+                config,
+                self.settings,
+                namespace,
+                slot_bytes,
+                engine_block_size,
+                self.tp_size,
+                self._block_ids_of,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(
+                self.settings.blocks_per_slot, get_tensor_model_parallel_rank(), self.tp_size
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped store is just a future miss
+
+    # -- scheduler side -------------------------------------------------------------------------
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        manager = self._kv_cache_manager
+        if manager is None:
+            return []
+        return list(manager.get_block_ids(req_id)[0])
+
+    def on_new_request(self, request: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self._scheduler.after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._scheduler.on_worker_meta(meta if isinstance(meta, KVTierWorkerMetadata) else None)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        assert self._scheduler is not None
+        self._scheduler.request_finished(request)
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        if self._scheduler is None:
+            return ()
+        events = self._scheduler.take_events()
+        if not events:
+            return ()
+        grouped: dict[tuple[EventKind, str], list[bytes]] = {}
+        for event in events:
+            grouped.setdefault((event.kind, event.tier), []).append(event.key)
+        out: list[KVCacheEvent] = []
+        block_tokens = self._scheduler.block_tokens
+        for (kind, tier), keys in grouped.items():
+            medium = f"kvtier:{tier}"
+            if kind is EventKind.STORED:
+                out.append(
+                    BlockStored(
+                        block_hashes=list(keys),
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=block_tokens,
+                        lora_id=None,
+                        medium=medium,
+                        lora_name=None,
+                    )
+                )
+            else:
+                out.append(BlockRemoved(block_hashes=list(keys), medium=medium))
+        return out
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is None:
+            return None
+        return KVTierStats(data=self._scheduler.stats())
+
+    # -- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finished in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole blocks are copied once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._worker.save(meta)
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        return self._worker.take_meta() if self._worker is not None else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            with contextlib.suppress(Exception):
+                self._scheduler.close()
+            self._scheduler = None
+        if self._worker is not None:
+            with contextlib.suppress(Exception):
+                self._worker.close()
+            self._worker = None
+
+
+def _single_group(kv_cache_config: Any) -> Any:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        raise ConfigError(
+            "kv_cache_groups", len(groups), "exactly one KV cache group (hybrid models: not yet)"
+        )
+    return groups[0]
+
+
+def _namespace(
+    vllm_config: Any, config: KVTierConfig, block_size: int, layers: int, page_bytes: int
+) -> Namespace:
+    """Everything that decides the bytes of a block: model, dtypes, geometry, attention packing."""
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    dtype = str(model_config.dtype) if cache_dtype == "auto" else cache_dtype
+    device = str(current_platform.device_type)
+    packing = device
+    if device == "cpu":
+        with contextlib.suppress(Exception):
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            head = model_config.get_head_size()
+            packing = f"cpu-{_get_attn_isa(model_config.dtype, block_size, head, cache_dtype)}"
+    assert config.model is not None
+    return Namespace(
+        model=config.model,
+        dtype=dtype,
+        block_tokens=block_size * VllmSettings.parse(config.vllm).blocks_per_slot,
+        layout=f"vllm/{packing}/engine-block-{block_size}",
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        extra=f"layers={layers};page_bytes={page_bytes};revision={model_config.revision}",
+        tenant=config.tenant,
+    )

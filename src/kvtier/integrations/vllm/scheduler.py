@@ -1,0 +1,339 @@
+"""The connector's scheduler half: vLLM requests -> kvtier lookups, load plans and store orders.
+
+Runs on vLLM's scheduler thread and never waits on I/O: lookups answer from the manager, tier
+jobs run on their own threads and are collected once per engine step (``build_meta``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import KVTierConfig
+from kvtier.copy.cpu import SKIP
+from kvtier.events import CacheEvent
+from kvtier.factory import build_cache
+from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.settings import VllmSettings
+from kvtier.keys import BlockKey, Namespace, chain_keys
+from kvtier.metrics import CacheStats
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 1.0
+
+
+class JobKind(Enum):
+    LOAD = "load"
+    STORE = "store"
+
+
+@dataclass(slots=True)
+class _LoadPlan:
+    """Blocks pinned for a request between the lookup and vLLM's block allocation."""
+
+    keys: list[BlockKey]
+    slots: list[int]
+    first_token: int
+    """First token of the first kvtier block to load."""
+    num_computed: int
+    """Tokens vLLM already has (its own prefix cache): engine blocks before this are skipped."""
+    external_tokens: int
+
+
+@dataclass(slots=True)
+class _Job:
+    kind: JobKind
+    keys: list[BlockKey]
+    done: int = 0
+    failed: int = 0
+
+
+@dataclass(slots=True)
+class ConnectorCounters:
+    requests_looked_up: int = 0
+    deferred_lookups: int = 0
+    hit_tokens: int = 0
+    loads_ordered: int = 0
+    load_blocks_failed: int = 0
+    stores_ordered: int = 0
+    store_blocks_failed: int = 0
+    stale_plans: int = 0
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        config: KVTierConfig,
+        settings: VllmSettings,
+        namespace: Namespace,
+        slot_bytes: int,
+        engine_block_size: int,
+        tp_size: int,
+        block_ids_of: Callable[[str], Sequence[int]],
+    ) -> None:
+        self.settings = settings
+        self.namespace = namespace
+        self.engine_block_size = engine_block_size
+        self.blocks_per_slot = settings.blocks_per_slot
+        self.block_tokens = engine_block_size * settings.blocks_per_slot
+        self.tp_size = tp_size
+        self._block_ids_of = block_ids_of
+        self.pool, self.cache = build_cache(config, namespace, slot_bytes)
+        self.counters = ConnectorCounters()
+        self._keys: dict[str, list[BlockKey]] = {}
+        self._plans: dict[str, _LoadPlan] = {}
+        self._offered: dict[str, int] = {}
+        self._requests: dict[str, Any] = {}
+        self._loads: list[CopyOrder] = []
+        self._jobs: dict[int, _Job] = {}
+        self._next_job = 0
+        self._stats_written = 0.0
+
+    # -- lookups and loads ----------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        self._requests[request.request_id] = request
+
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: tokens loadable beyond ``num_computed``.
+
+        ``None`` defers the request (a promotion or a shared load is in flight). vLLM may call
+        this many times per request; a hit pins its blocks until the allocation (or the next call)
+        so a lookup of another request cannot evict them in between.
+        """
+        req_id = request.request_id
+        self._requests[req_id] = request
+        self._release_plan(req_id)
+        keys = self._request_keys(request)
+        if keys is None:
+            return 0, False
+        bt = self.block_tokens
+        limit = min((request.num_tokens - 1) // bt, len(keys))  # >= 1 token left to compute
+        start = num_computed // bt
+        if start >= limit:
+            return 0, False
+        self.counters.requests_looked_up += 1
+        result = self.cache.lookup(keys[start:limit])
+        if not result.final:
+            self.counters.deferred_lookups += 1
+            return None, False
+        hit_keys = keys[start : start + result.hits]
+        slots = self.cache.prepare_load(hit_keys) if hit_keys else []
+        external = (start + len(slots)) * bt - num_computed
+        if external <= 0:
+            if slots:
+                self.cache.release_load(hit_keys[: len(slots)])
+            return 0, False
+        self._plans[req_id] = _LoadPlan(
+            hit_keys[: len(slots)], slots, start * bt, num_computed, external
+        )
+        return external, False
+
+    def after_alloc(self, request: Any, block_ids: Sequence[int], external_tokens: int) -> None:
+        """vLLM's ``update_state_after_alloc``: turn the request's plan into a load order."""
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None:
+            return
+        if external_tokens == 0:
+            self._unpin(plan)
+            return
+        bs = self.engine_block_size
+        first = plan.first_token // bs
+        computed = plan.num_computed // bs
+        engine_blocks = [
+            SKIP if first + i < computed else block_ids[first + i]
+            for i in range(len(plan.slots) * self.blocks_per_slot)
+        ]
+        job_id = self._new_job(JobKind.LOAD, plan.keys)
+        stale = external_tokens != plan.external_tokens
+        if stale:
+            # vLLM changed the count we gave it: do not guess which bytes it expects; have the
+            # worker report every block of the range as failed so vLLM recomputes them.
+            self.counters.stale_plans += 1
+            log.warning(
+                "vLLM allocated %d external tokens, kvtier planned %d: recomputing",
+                external_tokens,
+                plan.external_tokens,
+            )
+        self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, fail=stale))
+        self.counters.loads_ordered += 1
+        self.counters.hit_tokens += 0 if stale else external_tokens
+
+    def _release_plan(self, req_id: str) -> None:
+        plan = self._plans.pop(req_id, None)
+        if plan is not None:
+            self._unpin(plan)
+
+    def _unpin(self, plan: _LoadPlan) -> None:
+        self.cache.release_load(plan.keys)
+
+    # -- stores, once per engine step -----------------------------------------------------------
+
+    def build_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        self.cache.step()
+        stores: list[CopyOrder] = []
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            order = self._store_order(req_id, num_scheduled)
+            if order is not None:
+                stores.append(order)
+        loads, self._loads = self._loads, []
+        self._maybe_write_stats()
+        return KVTierMetadata(self.pool.handle, loads, stores)
+
+    def _store_order(self, req_id: str, num_scheduled: int) -> CopyOrder | None:
+        request = self._requests.get(req_id)
+        if request is None:
+            return None
+        # num_computed_tokens is still the value before this step.
+        filled = request.num_computed_tokens + num_scheduled
+        if not self.settings.store_generated:
+            filled = min(filled, request.num_prompt_tokens)
+        keys = self._request_keys(request)
+        if keys is None:
+            return None
+        full = min(filled // self.block_tokens, len(keys))
+        offered = self._offered.get(req_id, 0)
+        if full <= offered:
+            return None
+        self._offered[req_id] = full
+        wanted = keys[offered:full]
+        reservation = self.cache.prepare_store(wanted)
+        if not reservation.keys:
+            return None
+        block_ids = self._block_ids_of(req_id)
+        position = {key: offered + i for i, key in enumerate(wanted)}
+        bps = self.blocks_per_slot
+        engine_blocks: list[int] = []
+        for key in reservation.keys:
+            first = position[key] * bps
+            engine_blocks.extend(block_ids[first : first + bps])
+        if len(engine_blocks) != len(reservation.keys) * bps:
+            self.cache.complete_store(reservation.keys, ok=False)
+            return None
+        job_id = self._new_job(JobKind.STORE, reservation.keys)
+        self.counters.stores_ordered += 1
+        return CopyOrder(job_id, reservation.slots, engine_blocks)
+
+    def _new_job(self, kind: JobKind, keys: list[BlockKey]) -> int:
+        job_id = self._next_job
+        self._next_job += 1
+        self._jobs[job_id] = _Job(kind, keys)
+        return job_id
+
+    # -- completions from the workers -----------------------------------------------------------
+
+    def on_worker_meta(self, meta: KVTierWorkerMetadata | None) -> None:
+        """Settle jobs once every tensor-parallel rank reported them."""
+        if meta is None:
+            return
+        for job_id, n in meta.done.items():
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.done += n
+                self._settle(job_id, job)
+        for job_id, n in meta.failed.items():
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.failed += n
+                self._settle(job_id, job)
+
+    def _settle(self, job_id: int, job: _Job) -> None:
+        if job.done + job.failed < self.tp_size:
+            return
+        del self._jobs[job_id]
+        ok = job.failed == 0
+        if job.kind is JobKind.STORE:
+            self.cache.complete_store(job.keys, ok=ok)
+            if not ok:
+                self.counters.store_blocks_failed += len(job.keys)
+        else:
+            self.cache.complete_load(job.keys, ok=ok)
+            if not ok:
+                self.counters.load_blocks_failed += len(job.keys)
+
+    def request_finished(self, request: Any) -> None:
+        req_id = request.request_id
+        self._release_plan(req_id)
+        self._keys.pop(req_id, None)
+        self._offered.pop(req_id, None)
+        self._requests.pop(req_id, None)
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def _request_keys(self, request: Any) -> list[BlockKey] | None:
+        """Keys of the request's full kvtier blocks (cached, extended as tokens arrive).
+
+        ``None`` for requests whose KV does not follow from token ids alone (multimodal inputs,
+        prompt embeddings): those are never cached.
+        """
+        if getattr(request, "mm_features", None):
+            return None
+        if getattr(request, "prompt_embeds", None) is not None:
+            return None
+        keys = self._keys.get(request.request_id)
+        if keys is None:
+            keys = self._keys[request.request_id] = []
+        tokens = request.all_token_ids
+        bt = self.block_tokens
+        have = len(keys)
+        full = len(tokens) // bt
+        if full > have:
+            start = keys[-1] if keys else self._root(request)
+            keys.extend(chain_keys(self.namespace, tokens[have * bt : full * bt], start))
+        return keys
+
+    def _root(self, request: Any) -> BlockKey | None:
+        """Chain root: the namespace, or the namespace mixed with a LoRA adapter / cache salt."""
+        lora = getattr(request, "lora_request", None)
+        salt = getattr(request, "cache_salt", None)
+        if lora is None and not salt:
+            return None
+        import hashlib
+
+        extra = f"lora={getattr(lora, 'lora_name', '')}\0salt={salt or ''}".encode()
+        return hashlib.blake2b(self.namespace.digest + extra, digest_size=16).digest()
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def take_events(self) -> list[CacheEvent]:
+        return self.cache.take_events()
+
+    def stats(self) -> dict[str, Any]:
+        snapshot: CacheStats = self.cache.stats()
+        out = snapshot.to_dict()
+        out["connector"] = {
+            name: getattr(self.counters, name) for name in ConnectorCounters.__slots__
+        }
+        out["jobs_in_flight"] = len(self._jobs)
+        out["pinned_plans"] = len(self._plans)
+        return out
+
+    def _maybe_write_stats(self, force: bool = False) -> None:
+        path = self.settings.stats_path
+        if path is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._stats_written < STATS_INTERVAL_S:
+            return
+        self._stats_written = now
+        target = Path(path)
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self.stats(), indent=1))
+            tmp.replace(target)
+        except OSError:
+            log.exception("cannot write kvtier stats to %s", path)
+
+    def close(self) -> None:
+        for req_id in list(self._plans):
+            self._release_plan(req_id)
+        self.cache.close()
+        self._maybe_write_stats(force=True)
+        self.pool.close()

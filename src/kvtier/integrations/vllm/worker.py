@@ -1,0 +1,141 @@
+"""The connector's worker half: executes the copy orders of each step on this rank's KV tensors.
+
+Loads run before the forward pass (vLLM calls ``start_load_kv`` first when a step has sync loads)
+and are complete when it returns; stores run after the forward pass (``wait_for_save``). Results go
+back to the scheduler through the worker metadata; failed loads are also reported to vLLM as
+invalid blocks so it recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.copy.base import CopyBackend, CopyJob, Direction
+from kvtier.copy.cpu import SKIP
+from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata, KVTierWorkerMetadata
+from kvtier.pool import HostPool, PoolHandle
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "KVTIER_TEST_FAIL_LOADS"
+"""Testing only: a fraction in [0, 1] of load orders this worker fails on purpose."""
+
+
+class WorkerSide:
+    def __init__(self, blocks_per_slot: int, tp_rank: int, tp_size: int) -> None:
+        self.blocks_per_slot = blocks_per_slot
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self._kv: list[Any] = []
+        self._pool: HostPool | None = None
+        self._backend: CopyBackend | None = None
+        self._broken: str | None = None
+        self._done: dict[int, int] = {}
+        self._failed: dict[int, int] = {}
+        self._load_errors: set[int] = set()
+        self._fault_rate = float(os.environ.get(FAULT_ENV, "0") or 0)
+        self._faults = random.Random(1234 + tp_rank)
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        self._kv = list(kv_caches.values())
+
+    def _ensure_backend(self, handle: PoolHandle) -> CopyBackend | None:
+        if self._backend is not None or self._broken is not None:
+            return self._backend
+        try:
+            self._pool = HostPool.attach(handle)
+            self._backend = make_backend(
+                self._kv, self._pool, self.blocks_per_slot, self.tp_rank, self.tp_size
+            )
+        except Exception as exc:
+            # Every order then fails: loads are recomputed by vLLM, stores are dropped.
+            self._broken = f"{type(exc).__name__}: {exc}"
+            log.error("kvtier worker cannot copy, caching disabled on this rank: %s", exc)
+        return self._backend
+
+    def start_load(self, meta: KVTierMetadata) -> None:
+        if not meta.loads:
+            return
+        backend = self._ensure_backend(meta.pool)
+        submitted: list[CopyOrder] = []
+        for order in meta.loads:
+            if backend is None or order.fail or self._inject_fault():
+                self._fail_load(order)
+                continue
+            backend.submit(CopyJob(order.job_id, Direction.LOAD, order.engine_blocks, order.slots))
+            submitted.append(order)
+        if backend is not None and submitted:
+            backend.wait([o.job_id for o in submitted])
+            results = backend.poll()
+            failed = set(results.failed)
+            for order in submitted:
+                if order.job_id in failed:
+                    self._fail_load(order)
+                else:
+                    self._done[order.job_id] = self._done.get(order.job_id, 0) + 1
+
+    def save(self, meta: KVTierMetadata) -> None:
+        if not meta.stores:
+            return
+        backend = self._ensure_backend(meta.pool)
+        for order in meta.stores:
+            if backend is None:
+                self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
+                continue
+            job = CopyJob(order.job_id, Direction.STORE, order.engine_blocks, order.slots)
+            backend.submit(job)
+        if backend is not None:
+            backend.wait([o.job_id for o in meta.stores])
+            results = backend.poll()
+            for job_id in results.done:
+                self._done[job_id] = self._done.get(job_id, 0) + 1
+            for job_id in results.failed:
+                self._failed[job_id] = self._failed.get(job_id, 0) + 1
+
+    def _fail_load(self, order: CopyOrder) -> None:
+        self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
+        self._load_errors.update(b for b in order.engine_blocks if b != SKIP)
+
+    def _inject_fault(self) -> bool:
+        return self._fault_rate > 0 and self._faults.random() < self._fault_rate
+
+    def take_meta(self) -> KVTierWorkerMetadata | None:
+        if not self._done and not self._failed:
+            return None
+        meta = KVTierWorkerMetadata(self._done, self._failed)
+        self._done, self._failed = {}, {}
+        return meta
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+def make_backend(
+    kv_caches: Sequence[Any], pool: HostPool, blocks_per_slot: int, tp_rank: int, tp_size: int
+) -> CopyBackend:
+    """The copy backend for the device the KV tensors live on."""
+    if not kv_caches:
+        raise ValueError("register_kv_caches gave no KV tensors")
+    device = kv_caches[0].device.type
+    if device == "cpu":
+        from kvtier.copy.cpu import CpuCopyBackend
+
+        return CpuCopyBackend(
+            kv_caches, pool, blocks_per_slot=blocks_per_slot, tp_rank=tp_rank, tp_size=tp_size
+        )
+    raise NotImplementedError(
+        f"kvtier's vLLM connector has no copy backend for {device!r} KV caches yet"
+    )
