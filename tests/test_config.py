@@ -203,7 +203,12 @@ BAD: list[tuple[dict[str, Any], str, object, str]] = [
     ({"pool": {"size": 0}}, "pool.size", 0, "at least"),
     ({"pool": {"size": True}}, "pool.size", True, "a byte count"),
     ({"pool": {"size": "-1GiB"}}, "pool.size", "-1GiB", "a byte count"),
-    ({"pool": {"sise": "1GiB"}}, "pool.sise", "1GiB", "known: allow_pageable, shm_dir, size, writeback_window"),
+    (
+        {"pool": {"sise": "1GiB"}},
+        "pool.sise",
+        "1GiB",
+        "known: allow_pageable, shm_dir, size, writeback_window",
+    ),
     ({"pool": {"shm_dir": 3}}, "pool.shm_dir", 3, "a non-empty string"),
     ({"pool": {"allow_pageable": "no"}}, "pool.allow_pageable", "no", "true or false"),
     ({"block": {"tokens": 0}}, "block.tokens", 0, "an integer >= 1"),

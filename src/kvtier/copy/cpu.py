@@ -49,7 +49,7 @@ class CpuCopyBackend(CopyBackend):
         self._pages = pages
         self.num_blocks = num_blocks
         self.blocks_per_slot = blocks_per_slot
-        self._part_bytes = len(pages) * blocks_per_slot * page_bytes
+        self._part_bytes = int(len(pages) * blocks_per_slot * page_bytes)
         if pool.slot_bytes < tp_size * self._part_bytes:
             raise ValueError(
                 f"pool slots of {pool.slot_bytes} bytes cannot hold {tp_size} parts of "

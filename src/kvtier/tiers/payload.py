@@ -42,7 +42,7 @@ def header_matches(
     if len(header) != HEADER_BYTES:
         return False
     magic, version, flags, ns, stored_key, stored_len, _sum = HEADER.unpack(header)
-    return (
+    return bool(
         magic == MAGIC
         and version == FORMAT_VERSION
         and flags & ~KNOWN_FLAGS == 0
@@ -54,4 +54,4 @@ def header_matches(
 
 def payload_matches(header: bytes | memoryview, payload: bytes | memoryview) -> bool:
     """True when the payload's checksum equals the one in an already-matched header."""
-    return HEADER.unpack(header)[6] == checksum(payload)
+    return bool(HEADER.unpack(header)[6] == checksum(payload))

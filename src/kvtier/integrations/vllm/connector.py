@@ -37,7 +37,7 @@ class KVTierStats(KVConnectorStats):
     """The scheduler's latest kvtier stats snapshot, for vLLM's stats loggers."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         return other if other.data else self
@@ -122,7 +122,9 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self._scheduler.on_worker_meta(meta if isinstance(meta, KVTierWorkerMetadata) else None)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         self._scheduler.request_finished(request)
         return False, None
