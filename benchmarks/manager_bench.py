@@ -119,7 +119,9 @@ def main() -> None:
     print(f"{args.tokens}-token requests, {args.block_tokens}-token blocks, one Python thread")
     print(f"{'operation':<24}{'policy':<8}{'blocks':>10}{'seconds':>10}{'blocks/s':>14}")
     for f in figures:
-        print(f"{f.operation:<24}{f.policy:<8}{f.blocks:>10}{f.seconds:>10.3f}{f.blocks_per_s:>14,.0f}")
+        print(
+            f"{f.operation:<24}{f.policy:<8}{f.blocks:>10}{f.seconds:>10.3f}{f.blocks_per_s:>14,.0f}"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": where, "args": vars(args) | {"json": str(args.json)}}
     payload["figures"] = [asdict(f) for f in figures]
