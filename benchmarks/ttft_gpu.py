@@ -181,10 +181,13 @@ class Model:
         position: int,
         cache: list[torch.Tensor],
         block_table: torch.Tensor,
+        before_layer: Any = None,
     ) -> torch.Tensor:
         """One decode step, eagerly; the next token's logits."""
         x = self.embed[token]
         for index, kv in enumerate(cache):
+            if before_layer is not None:
+                before_layer(index)
             x = self._decode_layer(index, x, kv, position, block_table)
         return self._norm(x, self.norm) @ self.lm_head
 
@@ -276,6 +279,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--max-sms", type=int, default=0)
+    parser.add_argument("--eager-decode", action="store_true", help="no CUDA graphs for decode")
+    parser.add_argument("--no-layerwise", action="store_true", help="wait for the whole load")
     parser.add_argument("--shm-dir", default=DEFAULT_SHM_DIR)
     parser.add_argument("--json", type=Path, default=Path("docs/results/ttft_gpu.json"))
     args = parser.parse_args()
@@ -313,9 +318,14 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"model ready in {time.perf_counter() - t_init:.1f} s", flush=True)
 
+    def decode(before_layer: Any = None) -> torch.Tensor:
+        if args.eager_decode:
+            return model.decode(prompt[-1:], args.tokens, cache, block_table, before_layer)
+        return model.decode_graphed(before_layer)
+
     def recompute() -> torch.Tensor:
         model.prefill(prompt[:-1], cache, slot_mapping)
-        return model.decode_graphed()
+        return decode()
 
     # 1. The reference, and the full-recompute TTFT (first token id on the host).
     with torch.no_grad():
@@ -334,11 +344,11 @@ def main() -> None:
             int(logits.argmax())
             recompute_ms.append((time.perf_counter() - t0) * 1e3)
             prefill_ms.append(cuda_ms(lambda: model.prefill(prompt[:-1], cache, slot_mapping))[0])
-        reference = model.decode_graphed().clone()
+        reference = decode().clone()
         torch.cuda.synchronize()
         prompt_blocks = block_table[:n_prompt_blocks]
         saved = [kv[:, prompt_blocks].clone() for kv in cache]
-        decode_ms = [cuda_ms(model.decode_graphed)[0] for _ in range(3)]
+        decode_ms = [cuda_ms(decode)[0] for _ in range(3)]
         eager_decode_ms = [
             cuda_ms(lambda: model.decode(prompt[-1:], args.tokens, cache, block_table))[0]
             for _ in range(3)
@@ -414,13 +424,18 @@ def main() -> None:
                 hits, slots = len(store_slots), store_slots
             t_lookup = time.perf_counter()
             job = next(job_ids)
-            backend.submit(CopyJob(job, Direction.LOAD, block_ids[:hits], slots), layerwise=True)
+            layerwise = not args.no_layerwise
+            backend.submit(
+                CopyJob(job, Direction.LOAD, block_ids[:hits], slots), layerwise=layerwise
+            )
             t_submit = time.perf_counter()
             if repeat:
                 phases.append((t_keys - t0, t_lookup - t_keys, t_submit - t_lookup))
-            logits = model.decode_graphed(
-                before_layer=lambda layer, job=job: backend.stream_wait(job, layer)
-            )
+            if layerwise:
+                logits = decode(lambda layer, job=job: backend.stream_wait(job, layer))
+            else:
+                backend.stream_wait(job)
+                logits = decode()
             int(logits.argmax())
             elapsed = (time.perf_counter() - t0) * 1e3
             backend.wait([job])
