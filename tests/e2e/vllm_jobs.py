@@ -1,0 +1,89 @@
+"""Prompt sets, kvtier configs and child-process jobs for the vLLM end-to-end tests.
+
+Importable by a fresh interpreter (``vllm_harness.run_in_fresh_process``): no pytest here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import vllm_harness as h
+
+CONNECTOR = "KVTierConnector"
+MODULE = "kvtier.integrations.vllm"
+BLOCK_TOKENS = h.DEFAULT_BLOCK_SIZE
+# 2 layers x 32 tokens x 2 KV heads x (2 x 32 head_dim) x 4 bytes (float32), one TP rank.
+BLOCK_BYTES = 2 * BLOCK_TOKENS * 2 * 64 * 4
+
+SHARED_PREFIX = h.prompt_tokens(8 * BLOCK_TOKENS, seed=100)  # 8 whole blocks
+PROMPT_SETS: dict[str, list[list[int]]] = {
+    # 3 prompts of 9 full blocks + 12 tokens.
+    "basic": [h.prompt_tokens(300, seed=i) for i in range(3)],
+    # the shared prefix alone (stored first), then 4 requests = prefix + own suffix.
+    "prefix_only": [SHARED_PREFIX + h.prompt_tokens(20, seed=200)],
+    "shared": [SHARED_PREFIX + h.prompt_tokens(40, seed=300 + i) for i in range(4)],
+    # long requests for the preemption test.
+    "long": [h.prompt_tokens(260, seed=400 + i) for i in range(4)],
+}
+MAX_TOKENS = {"basic": 8, "prefix_only": 4, "shared": 8, "long": 160}
+
+
+def kvtier_config(
+    stats_path: str | Path,
+    *,
+    tiers: list[dict[str, Any]] | None = None,
+    pool_size: int | str = "64MiB",
+    **vllm: Any,
+) -> dict[str, Any]:
+    return {
+        "pool": {"size": pool_size},
+        "tiers": tiers or [],
+        "vllm": {"stats_path": str(stats_path), **vllm},
+    }
+
+
+def transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    return h.make_kv_transfer_config(
+        CONNECTOR, MODULE, extra_config=extra, kv_load_failure_policy="recompute"
+    )
+
+
+def read_stats(path: str | Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(Path(path).read_text())
+    return data
+
+
+def flush_stats(llm: Any) -> None:
+    """Make the scheduler write its stats file now: one more engine step after the interval."""
+    time.sleep(1.2)
+    h.generate_ids(llm, [[5, 6, 7]], max_tokens=1)
+
+
+def run_rounds(
+    model_dir: str,
+    extra: dict[str, Any],
+    sets: list[str],
+    multiprocessing: bool,
+    reset_first: bool = False,
+) -> dict[str, Any]:
+    """Child job: one engine with kvtier, generate each prompt set in turn (vLLM's prefix cache
+    reset before each but the first, or before every one with ``reset_first``); return the
+    outputs and the stats file's content."""
+    llm = h.build_llm(
+        model_dir,
+        kv_transfer_config=transfer_config(extra),
+        multiprocessing=multiprocessing,
+    )
+    outputs: list[list[list[int]]] = []
+    try:
+        for i, name in enumerate(sets):
+            if i or reset_first:
+                h.reset_prefix_cache(llm)
+            outputs.append(h.generate_ids(llm, PROMPT_SETS[name], max_tokens=MAX_TOKENS[name]))
+        flush_stats(llm)
+    finally:
+        h.shutdown_llm(llm)
+    return {"outputs": outputs, "stats": read_stats(extra["vllm"]["stats_path"])}
