@@ -318,6 +318,35 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"model ready in {time.perf_counter() - t_init:.1f} s", flush=True)
 
+    # kvtier on the worker: host pool, copy backend (registered before any CUDA graph is
+    # captured, as an engine does at start-up) and the manager.
+    try:
+        from kvtier.manager import TieredCache
+        from kvtier.policies import EvictionKind, make_policy
+
+        have_manager = True
+    except ImportError:
+        have_manager = False
+    ns = Namespace(
+        model="ttft-bench-llama-3-8b-random", dtype="bfloat16", block_tokens=bt, layout="lkv"
+    )
+    token_list = prompt.tolist()
+    block_bytes = cfg.layers * 2 * bt * cfg.kv_heads * cfg.head_dim * 2
+    num_slots = n_prompt_blocks + 64
+    pool = HostPool.create(
+        num_slots, block_bytes, shm_dir=shm_dir(num_slots * block_bytes, args.shm_dir)
+    )
+    pool.array()[:] = 0  # fault the pages in before pinning
+    backend = CudaCopyBackend(
+        cache,
+        KVLayout.LAYER_KV_FIRST,
+        pool,
+        CudaCopyOptions(strategy=args.strategy, max_sms=args.max_sms),
+    )
+    manager: Any = (
+        TieredCache(pool, make_policy(EvictionKind.LRU, pool.num_slots)) if have_manager else None
+    )
+
     def decode(before_layer: Any = None) -> torch.Tensor:
         if args.eager_decode:
             return model.decode(prompt[-1:], args.tokens, cache, block_table, before_layer)
@@ -355,32 +384,6 @@ def main() -> None:
         ]
 
     # 2. Store the prompt's blocks through kvtier.
-    try:
-        from kvtier.manager import TieredCache
-        from kvtier.policies import EvictionKind, make_policy
-
-        have_manager = True
-    except ImportError:
-        have_manager = False
-    ns = Namespace(
-        model="ttft-bench-llama-3-8b-random", dtype="bfloat16", block_tokens=bt, layout="lkv"
-    )
-    token_list = prompt.tolist()
-    block_bytes = cfg.layers * 2 * bt * cfg.kv_heads * cfg.head_dim * 2
-    num_slots = n_prompt_blocks + 64
-    pool = HostPool.create(
-        num_slots, block_bytes, shm_dir=shm_dir(num_slots * block_bytes, args.shm_dir)
-    )
-    pool.array()[:] = 0  # fault the pages in before pinning
-    backend = CudaCopyBackend(
-        cache,
-        KVLayout.LAYER_KV_FIRST,
-        pool,
-        CudaCopyOptions(strategy=args.strategy, max_sms=args.max_sms),
-    )
-    manager: Any = (
-        TieredCache(pool, make_policy(EvictionKind.LRU, pool.num_slots)) if have_manager else None
-    )
     block_ids = block_table.tolist()
     keys = chain_keys(ns, token_list[: args.tokens])
     if manager is not None:

@@ -69,6 +69,7 @@ class FakeRuntime:
     done_events: set[int] = field(default_factory=set)
     registered: list[tuple[int, int]] = field(default_factory=list)
     register_code: int = 0
+    freed: list[Any] = field(default_factory=list)
     _next: int = 100
 
     def _maybe_fail(self, name: str) -> None:
@@ -216,6 +217,9 @@ class EmulatedBackend(CudaCopyBackend):
     def _alloc_device(self, nbytes: int) -> tuple[Any, int]:
         memory = np.full(nbytes, 0xEE, dtype=np.uint8)
         return memory, int(memory.ctypes.data)
+
+    def _free_device(self, owner: Any) -> None:
+        self.fake.freed.append(owner)
 
     def _upload(self, table: np.ndarray) -> tuple[Any, int]:
         copy = np.ascontiguousarray(table.copy())

@@ -296,15 +296,15 @@ def test_ten_thousand_outstanding_transfers_never_block(
     backend = backend_for(pool, kv, layout, strategy)
     n = 10_000
     gate = torch.cuda.Event()
+    times = np.empty(n)
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     torch.cuda.synchronize()
     torch.cuda._sleep(4_000_000_000)  # holds every transfer back for ~2 s of GPU time
     gate.record()
     for job in range(n, n + 16):  # warm the gated path; these are outstanding too
         backend.submit(CopyJob(job, Direction.LOAD, [1], [1]), after=gate)
-    times = np.empty(n)
-    gc.collect()
-    gc.freeze()
-    gc.disable()
     try:
         clock = time.perf_counter
         for job in range(n):

@@ -236,23 +236,42 @@ def test_the_host_queue_feeds_the_device_in_order(pool: HostPool) -> None:
     for job in range(10):
         backend.submit(CopyJob(job, Direction.LOAD, [job], [job]))
     assert backend.stats()[-2:] == (4, 6)
-    backend.wait([8])  # waiting for a queued job enqueues it first
+    # Waiting for a queued job enqueues the queue as room is made, never more than 4 at once.
+    backend.wait([8])
+    assert backend.stats()[-2:] == (2, 0)  # 8 and 9 enqueued (and run), not yet collected
+    assert sorted(backend.poll().done) == list(range(10))
+    # A job that must be waited on by a stream is enqueued at once, room or not.
+    for job in range(10, 20):
+        backend.submit(CopyJob(job, Direction.LOAD, [job], [job - 10]))
+    backend.stream_wait(19)
     assert backend.stats()[-2:] == (5, 5)
-    backend.stream_wait(9)
-    assert backend.stats()[-2:] == (6, 4)
-    res = backend.poll()
-    assert sorted(res.done) == [0, 1, 2, 3, 8]  # the emulated wait runs everything enqueued
-    assert backend.stats()[-2:] == (4, 1)  # 9, and 4, 5, 6 enqueued as room was made
-    fake.run()
-    assert sorted(backend.poll().done) == [4, 5, 6, 9]
-    fake.run()
-    assert sorted(backend.poll().done) == [7]
+    done: list[int] = []
+    while backend.stats().in_flight:
+        fake.run()
+        done += backend.poll().done
+    assert sorted(done) == list(range(10, 20))
     assert _idle(backend)
     # Queued jobs hold their gate event; close returns it.
-    fake.deferred = True
-    backend.submit(CopyJob(20, Direction.LOAD, [1], [1]))
+    backend.submit(CopyJob(20, Direction.LOAD, [1], [1]), after=None)
     backend.close()
     assert fake.events == set() and fake.streams == set()
+
+
+def test_device_operation_budget(pool: HostPool) -> None:
+    fake = FakeRuntime(deferred=True)
+    opts = CudaCopyOptions(strategy="dma", max_device_ops=10)
+    backend, _, _ = _backend(pool, KVLayout.BLOCK_COMPACT, "dma", fake, options=opts)
+    for job in range(4):  # 4 copies each: two fit in the budget of 10
+        backend.submit(CopyJob(job, Direction.STORE, [4 * job + i for i in range(4)], [0, 1, 2, 3]))
+    assert backend.stats()[-2:] == (2, 2)
+    big = list(range(12))  # alone it exceeds the budget: it still runs, once nothing else does
+    backend.submit(CopyJob(9, Direction.LOAD, big, big))
+    done: list[int] = []
+    while backend.stats().in_flight:
+        fake.run()
+        done += backend.poll().done
+    assert done == [0, 1, 2, 3, 9]
+    backend.close()
 
 
 def test_stream_creation_failure_unregisters_the_pool(pool: HostPool) -> None:

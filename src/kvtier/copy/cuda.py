@@ -95,8 +95,11 @@ class CudaCopyOptions:
     allow_pageable: bool = False
     """Run on pageable memory (DMA only, slow) where pinning the pool fails, instead of raising."""
     dma_min_piece_bytes: int = 256 << 10
-    dma_lanes: int = 2
-    """Streams one DMA transfer (or a staged transfer's DMA side) is spread over."""
+    dma_lanes: int = 1
+    """Streams one ``dma`` transfer is spread over (1: back-to-back transfers already overlap)."""
+    stage_lanes: int = 2
+    """Streams each staging chunk's DMA is split over, so two copy engines hide each other's
+    per-copy gaps while the next chunk is gathered."""
     prefer_copy_engine: bool = True
     """Ask ``cudaMemcpyBatchAsync`` for the copy engines (never SMs) for DMA copies."""
     stage_bytes: int = 128 * MIB
@@ -107,6 +110,10 @@ class CudaCopyOptions:
     """``staged``: jobs of fewer engine blocks go straight to the pool through the kernel."""
     max_in_flight: int = 256
     """Transfers enqueued on the device and unfinished at most; more wait on the host."""
+    max_device_ops: int = 2048
+    """Copies and kernel launches enqueued and unfinished at most (estimated per transfer). The
+    driver blocks the host once about 1,000 operations wait in one of its hardware queues (4 for
+    copies, 8 for kernels, measured on an H100); this stays well below."""
     max_streams: int = 64
     """CUDA streams in the pool, all created at registration."""
     stream_priority: int = 0
@@ -120,6 +127,8 @@ class CudaCopyOptions:
             raise ConfigError("copy.max_sms", self.max_sms, "0 (backend's choice) or more")
         for name in (
             "dma_lanes",
+            "stage_lanes",
+            "max_device_ops",
             "stage_buffers",
             "max_in_flight",
             "max_streams",
@@ -359,6 +368,8 @@ class _Transfer:
     layer_events: list[int] = field(default_factory=list)
     aux_streams: list[int] = field(default_factory=list)
     """DMA lanes; they join ``stream`` before ``done`` is recorded."""
+    ops: int = 0
+    """Device operations (copies, launches) it counts against ``max_device_ops``."""
     failed: bool = False
 
 
@@ -425,11 +436,16 @@ class CudaCopyBackend(CopyBackend):
                 self._setup_strategy()
                 self._streams = _StreamPool(rt, options.max_streams, options.stream_priority)
             except BaseException:
+                for ring in self._rings.values():
+                    self._free_device(ring.owner)
                 self._rings = {}
+                if getattr(self, "_region_table", None) is not None:
+                    self._free_device(self._region_table)
                 self._pinned.close()
                 raise
         self._inflight: dict[int, _Transfer] = {}
         self._queued: dict[int, _Transfer] = {}
+        self._ops = 0
         self._done_early: list[int] = []
         self._failed_early: list[int] = []
         self._closed = False
@@ -528,19 +544,23 @@ class CudaCopyBackend(CopyBackend):
         return CopyKernels.compile()
 
     def _alloc_device(self, nbytes: int) -> tuple[Any, int]:
-        """Device memory: (owner object, address)."""
-        import torch
+        """Device memory from ``cudaMalloc``, not the framework's caching allocator (whose CUDA
+        graph pools can hand memory a graph still writes to to a later allocation):
+        (owner, address); the owner is passed to ``_free_device``."""
+        address = self._rt.malloc(nbytes)
+        return address, address
 
-        tensor = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
-        return tensor, int(tensor.data_ptr())
+    def _free_device(self, owner: Any) -> None:
+        try:
+            self._rt.free(int(owner))
+        except CudaError as exc:
+            log.warning("freeing copy staging memory failed: %s", exc)
 
     def _upload(self, table: np.ndarray) -> tuple[Any, int]:
-        """A device copy of a uint64 array: (owner object, device address)."""
-        import torch
-
-        tensor = torch.from_numpy(table.view(np.int64).copy()).to(f"cuda:{self.device}")
-        torch.cuda.synchronize(self.device)
-        return tensor, int(tensor.data_ptr())
+        """A device copy of a uint64 array: (owner, device address)."""
+        owner, address = self._alloc_device(table.nbytes)
+        self._rt.upload(address, table)
+        return owner, address
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -626,21 +646,53 @@ class CudaCopyBackend(CopyBackend):
         return _Plan(job.direction is Direction.STORE, blocks, hosts)
 
     def _pump(self) -> None:
-        """Enqueue queued transfers while there is room."""
-        queued, limit = self._queued, self.options.max_in_flight
-        while queued and len(self._inflight) < limit:
-            self._start(queued.pop(next(iter(queued))))
+        """Enqueue queued transfers, oldest first, while the device queues have room (at least
+        one when nothing is in flight, however large)."""
+        queued, inflight, opts = self._queued, self._inflight, self.options
+        while queued:
+            transfer = queued[next(iter(queued))]
+            ops = self._estimate_ops(transfer)
+            full = len(inflight) >= opts.max_in_flight or self._ops + ops > opts.max_device_ops
+            if inflight and full:
+                return
+            del queued[transfer.job_id]
+            self._start(transfer, ops)
 
     def _start_now(self, job_id: int) -> None:
+        """Enqueue one queued transfer now, room or not (``stream_wait`` needs its events)."""
         transfer = self._queued.pop(job_id, None)
         if transfer is not None:
-            self._start(transfer)
+            self._start(transfer, self._estimate_ops(transfer))
 
-    def _start(self, transfer: _Transfer) -> None:
+    def _staging(self, transfer: _Transfer) -> bool:
+        """Whether this transfer goes through the staging buffers."""
+        return (
+            self.strategy == "staged"
+            and not transfer.layerwise
+            and len(transfer.plan.blocks) >= self.options.staged_min_blocks
+        )
+
+    def _estimate_ops(self, transfer: _Transfer) -> int:
+        """Copies and launches the transfer enqueues (an upper bound)."""
+        n, geo = len(transfer.plan.blocks), self.geometry
+        launches = -(-n // KERNEL_CAPACITIES[-1])
+        if self._staging(transfer):
+            per = self._rings[transfer.plan.to_host].buffer_bytes // geo.block_bytes
+            return n + -(-n // per) * (1 + self.options.stage_lanes)
+        layers = geo.num_layers if transfer.layerwise else 1
+        if self.strategy != "dma":
+            return layers * launches
+        if transfer.layerwise:
+            return n * sum(len(regions) for regions in self._layer_merged)
+        return n * len(self._merged)
+
+    def _start(self, transfer: _Transfer, ops: int) -> None:
         """Enqueue one transfer on the device. On failure it stays in flight, marked failed,
         until what it enqueued has drained; ``poll`` reports it."""
         rt = self._rt
         self._inflight[transfer.job_id] = transfer
+        transfer.ops = ops
+        self._ops += ops
         enqueued = False
         try:
             transfer.stream = self._streams.acquire()
@@ -690,8 +742,7 @@ class CudaCopyBackend(CopyBackend):
 
     def _enqueue(self, transfer: _Transfer) -> None:
         plan, geo = transfer.plan, self.geometry
-        small = len(plan.blocks) < self.options.staged_min_blocks
-        if self.strategy == "staged" and not transfer.layerwise and not small:
+        if self._staging(transfer):
             self._staged(transfer)
             return
         # A layer-wise job of the staged strategy runs the kernel straight to the pool, layer by
@@ -788,30 +839,51 @@ class CudaCopyBackend(CopyBackend):
         dsts, srcs = (host_side, stage_side) if plan.to_host else (stage_side, host_side)
         sizes = np.full(n, block, dtype=np.uintp)
         n_regions = len(self.geometry.regions)
-        lanes = self._lanes(transfer, self.options.dma_lanes)
+        lanes = self._lanes(transfer, self.options.stage_lanes)
         main = transfer.stream
         for k in range(chunks):
-            part = slice(k * per, min(n, (k + 1) * per))
+            start, end = k * per, min(n, (k + 1) * per)
+            part = slice(start, end)
             j = int(buffers[k])
-            copies = CopyList(dsts[part], srcs[part], sizes[part])
-            lane = lanes[k % len(lanes)]
+            cuts = [start + (end - start) * i // len(lanes) for i in range(len(lanes) + 1)]
+            pieces = [
+                (lane, slice(cuts[i], cuts[i + 1]))
+                for i, lane in enumerate(lanes)
+                if cuts[i + 1] > cuts[i]
+            ]
             if plan.to_host:
                 if ring.free[j]:
                     rt.stream_wait_event(main, ring.free[j])
                 self._launch(main, plan.blocks[part], staged[part], True, 0, n_regions)
-                self._hand_over(main, lane)
-                self._batch(lane, copies, True)
-                self._mark_free(ring, j, lane)
+                self._fan_out(main, [lane for lane, _ in pieces])
+                for lane, cut in pieces:
+                    self._batch(lane, CopyList(dsts[cut], srcs[cut], sizes[cut]), True)
+                first = pieces[0][0]
+                for lane, _ in pieces[1:]:
+                    self._hand_over(lane, first)
+                self._mark_free(ring, j, first)
             else:
-                if ring.free[j]:
-                    rt.stream_wait_event(lane, ring.free[j])
-                self._batch(lane, copies, False)
-                self._hand_over(lane, main)
+                for lane, cut in pieces:
+                    if ring.free[j]:
+                        rt.stream_wait_event(lane, ring.free[j])
+                    self._batch(lane, CopyList(dsts[cut], srcs[cut], sizes[cut]), False)
+                for lane, _ in pieces:
+                    self._hand_over(lane, main)
                 self._launch(main, plan.blocks[part], staged[part], False, 0, n_regions)
                 self._mark_free(ring, j, main)
         if plan.to_host:
             for lane in lanes:
                 self._hand_over(lane, main)
+
+    def _fan_out(self, src: int, dsts: list[int]) -> None:
+        """Work enqueued on each of ``dsts`` from now on starts after the work on ``src``."""
+        event = self._events.acquire()
+        try:
+            self._rt.event_record(event, src)
+            for dst in dsts:
+                self._rt.stream_wait_event(dst, event)
+        finally:
+            self._events.release(event)
 
     def _mark_free(self, ring: _StageRing, index: int, stream: int) -> None:
         event = self._events.acquire()
@@ -862,9 +934,14 @@ class CudaCopyBackend(CopyBackend):
     # -- completion ----------------------------------------------------------------------------
 
     def poll(self) -> CopyResults:
-        self._pump()
+        self._collect()
         done, failed = self._done_early, self._failed_early
         self._done_early, self._failed_early = [], []
+        return CopyResults(done, failed)
+
+    def _collect(self) -> None:
+        """Move finished transfers to the report lists, return their resources, refill."""
+        self._pump()
         query = self._rt.event_query
         finished: list[_Transfer] = []
         for transfer in self._inflight.values():
@@ -877,24 +954,34 @@ class CudaCopyBackend(CopyBackend):
                 finished.append(transfer)
         for transfer in finished:
             del self._inflight[transfer.job_id]
+            self._ops -= transfer.ops
             self._release(transfer)
-            (failed if transfer.failed else done).append(transfer.job_id)
+            (self._failed_early if transfer.failed else self._done_early).append(transfer.job_id)
         if finished:
             self._pump()
-        return CopyResults(done, failed)
 
     def wait(self, job_ids: Sequence[int]) -> None:
-        for job_id in job_ids:
-            self._start_now(job_id)
+        # Queued jobs are enqueued as room is made, by waiting for the oldest in flight.
+        while any(job_id in self._queued for job_id in job_ids):
+            if not self._inflight:
+                self._pump()
+                continue
+            oldest = next(iter(self._inflight.values()))
+            self._synchronize(oldest)
+            self._collect()
         for job_id in job_ids:
             transfer = self._inflight.get(job_id)
-            if transfer is None or not transfer.done:
-                continue
-            try:
-                self._rt.event_synchronize(transfer.done)
-            except CudaError as exc:
-                log.error("copy job %d failed on the device: %s", job_id, exc)
-                transfer.failed = True
+            if transfer is not None:
+                self._synchronize(transfer)
+
+    def _synchronize(self, transfer: _Transfer) -> None:
+        if not transfer.done:
+            return
+        try:
+            self._rt.event_synchronize(transfer.done)
+        except CudaError as exc:
+            log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
+            transfer.failed = True
 
     def stream_wait(self, job_id: int, layer: int | None = None) -> None:
         """Make the current stream wait (on the GPU) for job ``job_id``, or for one layer of a
@@ -959,10 +1046,14 @@ class CudaCopyBackend(CopyBackend):
                 for event in ring.free:
                     if event:
                         self._events.release(event)
+            for ring in self._rings.values():
+                self._free_device(ring.owner)
             self._rings = {}
             self._streams.destroy()
             self._events.destroy()
             self._pinned.close()
+            if self._region_table is not None:
+                self._free_device(self._region_table)
             self._region_table = None
             self._kernels = None
             self._kv_refs = []

@@ -119,6 +119,9 @@ class CudaRuntime:
             "cudaHostUnregister": [_vp],
             "cudaHostGetDevicePointer": [ctypes.POINTER(_vp), _vp, _uint],
             "cudaMemcpyAsync": [_vp, _vp, _sz, _int, _vp],
+            "cudaMemcpy": [_vp, _vp, _sz, _int],
+            "cudaMalloc": [ctypes.POINTER(_vp), _sz],
+            "cudaFree": [_vp],
             "cudaGetLastError": [],
         }
         for name, arg_types in entry_points.items():
@@ -173,6 +176,9 @@ class CudaRuntime:
     cudaHostUnregister: Any
     cudaHostGetDevicePointer: Any
     cudaMemcpyAsync: Any
+    cudaMemcpy: Any
+    cudaMalloc: Any
+    cudaFree: Any
     cudaGetLastError: Any
     cuGetErrorString: Any
     cuLaunchKernel: Any
@@ -278,6 +284,24 @@ class CudaRuntime:
         )
         return out.value or 0
 
+    # -- device memory ------------------------------------------------------------------------
+
+    def malloc(self, nbytes: int) -> int:
+        """Device memory of our own, outside any framework's caching allocator (so nothing the
+        framework does, CUDA graph memory pools included, can hand it to someone else)."""
+        out = _vp()
+        self._check("cudaMalloc", self.cudaMalloc(ctypes.byref(out), nbytes))
+        return out.value or 0
+
+    def free(self, address: int) -> None:
+        self._check("cudaFree", self.cudaFree(address))
+
+    def upload(self, address: int, data: np.ndarray) -> None:
+        """Synchronous host-to-device copy of a contiguous array."""
+        array = np.ascontiguousarray(data)
+        code = self.cudaMemcpy(address, array.ctypes.data, array.nbytes, MEMCPY_DEFAULT)
+        self._check("cudaMemcpy", code)
+
     # -- copies and launches --------------------------------------------------------------------
 
     @property
@@ -337,7 +361,7 @@ def runtime() -> CudaRuntime:
     if _RUNTIME is None:
         import torch
 
-        torch.cuda.init()
+        torch.cuda.init()  # type: ignore[no-untyped-call]
         _RUNTIME = CudaRuntime()
     return _RUNTIME
 
