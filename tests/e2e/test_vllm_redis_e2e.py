@@ -16,7 +16,7 @@ from conftest import SKIP_REASON, VLLM_MISSING
 
 # tests/redis has no __init__.py on purpose: import its helpers by path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "redis"))
-from redis_servers import RedisServer, binaries_missing  # noqa: E402
+from redis_servers import RedisServer, binaries_missing
 
 pytestmark = [
     pytest.mark.e2e,
