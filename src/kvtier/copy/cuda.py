@@ -44,6 +44,7 @@ One backend serves one worker thread; its methods are not thread-safe.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -98,8 +99,7 @@ class CudaCopyOptions:
     dma_lanes: int = 1
     """Streams one ``dma`` transfer is spread over (1: back-to-back transfers already overlap)."""
     stage_lanes: int = 2
-    """Streams each staging chunk's DMA is split over, so two copy engines hide each other's
-    per-copy gaps while the next chunk is gathered."""
+    """Streams the staging chunks' DMAs alternate over, so consecutive chunks overlap."""
     prefer_copy_engine: bool = True
     """Ask ``cudaMemcpyBatchAsync`` for the copy engines (never SMs) for DMA copies."""
     stage_bytes: int = 128 * MIB
@@ -444,7 +444,9 @@ class CudaCopyBackend(CopyBackend):
                 self._pinned.close()
                 raise
         self._inflight: dict[int, _Transfer] = {}
-        self._queued: dict[int, _Transfer] = {}
+        # A deque, not a dict: a dict of thousands of queued jobs resizes (an O(n) copy, over
+        # 100 us at ~5,000 entries) inside some unlucky submit.
+        self._queued: deque[_Transfer] = deque()
         self._ops = 0
         self._done_early: list[int] = []
         self._failed_early: list[int] = []
@@ -592,7 +594,7 @@ class CudaCopyBackend(CopyBackend):
         record an event after each, for ``stream_wait(job_id, layer)``.
         """
         job_id = job.job_id
-        if self._closed or job_id in self._inflight or job_id in self._queued:
+        if self._closed or job_id in self._inflight:
             log.error("copy job %d rejected: %s", job_id, "closed" if self._closed else "id in use")
             self._failed_early.append(job_id)
             return
@@ -622,7 +624,7 @@ class CudaCopyBackend(CopyBackend):
             log.error("copy job %d failed: %s", job_id, exc)
             self._failed_early.append(job_id)
             return
-        self._queued[job_id] = _Transfer(job_id, plan, layerwise, gate, after is None)
+        self._queued.append(_Transfer(job_id, plan, layerwise, gate, after is None))
         self._pump()
 
     def _plan(self, job: CopyJob) -> _Plan:
@@ -650,19 +652,21 @@ class CudaCopyBackend(CopyBackend):
         one when nothing is in flight, however large)."""
         queued, inflight, opts = self._queued, self._inflight, self.options
         while queued:
-            transfer = queued[next(iter(queued))]
+            transfer = queued[0]
             ops = self._estimate_ops(transfer)
             full = len(inflight) >= opts.max_in_flight or self._ops + ops > opts.max_device_ops
             if inflight and full:
                 return
-            del queued[transfer.job_id]
+            queued.popleft()
             self._start(transfer, ops)
 
     def _start_now(self, job_id: int) -> None:
         """Enqueue one queued transfer now, room or not (``stream_wait`` needs its events)."""
-        transfer = self._queued.pop(job_id, None)
-        if transfer is not None:
-            self._start(transfer, self._estimate_ops(transfer))
+        for transfer in self._queued:
+            if transfer.job_id == job_id:
+                self._queued.remove(transfer)
+                self._start(transfer, self._estimate_ops(transfer))
+                return
 
     def _staging(self, transfer: _Transfer) -> bool:
         """Whether this transfer goes through the staging buffers."""
@@ -678,7 +682,7 @@ class CudaCopyBackend(CopyBackend):
         launches = -(-n // KERNEL_CAPACITIES[-1])
         if self._staging(transfer):
             per = self._rings[transfer.plan.to_host].buffer_bytes // geo.block_bytes
-            return n + -(-n // per) * (1 + self.options.stage_lanes)
+            return n + -(-n // per)
         layers = geo.num_layers if transfer.layerwise else 1
         if self.strategy != "dma":
             return layers * launches
@@ -689,6 +693,11 @@ class CudaCopyBackend(CopyBackend):
     def _start(self, transfer: _Transfer, ops: int) -> None:
         """Enqueue one transfer on the device. On failure it stays in flight, marked failed,
         until what it enqueued has drained; ``poll`` reports it."""
+        if transfer.job_id in self._inflight:  # two unreported jobs with one id: refuse the later
+            log.error("copy job %d rejected: id in use", transfer.job_id)
+            self._release_gate(transfer)
+            self._failed_early.append(transfer.job_id)
+            return
         rt = self._rt
         self._inflight[transfer.job_id] = transfer
         transfer.ops = ops
@@ -842,48 +851,27 @@ class CudaCopyBackend(CopyBackend):
         lanes = self._lanes(transfer, self.options.stage_lanes)
         main = transfer.stream
         for k in range(chunks):
-            start, end = k * per, min(n, (k + 1) * per)
-            part = slice(start, end)
+            part = slice(k * per, min(n, (k + 1) * per))
             j = int(buffers[k])
-            cuts = [start + (end - start) * i // len(lanes) for i in range(len(lanes) + 1)]
-            pieces = [
-                (lane, slice(cuts[i], cuts[i + 1]))
-                for i, lane in enumerate(lanes)
-                if cuts[i + 1] > cuts[i]
-            ]
+            copies = CopyList(dsts[part], srcs[part], sizes[part])
+            lane = lanes[k % len(lanes)]  # consecutive chunks' copies overlap on two engines
             if plan.to_host:
                 if ring.free[j]:
                     rt.stream_wait_event(main, ring.free[j])
                 self._launch(main, plan.blocks[part], staged[part], True, 0, n_regions)
-                self._fan_out(main, [lane for lane, _ in pieces])
-                for lane, cut in pieces:
-                    self._batch(lane, CopyList(dsts[cut], srcs[cut], sizes[cut]), True)
-                first = pieces[0][0]
-                for lane, _ in pieces[1:]:
-                    self._hand_over(lane, first)
-                self._mark_free(ring, j, first)
+                self._hand_over(main, lane)
+                self._batch(lane, copies, True)
+                self._mark_free(ring, j, lane)
             else:
-                for lane, cut in pieces:
-                    if ring.free[j]:
-                        rt.stream_wait_event(lane, ring.free[j])
-                    self._batch(lane, CopyList(dsts[cut], srcs[cut], sizes[cut]), False)
-                for lane, _ in pieces:
-                    self._hand_over(lane, main)
+                if ring.free[j]:
+                    rt.stream_wait_event(lane, ring.free[j])
+                self._batch(lane, copies, False)
+                self._hand_over(lane, main)
                 self._launch(main, plan.blocks[part], staged[part], False, 0, n_regions)
                 self._mark_free(ring, j, main)
         if plan.to_host:
             for lane in lanes:
                 self._hand_over(lane, main)
-
-    def _fan_out(self, src: int, dsts: list[int]) -> None:
-        """Work enqueued on each of ``dsts`` from now on starts after the work on ``src``."""
-        event = self._events.acquire()
-        try:
-            self._rt.event_record(event, src)
-            for dst in dsts:
-                self._rt.stream_wait_event(dst, event)
-        finally:
-            self._events.release(event)
 
     def _mark_free(self, ring: _StageRing, index: int, stream: int) -> None:
         event = self._events.acquire()
@@ -962,7 +950,8 @@ class CudaCopyBackend(CopyBackend):
 
     def wait(self, job_ids: Sequence[int]) -> None:
         # Queued jobs are enqueued as room is made, by waiting for the oldest in flight.
-        while any(job_id in self._queued for job_id in job_ids):
+        wanted = set(job_ids)
+        while any(transfer.job_id in wanted for transfer in self._queued):
             if not self._inflight:
                 self._pump()
                 continue
@@ -1031,7 +1020,7 @@ class CudaCopyBackend(CopyBackend):
             return
         self._closed = True
         with self._device_context():
-            for transfer in self._queued.values():
+            for transfer in self._queued:
                 self._release_gate(transfer)
             self._queued.clear()
             for transfer in list(self._inflight.values()):
