@@ -57,8 +57,12 @@ class CpuCopyBackend(CopyBackend):
             )
         offset = tp_rank * self._part_bytes
         whole = torch.from_numpy(pool.array())
-        self._slots = whole[:, offset : offset + self._part_bytes].unflatten(
-            1, (len(pages), blocks_per_slot, page_bytes)
+        part = whole[:, offset : offset + self._part_bytes]
+        # A view: rows keep the pool's slot stride, each row splits into layer x sub-block x page.
+        self._slots = part.as_strided(
+            (pool.num_slots, len(pages), blocks_per_slot, page_bytes),
+            (pool.slot_stride, blocks_per_slot * page_bytes, page_bytes, 1),
+            offset,
         )
         self._num_slots = pool.num_slots
         self._done: list[int] = []
