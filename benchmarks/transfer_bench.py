@@ -332,9 +332,6 @@ def run_outstanding(
     gc.collect()  # (walks every object: done before the warm-up, not between it and the loop)
     gc.freeze()
     gc.disable()
-    # One core for the loop: fewer migrations, as an engine pins its worker threads.
-    cpus = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {max(cpus)})
     torch.cuda.synchronize()
     torch.cuda._sleep(int(4e9))  # several seconds of GPU time at boost clock
     gate.record()
@@ -350,7 +347,6 @@ def run_outstanding(
     finally:
         gc.enable()
         gc.unfreeze()
-        os.sched_setaffinity(0, cpus)
     held = not gate.query()
     stats = backend.stats()
     in_flight = stats.in_flight + stats.queued
