@@ -183,6 +183,44 @@ def measure_reference(
     return ref
 
 
+class Contiguous:
+    """Contiguous pinned copies of one transfer's size, to time in between a configuration's own
+    repetitions (the host's PCIe is shared, so its speed drifts by a few percent over a run)."""
+
+    def __init__(self, pool: HostPool, nbytes: int) -> None:
+        self.rt = runtime()
+        self.nbytes = nbytes
+        self.streams = (self.rt.stream_create(), self.rt.stream_create())
+        self.dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+        self.pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        base = int(pool.array().ctypes.data)
+        self.hosts = {
+            "torch_pinned": (self.pinned[0].data_ptr(), self.pinned[1].data_ptr()),
+            "pool_registered": (base, base + pool.slot_stride * (pool.num_slots // 2)),
+        }
+
+    def seconds(self, direction: str, host: str, k: int) -> float:
+        """Wall time of ``k`` copies of ``nbytes`` back to back (``both``: k each way)."""
+        rt, (s1, s2), n = self.rt, self.streams, self.nbytes
+        d0, d1 = self.dev[0].data_ptr(), self.dev[1].data_ptr()
+        h0, h1 = self.hosts[host]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            if direction in ("load", "both"):
+                rt.memcpy_async(d0, h0, n, s1)
+            if direction in ("store", "both"):
+                rt.memcpy_async(h1 if direction == "both" else h0, d1, n, s2)
+        rt.stream_synchronize(s1)
+        rt.stream_synchronize(s2)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for stream in self.streams:
+            self.rt.stream_destroy(stream)
+        self.dev, self.pinned = [], []
+
+
 def make_engine(layout: KVLayout, num_blocks: int, gen: torch.Generator) -> list[torch.Tensor]:
     def rand(shape: tuple[int, ...]) -> torch.Tensor:
         bits = torch.randint(
@@ -231,6 +269,7 @@ def run_config(
     pool: HostPool,
     options: CudaCopyOptions,
     ref: Reference,
+    contiguous: Contiguous,
     args: argparse.Namespace,
 ) -> list[Row]:
     backend = CudaCopyBackend(kv, layout, pool, options)
@@ -270,20 +309,30 @@ def run_config(
     single["both"] = median_time(lambda: transfer("both", both_one), reps, warm)
     transfer("load", [(Direction.LOAD, d, sb)])
     ok_both = blocks_equal(kv, layout, a, b) and blocks_equal(kv, layout, c, d)
-    # Back to back: stores alternate slot sets, loads alternate target blocks.
-    piped = {
-        "store": median_time(
-            lambda: transfer("_", [(Direction.STORE, a, (sa, sb)[i % 2]) for i in range(k)]),
-            reps,
-            warm,
-        ),
-        "load": median_time(
-            lambda: transfer("_", [(Direction.LOAD, (b, d)[i % 2], sa) for i in range(k)]),
-            reps,
-            warm,
-        ),
-        "both": median_time(lambda: transfer("_", both_one * k), reps, warm),
+    # Back to back: stores alternate slot sets, loads alternate target blocks. Each repetition
+    # is followed by the contiguous copies it is compared with.
+    piped_jobs = {
+        "store": [(Direction.STORE, a, (sa, sb)[i % 2]) for i in range(k)],
+        "load": [(Direction.LOAD, (b, d)[i % 2], sa) for i in range(k)],
+        "both": both_one * k,
     }
+    piped: dict[str, float] = {}
+    local_ref: dict[str, float] = {}
+    for direction, jobs_k in piped_jobs.items():
+        ours: list[float] = []
+        theirs: dict[str, list[float]] = {host: [] for host in contiguous.hosts}
+        for i in range(warm + reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            transfer("_", jobs_k)
+            elapsed = time.perf_counter() - t0
+            refs = {host: contiguous.seconds(direction, host, k) for host in contiguous.hosts}
+            if i >= warm:
+                ours.append(elapsed)
+                for host, seconds in refs.items():
+                    theirs[host].append(seconds)
+        piped[direction] = float(np.median(ours))
+        local_ref[direction] = min(float(np.median(t)) for t in theirs.values())
     sms = backend.sms_used
     strategy = backend.strategy
     backend.close()
@@ -294,7 +343,7 @@ def run_config(
         moved = nbytes * (2 if direction == "both" else 1)
         gbps = moved * k / piped[direction] / GB
         one = moved / single[direction] / GB
-        reference = ref.best("pipelined", direction)
+        reference = moved * k / local_ref[direction] / GB
         ref_one = ref.best("single", direction)
         times = np.array(issue[direction][warm:]) * 1e6
         rows.append(
@@ -447,14 +496,15 @@ def main() -> None:
         ]
     if args.outstanding_only:
         configs = []
+    contiguous = Contiguous(pool, args.blocks * BLOCK_BYTES)
     if configs:  # a throw-away pass: first touches of the pool, streams, kernels, clocks
         warm_args = argparse.Namespace(**{**vars(args), "repeats": 1, "warmup": 1, "pipeline": 2})
         for kv, layout, options in configs[:2]:
-            run_config(kv, layout, pool, options, ref, warm_args)
+            run_config(kv, layout, pool, options, ref, contiguous, warm_args)
     rows: list[Row] = []
     for kv, layout, options in configs:
         try:
-            new = run_config(kv, layout, pool, options, ref, args)
+            new = run_config(kv, layout, pool, options, ref, contiguous, args)
         except Exception as exc:  # one broken variant must not hide the others' figures
             print(
                 f"{layout.value} {options.strategy} sms={options.max_sms}: FAILED: {exc!r}",
@@ -485,6 +535,7 @@ def main() -> None:
             continue
         outstanding.append(o)
         print(f"  outstanding: {o}", flush=True)
+    contiguous.close()
     anchor.close()
     pool.close()
     elapsed = time.perf_counter() - t0
@@ -546,8 +597,12 @@ def main() -> None:
             "blocks": args.blocks,
             "engine_blocks": args.engine_blocks,
         },
-        "method": "wall clock from submit to wait() returning, median of repeats after warm-up; "
-        "reference: one contiguous cudaMemcpyAsync of the same bytes, timed the same way",
+        "method": "gbps: --pipeline transfers submitted back to back, wall clock from the first "
+        "submit to wait() returning, median of repeats after warm-up; reference_gbps: the same "
+        "bytes as contiguous cudaMemcpyAsync copies (--pipeline of one transfer's size, from "
+        "PyTorch-pinned memory and from the registered pool, the faster counts), timed right "
+        "after each repetition; single_*: one transfer alone, from submit (so including its issue "
+        "time) to wait(), against one contiguous copy measured at the start of the run",
         "reference": asdict(ref),
         "rows": [asdict(r) for r in rows],
         "outstanding": [asdict(o) for o in outstanding],

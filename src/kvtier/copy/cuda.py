@@ -609,9 +609,8 @@ class CudaCopyBackend(CopyBackend):
             return
         rt = self._rt
         try:
-            if rt.get_device() != self.device:
-                rt.set_device(self.device)
             if after is None:
+                self._ensure_device()
                 gate = self._events.acquire()
                 try:
                     rt.event_record(gate, self._current_stream())
@@ -704,6 +703,7 @@ class CudaCopyBackend(CopyBackend):
         self._ops += ops
         enqueued = False
         try:
+            self._ensure_device()
             transfer.stream = self._streams.acquire()
             rt.stream_wait_event(transfer.stream, transfer.gate)
             self._release_gate(transfer)  # a wait binds to the record made before it
@@ -741,6 +741,12 @@ class CudaCopyBackend(CopyBackend):
                 rt.stream_synchronize(transfer.stream)
             except CudaError as exc:
                 log.error("copy stream unusable: %s", exc)
+
+    def _ensure_device(self) -> None:
+        """Make this backend's device current (a queued submit with ``after=`` makes no CUDA
+        call at all: even a cheap one can wait on a driver lock)."""
+        if self._rt.get_device() != self.device:
+            self._rt.set_device(self.device)
 
     def _release_gate(self, transfer: _Transfer) -> None:
         if transfer.gate and transfer.owns_gate:
