@@ -255,7 +255,8 @@ def variant_name(options: CudaCopyOptions) -> str:
     if options.strategy in ("kernel", "staged"):
         parts.append(f"sms={options.max_sms or 'default'}")
     if options.strategy == "staged":
-        parts.append(f"stage={options.stage_bytes >> 20}M")
+        parts.append(f"stage={options.stage_buffers}x{options.stage_bytes >> 20}M")
+        parts.append(f"lanes={options.stage_lanes}")
     else:
         parts.append(f"lanes={options.dma_lanes}")
         if not options.prefer_copy_engine:
@@ -451,6 +452,7 @@ def main() -> None:
     parser.add_argument("--shm-dir", default=DEFAULT_SHM_DIR)
     parser.add_argument("--outstanding-only", action="store_true")
     parser.add_argument("--defaults-only", action="store_true", help="only the auto rows")
+    parser.add_argument("--staged-sweep", action="store_true", help="staging pipeline variants")
     parser.add_argument("--json", type=Path, default=Path("docs/results/transfer_bench.json"))
     args = parser.parse_args()
     if args.engine_blocks < 4 * args.blocks:
@@ -494,6 +496,17 @@ def main() -> None:
             (compact, compact_layout, CudaCopyOptions(strategy="dma", dma_lanes=2)),
             (compact, compact_layout, CudaCopyOptions(strategy="kernel")),
         ]
+    if args.staged_sweep:
+        per = KVLayout.LAYER_KV_FIRST
+        configs = [(per_layer, per, CudaCopyOptions(strategy="auto"))]
+        configs += [
+            (
+                per_layer,
+                per,
+                CudaCopyOptions(strategy="staged", stage_lanes=lanes, stage_buffers=bufs),
+            )
+            for lanes, bufs in ((1, 2), (1, 3), (2, 3))
+        ]
     if args.outstanding_only:
         configs = []
     contiguous = Contiguous(pool, args.blocks * BLOCK_BYTES)
@@ -522,9 +535,13 @@ def main() -> None:
 
     outstanding: list[Outstanding] = []
     for kv, layout, strategy in (
-        (compact, KVLayout.BLOCK_COMPACT, "auto"),
-        (per_layer, KVLayout.LAYER_KV_FIRST, "auto"),
-        (per_layer, KVLayout.LAYER_KV_FIRST, "kernel"),
+        ()
+        if args.staged_sweep
+        else (
+            (compact, KVLayout.BLOCK_COMPACT, "auto"),
+            (per_layer, KVLayout.LAYER_KV_FIRST, "auto"),
+            (per_layer, KVLayout.LAYER_KV_FIRST, "kernel"),
+        )
     ):
         try:
             o = run_outstanding(
