@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_common import shm_dir
 
 from kvtier.copy.base import CopyJob, Direction
 from kvtier.copy.cuda import CudaCopyBackend, CudaCopyOptions
@@ -425,18 +426,6 @@ def run_outstanding(
         [(int(i), round(float(us[i]), 1)) for i in np.argsort(us)[-5:][::-1]],
         os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
     )
-
-
-def shm_dir(needed: int, preferred: str) -> str:
-    """The first of ``preferred``, /dev/shm, /tmp with room for the pool (a tmpfs pins best)."""
-    for directory in (preferred, DEFAULT_SHM_DIR, "/tmp"):
-        try:
-            st = os.statvfs(directory)
-        except OSError:
-            continue
-        if st.f_bavail * st.f_frsize > needed * 1.1:
-            return directory
-    raise SystemExit(f"no shared-memory directory with {needed} bytes free")
 
 
 def main() -> None:

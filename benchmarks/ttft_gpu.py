@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from bench_common import shm_dir
 
 from kvtier.copy.base import CopyJob, Direction
 from kvtier.copy.cuda import CudaCopyBackend, CudaCopyOptions
@@ -247,18 +248,6 @@ class Model:
             graphs[index + 1].replay()
         graphs[-1].replay()
         return self.graph_logits
-
-
-def shm_dir(needed: int, preferred: str) -> str:
-    """The first of ``preferred``, /dev/shm, /tmp with room for the pool (a tmpfs pins best)."""
-    for directory in (preferred, DEFAULT_SHM_DIR, "/tmp"):
-        try:
-            st = os.statvfs(directory)
-        except OSError:
-            continue
-        if st.f_bavail * st.f_frsize > needed * 1.1:
-            return directory
-    raise SystemExit(f"no shared-memory directory with {needed} bytes free")
 
 
 def cuda_ms(fn: Any) -> tuple[float, Any]:
