@@ -130,3 +130,23 @@ def test_close_while_server_is_frozen_does_not_hang(
         assert [drv.wait(i, deadline_s=1) for i in ids] == [[False]] * 6
     finally:
         server.resume()
+
+
+def test_kept_connections_closed_by_the_server_are_replaced(
+    server: RedisServer, pool: HostPool, namespace: Namespace
+) -> None:
+    """I/O threads keep their connections between batches; the server closing them while idle
+    (its ``timeout`` setting, CLIENT KILL) costs no block and leaves the tier healthy."""
+    tier = make_tier(pool, namespace, url=server.url(), io_threads=2, health_interval_s=60.0)
+    drv = Driver(tier)
+    try:
+        keys = make_keys(12, "kept")
+        assert drv.store(keys[:6]) == [True] * 6
+        killed = int(server.cli("client", "kill", "type", "normal", "skipme", "no"))
+        assert killed >= 1  # at least the kept data connections
+        assert drv.store(keys[6:]) == [True] * 6
+        assert drv.load_exact(keys, first_slot=20) == [True] * 12
+        assert tier.healthy
+        assert tier.counters.errors == tier.counters.timeouts == tier.counters.rejected == 0
+    finally:
+        tier.close()

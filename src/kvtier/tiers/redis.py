@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers import redis_wire
@@ -466,20 +468,22 @@ class RedisTier(Tier):
     # -- I/O threads ----------------------------------------------------------------------------
 
     def _data_loop(self) -> None:
+        lane = redis_wire.Lane()
         while True:
             _, _, batch = self._data_q.get()
             if batch is None:
+                lane.close()
                 return
             ok = [False] * (batch.stop - batch.start)
             try:
-                ok = self._run_batch(batch)
+                ok = self._run_batch(lane, batch)
             except Exception:  # pragma: no cover - defensive: the batch is still reported
                 log.exception("redis tier %s: batch failed", self.name)
                 self._bump(errors=len(ok))
             finally:
                 self._batch_done(batch, ok)
 
-    def _run_batch(self, batch: _Batch) -> list[bool]:
+    def _run_batch(self, lane: redis_wire.Lane, batch: _Batch) -> list[bool]:
         job = batch.state.job
         keys = job.keys[batch.start : batch.stop]
         slots = job.slots[batch.start : batch.stop]
@@ -488,17 +492,25 @@ class RedisTier(Tier):
         if not self._healthy or client is None:
             self._bump(**{"errors" if reading else "rejected": len(keys)})
             return [False] * len(keys)
+        run = self._read if reading else self._write
         try:
-            if reading:
-                return self._read(client, keys, slots)
-            return self._write(client, keys, slots)
+            try:
+                return run(client, lane, keys, slots)
+            except RedisConnectionError:
+                # A kept connection the server closed while it sat idle (its ``timeout``):
+                # SET and GET are idempotent, so the batch runs once more on a fresh one.
+                if not lane.reused:
+                    raise
+                return run(client, lane, keys, slots)
         except Exception as exc:
             self._io_failed(exc, len(keys))
             if not reading:
                 self._presence.forget(keys)
             return [False] * len(keys)
 
-    def _write(self, client: Client, keys: list[BlockKey], slots: list[int]) -> list[bool]:
+    def _write(
+        self, client: Client, lane: redis_wire.Lane, keys: list[BlockKey], slots: list[int]
+    ) -> list[bool]:
         digest, view = self._digest, self.pool.view
         ttl = self.options.ttl_ms
         payloads = [view(slot) for slot in slots]
@@ -506,9 +518,9 @@ class RedisTier(Tier):
         rkeys = [self.redis_key(key) for key in keys]
         replies: list[Any]
         if self._wire:
-            with redis_wire.Batch(client) as batch:
-                batch.send(redis_wire.set_chunks(rkeys, headers, payloads, ttl))
-                replies = [batch.simple() for _ in keys]
+            with lane.on(client) as wire:
+                wire.send(redis_wire.set_chunks(rkeys, headers, payloads, ttl))
+                replies = [wire.simple() for _ in keys]
         else:
             pipe = client.pipeline(transaction=False)
             for rkey, header, payload in zip(rkeys, headers, payloads, strict=True):
@@ -536,17 +548,19 @@ class RedisTier(Tier):
         self._bump(write_blocks=written, write_bytes=written * self.pool.slot_bytes)
         return ok
 
-    def _read(self, client: Client, keys: list[BlockKey], slots: list[int]) -> list[bool]:
+    def _read(
+        self, client: Client, lane: redis_wire.Lane, keys: list[BlockKey], slots: list[int]
+    ) -> list[bool]:
         ttl = self.options.ttl_ms if self.options.ttl_touch_on_read else None
         rkeys = [self.redis_key(key) for key in keys]
         ok: list[bool] = []
         if self._wire:
             header = memoryview(bytearray(HEADER_BYTES))
-            with redis_wire.Batch(client) as batch:
-                batch.send([redis_wire.get_command(rkeys, ttl)])
+            with lane.on(client) as wire:
+                wire.send([redis_wire.get_command(rkeys, ttl)])
                 for key, slot in zip(keys, slots, strict=True):
                     target = self.pool.view(slot)
-                    got = batch.block(header, target)
+                    got = wire.block(header, target)
                     if got is redis_wire.Got.VALUE:
                         ok.append(self._verify(key, header, target))
                     else:
