@@ -60,8 +60,19 @@ class KVTierConnector(KVConnectorBase_V1):
         engine_block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
-        if int(getattr(parallel, "pipeline_parallel_size", 1)) != 1:
-            raise ConfigError("pipeline_parallel_size", parallel.pipeline_parallel_size, "1")
+        # The slot layout and the job accounting assume exactly tp_size workers, worker r holding
+        # head share r of whole engine blocks. Context parallelism breaks both: prefill CP adds
+        # workers (world_size = TP x PCP: more reports per job, two workers per slot part) and
+        # decode CP spreads a block's tokens over ranks (vLLM's scheduler blocks then span
+        # block_size x DCP tokens).
+        for name in (
+            "pipeline_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+        ):
+            size = getattr(parallel, name, 1)
+            if int(size) != 1:
+                raise ConfigError(name, size, "1 (kvtier supports tensor parallelism only)")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
