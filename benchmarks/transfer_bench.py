@@ -257,6 +257,7 @@ def variant_name(options: CudaCopyOptions) -> str:
         parts.append(f"sms={options.max_sms or 'default'}")
     if options.strategy == "staged":
         parts.append(f"stage={options.stage_buffers}x{options.stage_bytes >> 20}M")
+        parts.append(f"ramp={options.stage_ramp_bytes >> 20}M")
         parts.append(f"lanes={options.stage_lanes}")
     else:
         parts.append(f"lanes={options.dma_lanes}")
@@ -428,6 +429,66 @@ def run_outstanding(
     )
 
 
+class TimedRuntime:
+    """Wraps a backend's CUDA runtime: host time and calls per runtime method."""
+
+    def __init__(self, rt: Any) -> None:
+        self._rt = rt
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._rt, name)
+        if not callable(target):
+            return target
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return target(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+                self.calls[name] = self.calls.get(name, 0) + 1
+
+        return timed
+
+
+def profile_issue(
+    kv: list[torch.Tensor], layout: KVLayout, pool: HostPool, n: int, repeats: int
+) -> None:
+    """Where one transfer's issue time goes: per runtime method, and the Python around it."""
+    backend = CudaCopyBackend(kv, layout, pool, CudaCopyOptions())
+    timed = TimedRuntime(backend._rt)
+    slots = list(range(n))
+    blocks = list(range(n, 2 * n))
+    for direction in (Direction.STORE, Direction.LOAD):
+        for i in range(repeats + 2):
+            if i == 2:  # after two warm-up transfers
+                backend._rt = timed  # type: ignore[assignment]
+                timed.seconds.clear()
+                timed.calls.clear()
+                total = 0.0
+            t0 = time.perf_counter()
+            backend.submit(CopyJob(1000 + i, direction, blocks, slots))
+            if i >= 2:
+                total += time.perf_counter() - t0
+            backend.wait([1000 + i])
+            backend.poll()
+        backend._rt = timed._rt
+        in_rt = sum(timed.seconds.values())
+        print(
+            f"issue profile {layout.value} {backend.strategy} {direction.value}: "
+            f"{total / repeats * 1e6:.0f} us per submit, {in_rt / repeats * 1e6:.0f} us in "
+            "the runtime: "
+            + ", ".join(
+                f"{name} {timed.calls[name] // repeats}x {sec / repeats * 1e6:.0f} us"
+                for name, sec in sorted(timed.seconds.items(), key=lambda kv: -kv[1])
+            ),
+            flush=True,
+        )
+    backend.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=512)
@@ -442,6 +503,9 @@ def main() -> None:
     parser.add_argument("--outstanding-only", action="store_true")
     parser.add_argument("--defaults-only", action="store_true", help="only the auto rows")
     parser.add_argument("--staged-sweep", action="store_true", help="staging pipeline variants")
+    parser.add_argument(
+        "--profile-issue", action="store_true", help="only: where the issue time goes"
+    )
     parser.add_argument("--json", type=Path, default=Path("docs/results/transfer_bench.json"))
     args = parser.parse_args()
     if args.engine_blocks < 4 * args.blocks:
@@ -459,6 +523,12 @@ def main() -> None:
     pool.array()[:] = 0x5A  # fault the pages in before pinning
     # One backend holds the registration for the whole run; the others find the pool registered.
     anchor = CudaCopyBackend(compact, KVLayout.BLOCK_COMPACT, pool, CudaCopyOptions(strategy="dma"))
+    if args.profile_issue:
+        for kv, layout in ((compact, KVLayout.BLOCK_COMPACT), (per_layer, KVLayout.LAYER_KV_FIRST)):
+            profile_issue(kv, layout, pool, args.blocks, args.repeats)
+        anchor.close()
+        pool.close()
+        return
     t0 = time.perf_counter()
     ref = (
         Reference()
@@ -492,9 +562,16 @@ def main() -> None:
             (
                 per_layer,
                 per,
-                CudaCopyOptions(strategy="staged", stage_lanes=lanes, stage_buffers=bufs),
+                CudaCopyOptions(
+                    strategy="staged", stage_lanes=lanes, stage_bytes=stage, stage_ramp_bytes=ramp
+                ),
             )
-            for lanes, bufs in ((1, 2), (1, 3), (2, 3))
+            for lanes, stage, ramp in (
+                (2, 128 << 20, 128 << 20),  # equal chunks: the ramp's baseline
+                (1, 128 << 20, 8 << 20),
+                (3, 128 << 20, 8 << 20),
+                (2, 128 << 20, 32 << 20),
+            )
         ]
     if args.outstanding_only:
         configs = []

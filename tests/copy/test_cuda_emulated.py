@@ -13,7 +13,7 @@ from emulated_cuda import COMPUTE_STREAM, EmulatedBackend, FakeRuntime, FakeTens
 from kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
 
 from kvtier.copy.base import CopyJob, Direction
-from kvtier.copy.cuda import CudaCopyOptions
+from kvtier.copy.cuda import CudaCopyOptions, chunk_sizes
 from kvtier.copy.cuda_plan import KVLayout
 from kvtier.errors import ConfigError, PoolError
 from kvtier.pool import HostPool
@@ -362,5 +362,54 @@ def test_dma_lanes_split_the_copy_and_join(pool: HostPool, layerwise: bool) -> N
     assert backend.poll().done == [1]
     for b, s in zip(blocks, slots, strict=True):
         assert _slot_part(pool, s, 0, backend.slot_part_bytes) == block_bytes(logical, b)
+    assert _idle(backend)
+    backend.close()
+
+
+def test_chunk_sizes_ramp_at_the_exposed_end() -> None:
+    # Equal chunks when the ramp is as large as a buffer.
+    assert chunk_sizes(10, 4, 4, to_host=True) == [4, 4, 2]
+    # A STORE starts small (its first gather cannot overlap a DMA), a LOAD ends small.
+    assert chunk_sizes(100, 32, 1, to_host=True) == [1, 4, 16, 32, 32, 15]
+    assert chunk_sizes(100, 32, 1, to_host=False) == [15, 32, 32, 16, 4, 1]
+    assert chunk_sizes(3, 32, 2, to_host=False) == [1, 2]
+    for n in range(1, 200):
+        for to_host in (True, False):
+            sizes = chunk_sizes(n, 16, 2, to_host)
+            assert sum(sizes) == n and all(0 < s <= 16 for s in sizes)
+
+
+def test_staged_ramp_moves_every_byte(pool: HostPool) -> None:
+    """Ten blocks through 4-block buffers with a one-block ramp: chunks of 1, 4, 4, 1 blocks
+    (equal chunks would be 4, 4, 2), and every block lands where it should."""
+    fake = FakeRuntime(deferred=True)
+    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
+    opts = CudaCopyOptions(
+        strategy="staged",
+        max_streams=4,
+        stage_bytes=4 * block,
+        stage_ramp_bytes=block,
+        staged_min_blocks=1,
+    )
+    backend, logical, arrays = _backend(pool, KVLayout.LAYER_KV_FIRST, "staged", fake, options=opts)
+    blocks = [5, 17, 3, 0, 23, 9, 11, 2, 14, 19]
+    slots = [7, 2, 11, 0, 3, 15, 8, 9, 1, 4]
+    fake.calls.clear()
+    backend.submit(CopyJob(1, Direction.STORE, blocks, slots))
+    assert [c[2] for c in fake.calls if c[0] == "memcpy"] == [1, 4, 4, 1]
+    fake.run()
+    assert backend.poll().done == [1]
+    for a in arrays:
+        a.fill(0xDEAD)
+    targets = [1, 2, 20, 21, 4, 8, 6, 7, 10, 12]
+    fake.calls.clear()
+    backend.submit(CopyJob(2, Direction.LOAD, targets, slots))
+    load_batches = [c[2] for c in fake.calls if c[0] == "memcpy"]
+    backend.wait([2])
+    assert backend.poll().done == [2]
+    got = to_logical(arrays, KVLayout.LAYER_KV_FIRST)
+    for i, b in enumerate(targets):
+        assert got[b].tobytes() == block_bytes(logical, blocks[i])
+    assert load_batches == [1, 4, 4, 1]
     assert _idle(backend)
     backend.close()
