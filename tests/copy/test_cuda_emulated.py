@@ -210,7 +210,7 @@ def test_many_outstanding_share_streams_beyond_the_cap(pool: HostPool) -> None:
         KVLayout.BLOCK_COMPACT,
         "dma",
         fake,
-        options=CudaCopyOptions(strategy="dma", max_streams=64),
+        options=CudaCopyOptions(strategy="dma", max_streams=64, max_in_flight=256),
     )
     n = 10_000
     for job in range(n):

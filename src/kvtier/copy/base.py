@@ -59,6 +59,12 @@ class CopyBackend(ABC):
     def wait(self, job_ids: Sequence[int]) -> None:
         """Block until the given jobs finished (success or failure); then ``poll`` reports them."""
 
+    def fence(self, job_ids: Sequence[int]) -> None:
+        """Make the engine's next work (on its compute stream) start only after these jobs
+        finished: a STORE's engine blocks may then be overwritten. Waits on the host unless the
+        device can order it itself."""
+        self.wait(job_ids)
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -112,8 +112,10 @@ class CudaCopyOptions:
     first gather, the last scatter) is short. ``stage_bytes`` or more: equal chunks."""
     staged_min_blocks: int = 8
     """``staged``: jobs of fewer engine blocks go straight to the pool through the kernel."""
-    max_in_flight: int = 256
-    """Transfers enqueued on the device and unfinished at most; more wait on the host."""
+    max_in_flight: int = 32
+    """Transfers enqueued on the device and unfinished at most; more wait on the host (in a
+    queue that ``submit``, ``poll`` and ``wait`` feed to the device as room is made). Enqueueing
+    is a few CUDA calls that can take 100-200 us while the device is busy, queueing ~1 us."""
     max_device_ops: int = 2048
     """Copies and kernel launches enqueued and unfinished at most (estimated per transfer). The
     driver blocks the host once about 1,000 operations wait in one of its hardware queues (4 for
@@ -1045,6 +1047,11 @@ class CudaCopyBackend(CopyBackend):
         else:
             event = transfer.layer_events[layer]
         self._rt.stream_wait_event(self._current_stream(), event)
+
+    def fence(self, job_ids: Sequence[int]) -> None:
+        """The current stream waits, on the GPU, for each job (the host does not)."""
+        for job_id in job_ids:
+            self.stream_wait(job_id)
 
     def _release(self, transfer: _Transfer) -> None:
         self._release_gate(transfer)

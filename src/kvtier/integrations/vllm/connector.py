@@ -93,8 +93,13 @@ class KVTierConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+            from kvtier.copy.cuda import CudaCopyOptions
+
             self._worker = WorkerSide(
-                self.settings.blocks_per_slot, get_tensor_model_parallel_rank(), self.tp_size
+                self.settings.blocks_per_slot,
+                get_tensor_model_parallel_rank(),
+                self.tp_size,
+                CudaCopyOptions.from_config(config),
             )
 
     @property
@@ -179,6 +184,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # Called every step before anything writes KV: blocks of stores still in flight may
+        # have been freed and handed to another request.
+        if self._worker is not None:
+            self._worker.fence()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None

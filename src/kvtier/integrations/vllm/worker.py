@@ -1,9 +1,14 @@
 """The connector's worker half: executes the copy orders of each step on this rank's KV tensors.
 
 Loads run before the forward pass (vLLM calls ``start_load_kv`` first when a step has sync loads)
-and are complete when it returns; stores run after the forward pass (``wait_for_save``). Results go
-back to the scheduler through the worker metadata; failed loads are also reported to vLLM as
-invalid blocks so it recomputes them.
+and are complete when it returns. Stores are submitted after the forward pass (``wait_for_save``)
+and never waited for on the host: a CPU backend copies at once, a CUDA backend copies on its own
+streams after the forward pass that wrote the blocks. A store still in flight when the next step
+begins may read blocks that vLLM freed and handed to another request meanwhile, so at the start
+of every step (``fence``, from vLLM's ``handle_preemptions``, which runs before anything writes
+KV) the engine's stream waits, on the device, for the stores still in flight. Results go back to
+the scheduler through the worker metadata; failed loads are also reported to vLLM as invalid
+blocks so it recomputes them.
 """
 
 from __future__ import annotations
@@ -26,16 +31,21 @@ FAULT_ENV = "KVTIER_TEST_FAIL_LOADS"
 
 
 class WorkerSide:
-    def __init__(self, blocks_per_slot: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, blocks_per_slot: int, tp_rank: int, tp_size: int, copy_options: Any = None
+    ) -> None:
         self.blocks_per_slot = blocks_per_slot
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self._copy_options = copy_options
+        """``CudaCopyOptions`` for a CUDA backend (None: its defaults)."""
         self._kv: list[Any] = []
         self._pool: HostPool | None = None
         self._backend: CopyBackend | None = None
         self._broken: str | None = None
         self._done: dict[int, int] = {}
         self._failed: dict[int, int] = {}
+        self._stores_in_flight: set[int] = set()
         self._load_errors: set[int] = set()
         self._fault_rate = float(os.environ.get(FAULT_ENV, "0") or 0)
         self._faults = random.Random(1234 + tp_rank)
@@ -49,7 +59,12 @@ class WorkerSide:
         try:
             self._pool = HostPool.attach(handle)
             self._backend = make_backend(
-                self._kv, self._pool, self.blocks_per_slot, self.tp_rank, self.tp_size
+                self._kv,
+                self._pool,
+                self.blocks_per_slot,
+                self.tp_rank,
+                self.tp_size,
+                self._copy_options,
             )
         except Exception as exc:
             # Every order then fails: loads are recomputed by vLLM, stores are dropped.
@@ -57,10 +72,19 @@ class WorkerSide:
             log.error("kvtier worker cannot copy, caching disabled on this rank: %s", exc)
         return self._backend
 
+    def fence(self) -> None:
+        """Before this step writes any KV: its work waits for the stores still in flight."""
+        if self._backend is None or not self._stores_in_flight:
+            return
+        self._collect()
+        if self._stores_in_flight:
+            self._backend.fence(sorted(self._stores_in_flight))
+
     def start_load(self, meta: KVTierMetadata) -> None:
         if not meta.loads:
             return
         backend = self._ensure_backend(meta.pool)
+        self.fence()  # in case the engine did not call handle_preemptions this step
         submitted: list[CopyOrder] = []
         for order in meta.loads:
             if backend is None or order.fail or self._inject_fault():
@@ -70,13 +94,10 @@ class WorkerSide:
             submitted.append(order)
         if backend is not None and submitted:
             backend.wait([o.job_id for o in submitted])
-            results = backend.poll()
-            failed = set(results.failed)
+            failed = self._collect()
             for order in submitted:
                 if order.job_id in failed:
                     self._fail_load(order)
-                else:
-                    self._done[order.job_id] = self._done.get(order.job_id, 0) + 1
 
     def save(self, meta: KVTierMetadata) -> None:
         if not meta.stores:
@@ -86,15 +107,24 @@ class WorkerSide:
             if backend is None:
                 self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
                 continue
-            job = CopyJob(order.job_id, Direction.STORE, order.engine_blocks, order.slots)
-            backend.submit(job)
+            self._stores_in_flight.add(order.job_id)
+            backend.submit(CopyJob(order.job_id, Direction.STORE, order.engine_blocks, order.slots))
         if backend is not None:
-            backend.wait([o.job_id for o in meta.stores])
-            results = backend.poll()
-            for job_id in results.done:
-                self._done[job_id] = self._done.get(job_id, 0) + 1
-            for job_id in results.failed:
+            self._collect()
+
+    def _collect(self) -> set[int]:
+        """Record the jobs the backend finished since the last call; returns the failed ones
+        (load failures are the caller's to report)."""
+        assert self._backend is not None
+        results = self._backend.poll()
+        for job_id in results.done:
+            self._done[job_id] = self._done.get(job_id, 0) + 1
+            self._stores_in_flight.discard(job_id)
+        for job_id in results.failed:
+            if job_id in self._stores_in_flight:
+                self._stores_in_flight.discard(job_id)
                 self._failed[job_id] = self._failed.get(job_id, 0) + 1
+        return set(results.failed)
 
     def _fail_load(self, order: CopyOrder) -> None:
         self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
@@ -104,6 +134,8 @@ class WorkerSide:
         return self._fault_rate > 0 and self._faults.random() < self._fault_rate
 
     def take_meta(self) -> KVTierWorkerMetadata | None:
+        if self._backend is not None and self._stores_in_flight:
+            self._collect()
         if not self._done and not self._failed:
             return None
         meta = KVTierWorkerMetadata(self._done, self._failed)
@@ -116,6 +148,8 @@ class WorkerSide:
 
     def close(self) -> None:
         if self._backend is not None:
+            # Stores in flight read engine memory: let them finish before it goes away.
+            self._backend.wait(sorted(self._stores_in_flight))
             self._backend.close()
             self._backend = None
         if self._pool is not None:
@@ -124,7 +158,12 @@ class WorkerSide:
 
 
 def make_backend(
-    kv_caches: Sequence[Any], pool: HostPool, blocks_per_slot: int, tp_rank: int, tp_size: int
+    kv_caches: Sequence[Any],
+    pool: HostPool,
+    blocks_per_slot: int,
+    tp_rank: int,
+    tp_size: int,
+    copy_options: Any = None,
 ) -> CopyBackend:
     """The copy backend for the device the KV tensors live on."""
     if not kv_caches:
@@ -136,6 +175,33 @@ def make_backend(
         return CpuCopyBackend(
             kv_caches, pool, blocks_per_slot=blocks_per_slot, tp_rank=tp_rank, tp_size=tp_size
         )
-    raise NotImplementedError(
-        f"kvtier's vLLM connector has no copy backend for {device!r} KV caches yet"
-    )
+    if device == "cuda":
+        from kvtier.copy.cuda import CudaCopyBackend
+
+        return CudaCopyBackend(
+            kv_caches,
+            cuda_layout(kv_caches),
+            pool,
+            copy_options,
+            blocks_per_slot=blocks_per_slot,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+    raise NotImplementedError(f"kvtier's vLLM connector has no copy backend for {device!r} KV")
+
+
+def cuda_layout(kv_caches: Sequence[Any]) -> Any:
+    """Which of vLLM's per-layer CUDA layouts the tensors have: FlashAttention's
+    ``[2, num_blocks, ...]`` or FlashInfer's ``[num_blocks, 2, ...]`` (strides are checked by the
+    backend: a permuted physical layout such as FlashInfer's HND is refused there)."""
+    from kvtier.copy.cuda_plan import KVLayout
+
+    shapes = {tuple(t.shape) for t in kv_caches}
+    if len(shapes) != 1:
+        raise ValueError(f"KV tensors of different shapes: {sorted(shapes)}")
+    shape = next(iter(shapes))
+    if len(shape) >= 3 and shape[0] == 2 and shape[1] != 2:
+        return KVLayout.LAYER_KV_FIRST
+    if len(shape) >= 3 and shape[1] == 2 and shape[0] != 2:
+        return KVLayout.LAYER_BLOCKS_FIRST
+    raise ValueError(f"unrecognised per-layer KV shape {shape} (want [2, blocks, ...])")

@@ -1,0 +1,168 @@
+"""The connector's worker half with an asynchronous copy backend (as the CUDA one is): stores are
+never waited for on the host, the next step is fenced behind the stores still in flight, results
+reach the scheduler once, and the CUDA layout is recognised from vLLM's tensor shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier.copy.base import CopyBackend, CopyJob, CopyResults, Direction
+from kvtier.copy.cuda_plan import KVLayout
+from kvtier.integrations.vllm import worker as worker_module
+from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata
+from kvtier.integrations.vllm.worker import WorkerSide, cuda_layout
+from kvtier.pool import HostPool
+
+
+class AsyncBackend(CopyBackend):
+    """Jobs finish only when the test says so; records what the worker asked for."""
+
+    def __init__(self) -> None:
+        self.submitted: list[CopyJob] = []
+        self.running: set[int] = set()
+        self.finished: list[int] = []
+        self.broken: list[int] = []
+        self.fenced: list[list[int]] = []
+        self.waited: list[list[int]] = []
+        self.closed = False
+
+    def submit(self, job: CopyJob) -> None:
+        self.submitted.append(job)
+        self.running.add(job.job_id)
+
+    def finish(self, job_id: int, ok: bool = True) -> None:
+        self.running.remove(job_id)
+        (self.finished if ok else self.broken).append(job_id)
+
+    def poll(self) -> CopyResults:
+        out = CopyResults(self.finished, self.broken)
+        self.finished, self.broken = [], []
+        return out
+
+    def wait(self, job_ids: Sequence[int]) -> None:
+        self.waited.append(list(job_ids))
+        for job_id in job_ids:
+            if job_id in self.running:
+                self.finish(job_id)
+
+    def fence(self, job_ids: Sequence[int]) -> None:
+        self.fenced.append(list(job_ids))
+
+    def close(self) -> None:
+        self.closed = True
+
+    @property
+    def slot_part_bytes(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[HostPool]:
+    with HostPool.create(8, 4096, shm_dir=str(tmp_path)) as p:
+        yield p
+
+
+@pytest.fixture
+def side(
+    pool: HostPool, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[WorkerSide, AsyncBackend]]:
+    backend = AsyncBackend()
+    monkeypatch.setattr(worker_module, "make_backend", lambda *args: backend)
+    worker = WorkerSide(blocks_per_slot=1, tp_rank=0, tp_size=1)
+    worker.register({"layer.0": object()})
+    yield worker, backend
+    worker.close()
+
+
+def meta(
+    pool: HostPool, loads: list[CopyOrder] | None = None, stores: list[CopyOrder] | None = None
+) -> KVTierMetadata:
+    return KVTierMetadata(pool.handle, loads or [], stores or [])
+
+
+def test_stores_are_not_waited_for_and_fence_the_next_step(
+    side: tuple[WorkerSide, AsyncBackend], pool: HostPool
+) -> None:
+    worker, backend = side
+    worker.save(meta(pool, stores=[CopyOrder(1, [0], [5]), CopyOrder(2, [1], [6])]))
+    assert [j.job_id for j in backend.submitted] == [1, 2]
+    assert backend.waited == []  # the step goes on
+    assert worker.take_meta() is None  # nothing finished yet
+
+    worker.fence()  # next step: its work waits (on the device) for both stores
+    assert backend.fenced == [[1, 2]]
+    backend.finish(1)
+    worker.fence()  # job 1 is seen done first: only job 2 still fences
+    assert backend.fenced[-1] == [2]
+    meta_out = worker.take_meta()
+    assert meta_out is not None and meta_out.done == {1: 1} and meta_out.failed == {}
+
+    backend.finish(2, ok=False)
+    worker.fence()
+    assert len(backend.fenced) == 2  # nothing in flight: no fence
+    meta_out = worker.take_meta()
+    assert meta_out is not None and meta_out.done == {} and meta_out.failed == {2: 1}
+    assert worker.take_meta() is None  # each result is reported once
+
+
+def test_loads_wait_and_come_after_the_fence(
+    side: tuple[WorkerSide, AsyncBackend], pool: HostPool
+) -> None:
+    worker, backend = side
+    worker.save(meta(pool, stores=[CopyOrder(1, [0], [5])]))
+    worker.start_load(meta(pool, loads=[CopyOrder(2, [3], [7]), CopyOrder(3, [4], [9])]))
+    # The fence for store 1 was issued before the loads were submitted.
+    assert backend.fenced == [[1]]
+    assert [j.direction for j in backend.submitted] == [Direction.STORE] + [Direction.LOAD] * 2
+    assert backend.waited == [[2, 3]]  # loads finish before the forward pass
+    assert worker.take_load_errors() == set()
+    out = worker.take_meta()
+    assert out is not None and out.done == {2: 1, 3: 1}
+    assert 1 in backend.running  # the store is still in flight
+
+
+def test_failed_load_reports_its_blocks(
+    side: tuple[WorkerSide, AsyncBackend], pool: HostPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, backend = side
+
+    def wait_and_fail(job_ids: Sequence[int]) -> None:
+        for job_id in job_ids:
+            backend.finish(job_id, ok=False)
+
+    monkeypatch.setattr(backend, "wait", wait_and_fail)
+    worker.start_load(meta(pool, loads=[CopyOrder(4, [2, 3], [10, -1])]))
+    assert worker.take_load_errors() == {10}
+    out = worker.take_meta()
+    assert out is not None and out.failed == {4: 1}
+
+
+def test_close_waits_for_stores_in_flight(
+    side: tuple[WorkerSide, AsyncBackend], pool: HostPool
+) -> None:
+    worker, backend = side
+    worker.save(meta(pool, stores=[CopyOrder(7, [0], [1])]))
+    worker.close()
+    assert backend.waited == [[7]] and backend.closed
+
+
+def _shaped(*shape: int) -> Any:
+    return SimpleNamespace(shape=shape)
+
+
+def test_cuda_layout_from_vllm_shapes() -> None:
+    # FlashAttention: [2, num_blocks, block_size, kv_heads, head_dim] per layer.
+    assert cuda_layout([_shaped(2, 100, 16, 8, 128)] * 3) is KVLayout.LAYER_KV_FIRST
+    # FlashInfer: [num_blocks, 2, block_size, kv_heads, head_dim].
+    assert cuda_layout([_shaped(100, 2, 16, 8, 128)] * 3) is KVLayout.LAYER_BLOCKS_FIRST
+    with pytest.raises(ValueError, match="unrecognised"):
+        cuda_layout([_shaped(2, 2, 16, 8, 128)])  # two blocks: ambiguous
+    with pytest.raises(ValueError, match="different shapes"):
+        cuda_layout([_shaped(2, 100, 16, 8, 128), _shaped(2, 99, 16, 8, 128)])
