@@ -252,7 +252,12 @@ BAD: list[tuple[dict[str, Any], str, object, str]] = [
     ({"job_timeout_s": 0}, "job_timeout_s", 0, "a number >= 0.001"),
     ({"job_timeout_s": "30"}, "job_timeout_s", "30", "a number"),
     ({"events": "yes"}, "events", "yes", "true or false"),
-    ({"copy": {"strategy": "fast"}}, "copy.strategy", "fast", "one of 'auto', 'dma', 'kernel'"),
+    (
+        {"copy": {"strategy": "fast"}},
+        "copy.strategy",
+        "fast",
+        "one of 'auto', 'dma', 'staged', 'kernel'",
+    ),
     ({"copy": {"max_sms": -1}}, "copy.max_sms", -1, ">= 0"),
     ({"copy": {"streams": 2}}, "copy.streams", 2, "not a known option"),
     ({"vllm": "on"}, "vllm", "on", "a mapping"),
@@ -527,3 +532,12 @@ def test_readme_python_example_runs(tmp_path: Path) -> None:
     assert namespace["pool"].num_slots == 1024
     assert namespace["r"] == (0, True)
     assert namespace["res"].keys == namespace["keys"]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "dma", "staged", "kernel"])
+def test_every_copy_strategy_reaches_the_cuda_backend_options(strategy: str) -> None:
+    from kvtier.copy.cuda import CudaCopyOptions
+
+    config = load_config({"model": "m", "copy": {"strategy": strategy, "max_sms": 4}})
+    options = CudaCopyOptions.from_config(config)
+    assert (options.strategy, options.max_sms) == (strategy, 4)

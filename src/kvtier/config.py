@@ -42,9 +42,12 @@ class CopyStrategy(Enum):
     AUTO = "auto"
     """The backend picks per device and block layout."""
     DMA = "dma"
-    """Copy engines only (``cudaMemcpyAsync`` per contiguous run); leaves the SMs to the model."""
+    """Copy engines only (batched ``cudaMemcpyAsync`` of contiguous runs); no SM used."""
+    STAGED = "staged"
+    """Small pieces gathered/scattered by a kernel (at most ``max_sms`` SMs) through a device
+    staging buffer, whole blocks over PCIe by the copy engines (vLLM's per-layer layout)."""
     KERNEL = "kernel"
-    """A gather/scatter kernel (one launch for many small blocks), on at most ``max_sms`` SMs."""
+    """A gather/scatter kernel reading/writing the pinned pool directly, on ``max_sms`` SMs."""
 
 
 @dataclass(frozen=True, slots=True)
