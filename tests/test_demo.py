@@ -25,8 +25,9 @@ from kvtier.demo import (
     interleave,
     simulate,
     trace_groups,
+    unbounded_engine_blocks,
 )
-from kvtier.demo.__main__ import delta, fit_cost, predict, tier_summary, warmup_prompts
+from kvtier.demo.__main__ import delta, tier_summary, warmup_prompts
 from kvtier.sim.trace import TraceRequest, bundled_trace_path, read_trace
 
 VOCAB = MODELS["demo"].vocab_size
@@ -259,24 +260,14 @@ def test_delta_and_tier_summary() -> None:
     assert s["tiers"]["host pool"]["read_bytes"] == 60_000
 
 
-def test_cost_model_recovers_a_known_cost(workload: Workload) -> None:
-    from kvtier.demo.__main__ import Request, Run
-
-    a, b, c = 0.01, 5e-4, 1e-7
-
-    def seconds(tokens: int, cached: int) -> float:
-        n = tokens - cached
-        return a + b * n + c * n * (cached + n / 2)
-
-    base = Run("b", [Request(seconds(len(t.tokens), 0), [], 0) for t in workload.turns])
-    coef = fit_cost([base], workload)
-    assert coef == pytest.approx([a, b, c], rel=1e-6)
-    kv = Run(
-        "k",
-        [
-            Request(seconds(len(t.tokens), t.resent // 32 * 32), [], t.resent // 32 * 32)
-            for t in workload.turns
-        ],
-    )
-    assert predict(coef, workload, kv) == pytest.approx(kv.total, rel=1e-6)
-    assert kv.total < 0.6 * base.total
+def test_unbounded_engine_cache_serves_all_the_reuse(workload: Workload) -> None:
+    blocks = unbounded_engine_blocks(workload)
+    distinct = {
+        t.tokens[: (b + 1) * BLOCK_TOKENS]
+        for t in workload.turns
+        for b in range(len(t.tokens) // BLOCK_TOKENS)
+    }
+    assert blocks == len(distinct) + engine_blocks_for(workload)
+    shares = simulate(workload.prompts, blocks, pool_blocks=128)
+    assert shares.engine == pytest.approx(shares.reusable)
+    assert shares.pool == shares.fs == 0

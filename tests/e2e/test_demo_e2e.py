@@ -44,10 +44,15 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
 
     assert result["outputs_identical"] is True
     requests = result["requests"]
-    assert list(requests) == ["without kvtier", "with kvtier", "without kvtier, again"]
+    assert list(requests) == [
+        "without kvtier",
+        "with kvtier",
+        "vLLM cache for all",
+        "without kvtier, again",
+    ]
     outputs = [[r["output"] for r in run] for run in requests.values()]
     assert len(outputs[0]) == 12 and all(len(o) == 1 for o in outputs[0])
-    assert outputs[0] == outputs[1] == outputs[2]
+    assert all(o == outputs[0] for o in outputs)
 
     kv = result["kvtier"]
     assert kv["hit_tokens"] > 0 and kv["load_blocks_failed"] == 0
@@ -70,3 +75,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert tokens["vllm_cache"] == 0
     # Without kvtier, vLLM's own cache serves nothing of the reuse either: it is all computed.
     assert all(r["engine_cached"] == 0 for r in requests["without kvtier"])
+    assert all(r["engine_cached"] == 0 for r in requests["without kvtier, again"])
+    # A vLLM cache that keeps everything serves all the reuse the model predicts.
+    by_run = tokens["vllm_cache_by_run"]
+    assert by_run["vLLM cache for all"] / tokens["prompt"] == pytest.approx(expected.reusable)

@@ -4,7 +4,7 @@ The model
     A Llama-architecture model (``LlamaForCausalLM``) with seeded random weights, written locally
     as ``config.json`` + ``model.safetensors`` (nothing is downloaded; the weights are "dummy" in
     the sense of untrained, and the same in every run). The default size (hidden 768, 8 layers,
-    12 query / 4 KV heads of 64, about 50M parameters, float32) makes a prompt token cost well
+    12 query / 4 KV heads of 64, 53M parameters, float32) makes a prompt token cost well
     under a millisecond of prefill on 2 CPU cores, so the whole demo takes a few minutes, while
     prefill compute still dwarfs what kvtier does per engine step. ``tiny`` is for smoke tests.
 
@@ -12,7 +12,9 @@ The workload, derived from the bundled trace
     The bundled trace (Mooncake format, ``hash_ids`` of 512-token blocks) is synthetic: requests
     that start with the same block form a group sharing a long prefix (a document or a system
     prompt) and differ only in their last block(s), the question; the trace has hardly any
-    explicit conversation chains. Each group becomes one conversation:
+    explicit conversation chains. Each group becomes one conversation (groups of one request,
+    or whose requests share no full block besides their last, have nothing to re-send and are
+    skipped):
 
     * scale: one 512-token trace block becomes one 32-token block here; a block's token ids are
       drawn from a generator seeded by its hash id (equal ids, equal tokens), a partial last
@@ -35,12 +37,16 @@ The workload, derived from the bundled trace
     from kvtier. :func:`simulate` predicts the shares from an LRU model of each cache.
 
 The run
-    The identical request sequence runs three times, each in a fresh engine warmed up with
-    unrelated prompts of the workload's lengths: without kvtier, with kvtier (a host pool smaller
-    than the conversations' working set, so blocks fall back to the fs tier in a local folder and
-    are promoted back from it), and without kvtier again. The two baselines bracket the kvtier
-    run, so a drift of the machine's speed shows up as a gap between them instead of as a gain
-    or loss of kvtier. vLLM is imported only when the demo runs.
+    The identical request sequence runs four times, each in a fresh engine warmed up with
+    unrelated prompts of the workload's lengths (and one re-sent prompt, so the kvtier run has
+    exercised its load path too): without kvtier; with kvtier (a host pool smaller than the
+    conversations' working set, so blocks are found in the fs tier in a local folder and
+    promoted back); with a vLLM KV cache big enough to keep every block (the best any cache can
+    do: no evictions, no copies); and without kvtier again. The two baselines bracket the other
+    runs, so a change of the machine's speed shows up as a gap between them instead of as a gain
+    or loss of kvtier; the vLLM-cache-for-all run tells what kvtier's copies cost. Each request
+    is sent alone with ``max_tokens=1`` (greedy): its time is its prefill, and its one output
+    token must be the same in all runs. vLLM is imported only when the demo runs.
 """
 
 from __future__ import annotations
@@ -335,10 +341,24 @@ class Shares:
     """Served by the fs tier (unbounded): the rest of the reusable blocks."""
 
 
-def _block_keys(tokens: Sequence[int]) -> list[tuple[int, ...]]:
-    """One key per full block standing for the whole prefix up to it (as the engines chain)."""
-    full = len(tokens) // BLOCK_TOKENS
-    return [tuple(tokens[: (b + 1) * BLOCK_TOKENS]) for b in range(full)]
+class _BlockIds:
+    """One id per full block, standing for the whole prefix up to it (as the engines chain
+    their block hashes): equal ids, equal prefixes."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, tuple[int, ...]], int] = {}
+
+    def __call__(self, tokens: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        parent = -1
+        for b in range(len(tokens) // BLOCK_TOKENS):
+            block = tuple(tokens[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS])
+            parent = self._ids.setdefault((parent, block), len(self._ids))
+            out.append(parent)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def simulate(prompts: Sequence[Sequence[int]], engine_blocks: int, pool_blocks: int) -> Shares:
@@ -351,11 +371,11 @@ def simulate(prompts: Sequence[Sequence[int]], engine_blocks: int, pool_blocks: 
     engine: OrderedDict[int, None] = OrderedDict()
     pool: OrderedDict[int, None] = OrderedDict()
     fs: set[int] = set()
-    ids: dict[tuple[int, ...], int] = {}
+    block_ids = _BlockIds()
     total = served_reuse = served_engine = served_pool = served_fs = 0
     seen: set[int] = set()
     for tokens in prompts:
-        keys = [ids.setdefault(k, len(ids)) for k in _block_keys(tokens)]
+        keys = block_ids(tokens)
         usable = keys[: (len(tokens) - 1) // BLOCK_TOKENS]
         total += len(tokens)
         served_reuse += BLOCK_TOKENS * _leading(usable, seen)
@@ -413,6 +433,15 @@ def _leading(keys: Sequence[int], present: Any) -> int:
 def engine_blocks_for(workload: Workload) -> int:
     """vLLM's KV cache: room for the longest request (what vLLM insists on) plus one block."""
     return -(-(workload.max_prompt_tokens + 1) // BLOCK_TOKENS) + 1
+
+
+def unbounded_engine_blocks(workload: Workload) -> int:
+    """A vLLM KV cache that never evicts a block of the workload: every distinct full block,
+    plus room for the longest request while it runs."""
+    block_ids = _BlockIds()
+    for t in workload.turns:
+        block_ids(t.tokens)
+    return len(block_ids) + engine_blocks_for(workload)
 
 
 def kvtier_config(workdir: Path, pool_bytes: int, stats_path: Path) -> dict[str, Any]:
