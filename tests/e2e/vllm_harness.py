@@ -28,14 +28,24 @@ Environment: vLLM reads several variables when the engine starts. Call
 ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` and, when asked,
 ``VLLM_ENABLE_V1_MULTIPROCESSING`` (``False`` = engine core in this process,
 ~10 s start; ``True`` = vLLM's default separate engine-core process, slower).
+
+Tensor parallelism: ``build_llm(..., tensor_parallel_size=2)`` runs each rank
+in its own worker process (vLLM's multiprocessing executor, also with the
+engine core in this process). The CPU build binds each rank's OpenMP threads
+to CPUs; its automatic binding wants one NUMA node per rank, so ``build_llm``
+hands each rank its own share of this process's CPUs
+(:func:`cpu_threads_bind`) unless ``VLLM_CPU_OMP_THREADS_BIND`` is set. The
+``kvtier_*`` functions at the end run inside the workers through
+``llm.collective_rpc``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +98,34 @@ def prepare_env(
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
     for key, value in (extra or {}).items():
         os.environ[key] = value
+
+
+@contextlib.contextmanager
+def scoped_env(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def cpu_threads_bind(ranks: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``ranks`` workers its
+    own CPUs out of this process's affinity set (``"0|1"`` on two CPUs); ranks
+    share CPUs when there are fewer CPUs than ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // ranks)
+    lists = []
+    for rank in range(ranks):
+        mine = cpus[rank * per : (rank + 1) * per] or [cpus[rank % len(cpus)]]
+        lists.append(",".join(str(c) for c in mine))
+    return "|".join(lists)
 
 
 def _tiny_llama_state_dict(config: Mapping[str, Any], seed: int) -> dict[str, Any]:
@@ -212,7 +250,10 @@ def build_llm(
     build's legacy ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB and would
     override it, so it is removed from the environment here). ``block_size``
     must be a multiple of 32 on CPU. Remaining keyword arguments go to
-    ``vllm.LLM``.
+    ``vllm.LLM``. With ``tensor_parallel_size`` > 1 and no
+    ``VLLM_CPU_OMP_THREADS_BIND`` in the environment, the workers are bound
+    with :func:`cpu_threads_bind` while the engine starts (the variable is not
+    left set: a later single-rank engine would reject a multi-rank binding).
     """
     if block_size % 32:
         raise ValueError("vLLM's CPU attention needs block_size % 32 == 0")
@@ -245,7 +286,12 @@ def build_llm(
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = dict(kv_transfer_config)
     kwargs.update(llm_kwargs)
-    return LLM(**kwargs)
+    ranks = int(kwargs.get("tensor_parallel_size") or 1)
+    bind: dict[str, str] = {}
+    if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        bind["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(ranks)
+    with scoped_env(bind):
+        return LLM(**kwargs)
 
 
 def greedy_params(max_tokens: int = 8, **kwargs: Any) -> Any:
@@ -367,3 +413,38 @@ def first_divergence(a: Iterable[int], b: Iterable[int]) -> int | None:
         if x != y:
             return i
     return None if len(la) == len(lb) else min(len(la), len(lb))
+
+
+# -- Inside vLLM's worker processes ---------------------------------------------------------------
+# Pass these to ``llm.collective_rpc(func, args=...)``: vLLM calls ``func(worker, *args)`` in every
+# worker. They live in this importable module so cloudpickle sends them by reference.
+
+
+def _kvtier_worker_side(worker: Any) -> Any:
+    """This worker's kvtier ``WorkerSide`` (the worker half of ``KVTierConnector``)."""
+    del worker  # the connector is a per-process global, not a worker attribute
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = getattr(get_kv_transfer_group(), "_worker", None)
+    if side is None:
+        raise RuntimeError("this worker's KV connector is not kvtier's")
+    return side
+
+
+def kvtier_worker_rank(worker: Any) -> int:
+    """The tensor-parallel rank this worker's kvtier connector copies for."""
+    return int(_kvtier_worker_side(worker).tp_rank)
+
+
+def kvtier_fail_loads_on_rank(worker: Any, rank: int, rate: float) -> float | None:
+    """On TP rank ``rank`` only, fail ``rate`` of kvtier's load orders from now on.
+
+    The same fault hook as ``KVTIER_TEST_FAIL_LOADS``, which every worker reads
+    from its (identical, inherited) environment when the connector starts, so it
+    cannot single out one rank. Returns the rate set, or None on other ranks.
+    """
+    side = _kvtier_worker_side(worker)
+    if side.tp_rank != rank:
+        return None
+    side._fault_rate = float(rate)
+    return float(side._fault_rate)
