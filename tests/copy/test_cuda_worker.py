@@ -83,21 +83,29 @@ def test_store_fence_overwrite_then_load(pool: HostPool, strategy: str) -> None:
     worker = WorkerSide(1, 0, 1, CudaCopyOptions(strategy=strategy))
     worker.register({f"layer.{i}": t for i, t in enumerate(kv)})
     try:
-        worker.save(KVTierMetadata(pool.handle, [], [CopyOrder(1, slots, stored)]))
-        # Next step: vLLM calls handle_preemptions, then its kernels may overwrite the blocks
-        # (a plain fill: an indexed write may synchronize and hide a missing fence).
-        worker.fence()
-        for t in kv:
-            t.fill_(-1)
-        worker.start_load(KVTierMetadata(pool.handle, [CopyOrder(2, slots, targets)], []))
-        torch.cuda.synchronize()
-        meta = worker.take_meta()
-        assert meta is not None and meta.failed == {}
-        assert meta.done == {1: 1, 2: 1}
-        assert worker.take_load_errors() == set()
-        back = torch.tensor(targets, device="cuda")
-        for t, original in zip(kv, originals, strict=True):
-            assert torch.equal(t[:, back], original)
-            assert bool((t[:, index] == -1).all())  # untouched by the load
+        # Round 0 warms every kernel up: the first launch of a lazily loaded kernel synchronizes
+        # the device, which would hide a missing fence. Round 1 is the one that could race.
+        for round_ in range(2):
+            jobs = (10 * round_ + 1, 10 * round_ + 2)
+            for t, original in zip(kv, originals, strict=True):
+                t[:, index] = original
+            torch.cuda.synchronize()
+            worker.save(KVTierMetadata(pool.handle, [], [CopyOrder(jobs[0], slots, stored)]))
+            # Next step: vLLM calls handle_preemptions, then its kernels may overwrite the
+            # stored blocks (here: all KV).
+            worker.fence()
+            for t in kv:
+                t.fill_(-1)
+            load = CopyOrder(jobs[1], slots, targets)
+            worker.start_load(KVTierMetadata(pool.handle, [load], []))
+            torch.cuda.synchronize()
+            meta = worker.take_meta()
+            assert meta is not None and meta.failed == {}
+            assert meta.done == {jobs[0]: 1, jobs[1]: 1}
+            assert worker.take_load_errors() == set()
+            back = torch.tensor(targets, device="cuda")
+            for t, original in zip(kv, originals, strict=True):
+                assert torch.equal(t[:, back], original)
+                assert bool((t[:, index] == -1).all())  # untouched by the load
     finally:
         worker.close()
