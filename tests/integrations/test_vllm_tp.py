@@ -11,7 +11,8 @@ Real vLLM objects: ``Request``, ``SamplingParams``, ``KVConnectorOutput``, ``KVO
 
 * ``vllm_config`` / ``kv_cache_config`` (SimpleNamespace): ``kv_transfer_config.
   kv_connector_extra_config``, ``model_config.{model, dtype, revision, get_head_size}``,
-  ``cache_config.{block_size, cache_dtype}``, ``parallel_config.*_parallel_size``, and one KV
+  ``cache_config.{block_size, cache_dtype}``, ``parallel_config.{*_parallel_size,
+  distributed_executor_backend}``, and one KV
   cache group with ``kv_cache_spec.page_size_bytes`` and ``layer_names``;
 * ``FakeSchedulerOutput``: ``num_scheduled_tokens`` only;
 * ``FakeBlocks`` / ``FakeKVCacheManager``: ``get_block_ids()`` / ``get_block_ids(req_id)`` and
@@ -88,7 +89,9 @@ class FakeKVCacheManager:
         return (self._tables[req_id],)
 
 
-def vllm_config(extra: dict[str, Any], *, pcp: int = 1, dcp: int = 1) -> Any:
+def vllm_config(
+    extra: dict[str, Any], *, pcp: int = 1, dcp: int = 1, backend: str | None = "mp"
+) -> Any:
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
         model_config=SimpleNamespace(
@@ -100,6 +103,7 @@ def vllm_config(extra: dict[str, Any], *, pcp: int = 1, dcp: int = 1) -> Any:
             pipeline_parallel_size=1,
             prefill_context_parallel_size=pcp,
             decode_context_parallel_size=dcp,
+            distributed_executor_backend=backend,
         ),
     )
 
@@ -434,3 +438,18 @@ def test_context_parallelism_is_refused(
     with pytest.raises(ConfigError, match="context_parallel_size"):
         KVTierConnector(config, role, kv_cache_config())
     assert not list(tmp_path.iterdir())  # no pool left behind
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_tensor_parallel_with_an_external_launcher_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, role: Any
+) -> None:
+    # torchrun-style launchers run one engine per rank, each with its own scheduler that sees only
+    # its own worker's report: jobs would wait for TP reports forever (slots reserved, blocks
+    # pinned) and the ranks' pools, holding one part each, would write the same keys to a tier.
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    extra = {"pool": {"size": POOL_SLOTS * TP * PART, "shm_dir": str(tmp_path)}}
+    config = vllm_config(extra, backend="external_launcher")
+    with pytest.raises(ConfigError, match="distributed_executor_backend"):
+        KVTierConnector(config, role, kv_cache_config())
+    assert not list(tmp_path.iterdir())

@@ -73,6 +73,16 @@ class KVTierConnector(KVConnectorBase_V1):
             size = getattr(parallel, name, 1)
             if int(size) != 1:
                 raise ConfigError(name, size, "1 (kvtier supports tensor parallelism only)")
+        # A job settles on the summed reports of all ranks, which only executors that merge every
+        # worker's output (vLLM's KVOutputAggregator: mp, ray) deliver. A torchrun-style launcher
+        # runs one engine per rank, each scheduler hearing from its own worker only.
+        backend = getattr(parallel, "distributed_executor_backend", None)
+        if self.tp_size > 1 and backend == "external_launcher":
+            raise ConfigError(
+                "distributed_executor_backend",
+                backend,
+                "an executor that gathers every rank's output ('mp', 'ray') when TP > 1",
+            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
