@@ -93,7 +93,8 @@ def test_store_fence_overwrite_then_load(pool: HostPool, strategy: str) -> None:
             worker.save(KVTierMetadata(pool.handle, [], [CopyOrder(jobs[0], slots, stored)]))
             # Next step: vLLM calls handle_preemptions, then its kernels may overwrite the
             # stored blocks (here: all KV).
-            worker.fence()
+            fresh = KVTierMetadata(pool.handle, fresh_blocks=stored)  # freed and handed out
+            worker.fence(fresh)
             for t in kv:
                 t.fill_(-1)
             load = CopyOrder(jobs[1], slots, targets)

@@ -96,20 +96,39 @@ def test_stores_are_not_waited_for_and_fence_the_next_step(
     assert backend.waited == []  # the step goes on
     assert worker.take_meta() is None  # nothing finished yet
 
-    worker.fence()  # next step: its work waits (on the device) for both stores
+    worker.fence(None)  # next step, blocks it writes unknown: it waits for both stores
     assert backend.fenced == [[1, 2]]
     backend.finish(1)
-    worker.fence()  # job 1 is seen done first: only job 2 still fences
+    worker.fence(None)  # job 1 is seen done first: only job 2 still fences
     assert backend.fenced[-1] == [2]
     meta_out = worker.take_meta()
     assert meta_out is not None and meta_out.done == {1: 1} and meta_out.failed == {}
 
     backend.finish(2, ok=False)
-    worker.fence()
+    worker.fence(None)
     assert len(backend.fenced) == 2  # nothing in flight: no fence
     meta_out = worker.take_meta()
     assert meta_out is not None and meta_out.done == {} and meta_out.failed == {2: 1}
     assert worker.take_meta() is None  # each result is reported once
+
+
+def test_only_stores_of_fresh_blocks_fence_the_step(
+    side: tuple[WorkerSide, AsyncBackend], pool: HostPool
+) -> None:
+    worker, backend = side
+    stores = [CopyOrder(1, [0], [5]), CopyOrder(2, [1], [6]), CopyOrder(3, [2], [7])]
+    worker.save(meta(pool, stores=stores))
+    step = meta(pool)
+    step.fresh_blocks = [9, 10]  # none of the stored blocks was handed out again
+    worker.fence(step)
+    assert backend.fenced == []  # the stores go on overlapping this step
+    step.fresh_blocks = [10, 6]  # block 6 (store 2) went to another request
+    worker.fence(step)
+    assert backend.fenced == [[2]]
+    step.fresh_blocks = []
+    step.loads = [CopyOrder(4, [3], [7])]  # a load into block 7 (store 3)
+    worker.fence(step)
+    assert backend.fenced[-1] == [3]
 
 
 def test_loads_wait_and_come_after_the_fence(

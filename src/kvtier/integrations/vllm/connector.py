@@ -199,7 +199,8 @@ class KVTierConnector(KVConnectorBase_V1):
         # Called every step before anything writes KV: blocks of stores still in flight may
         # have been freed and handed to another request.
         if self._worker is not None:
-            self._worker.fence()
+            meta = kv_connector_metadata
+            self._worker.fence(meta if isinstance(meta, KVTierMetadata) else None)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -30,6 +30,9 @@ class KVTierMetadata(KVConnectorMetadata):
     pool: PoolHandle
     loads: list[CopyOrder] = field(default_factory=list)
     stores: list[CopyOrder] = field(default_factory=list)
+    fresh_blocks: list[int] | None = None
+    """Engine blocks (re)allocated by this step's scheduling: the only blocks whose contents this
+    step may overwrite. None: unknown (the worker then treats every block as fresh)."""
 
 
 @dataclass

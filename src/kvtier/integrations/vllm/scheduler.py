@@ -67,6 +67,25 @@ class ConnectorCounters:
     stale_plans: int = 0
 
 
+def fresh_blocks(scheduler_output: Any) -> list[int] | None:
+    """Engine blocks this step's scheduling handed to requests (new requests' blocks, blocks
+    added to running or resumed ones, copy-on-write targets): a block freed while a store of it
+    was still running can only be written again after it shows up here. None when the output
+    does not say (then the workers fence every store still running)."""
+    try:
+        out: list[int] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            out.extend(new.block_ids[0])  # one KV cache group (checked at start)
+        for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            if ids:
+                out.extend(ids[0])
+        for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+            out.append(int(copy.dst_block_id))
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return out
+
+
 class SchedulerSide:
     def __init__(
         self,
@@ -185,7 +204,7 @@ class SchedulerSide:
                 stores.append(order)
         loads, self._loads = self._loads, []
         self._maybe_write_stats()
-        return KVTierMetadata(self.pool.handle, loads, stores)
+        return KVTierMetadata(self.pool.handle, loads, stores, fresh_blocks(scheduler_output))
 
     def _store_order(self, req_id: str, num_scheduled: int) -> CopyOrder | None:
         request = self._requests.get(req_id)

@@ -6,7 +6,9 @@ and never waited for on the host: a CPU backend copies at once, a CUDA backend c
 streams after the forward pass that wrote the blocks. A store still in flight when the next step
 begins may read blocks that vLLM freed and handed to another request meanwhile, so at the start
 of every step (``fence``, from vLLM's ``handle_preemptions``, which runs before anything writes
-KV) the engine's stream waits, on the device, for the stores still in flight. Results go back to
+KV) the engine's stream waits, on the device, for the stores still in flight that read a block
+this step's scheduling handed out again (``KVTierMetadata.fresh_blocks``); other stores go on
+overlapping the step. Results go back to
 the scheduler through the worker metadata; failed loads are also reported to vLLM as invalid
 blocks so it recomputes them.
 """
@@ -45,7 +47,8 @@ class WorkerSide:
         self._broken: str | None = None
         self._done: dict[int, int] = {}
         self._failed: dict[int, int] = {}
-        self._stores_in_flight: set[int] = set()
+        self._stores_in_flight: dict[int, frozenset[int]] = {}
+        """Store job -> the engine blocks it reads."""
         self._load_errors: set[int] = set()
         self._fault_rate = float(os.environ.get(FAULT_ENV, "0") or 0)
         self._faults = random.Random(1234 + tp_rank)
@@ -72,19 +75,28 @@ class WorkerSide:
             log.error("kvtier worker cannot copy, caching disabled on this rank: %s", exc)
         return self._backend
 
-    def fence(self) -> None:
-        """Before this step writes any KV: its work waits for the stores still in flight."""
+    def fence(self, meta: KVTierMetadata | None) -> None:
+        """Before this step writes any KV: its work waits for the stores still in flight that
+        read a block this step may overwrite (``meta.fresh_blocks``, or any when unknown)."""
         if self._backend is None or not self._stores_in_flight:
             return
         self._collect()
-        if self._stores_in_flight:
-            self._backend.fence(sorted(self._stores_in_flight))
+        fresh = None if meta is None or meta.fresh_blocks is None else set(meta.fresh_blocks)
+        if fresh is not None and meta is not None:
+            fresh.update(b for order in meta.loads for b in order.engine_blocks if b != SKIP)
+        jobs = [
+            job
+            for job, blocks in self._stores_in_flight.items()
+            if fresh is None or not fresh.isdisjoint(blocks)
+        ]
+        if jobs:
+            self._backend.fence(sorted(jobs))
 
     def start_load(self, meta: KVTierMetadata) -> None:
         if not meta.loads:
             return
         backend = self._ensure_backend(meta.pool)
-        self.fence()  # in case the engine did not call handle_preemptions this step
+        self.fence(meta)  # in case the engine did not call handle_preemptions this step
         submitted: list[CopyOrder] = []
         for order in meta.loads:
             if backend is None or order.fail or self._inject_fault():
@@ -107,7 +119,7 @@ class WorkerSide:
             if backend is None:
                 self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
                 continue
-            self._stores_in_flight.add(order.job_id)
+            self._stores_in_flight[order.job_id] = frozenset(order.engine_blocks)
             backend.submit(CopyJob(order.job_id, Direction.STORE, order.engine_blocks, order.slots))
         if backend is not None:
             self._collect()
@@ -119,10 +131,9 @@ class WorkerSide:
         results = self._backend.poll()
         for job_id in results.done:
             self._done[job_id] = self._done.get(job_id, 0) + 1
-            self._stores_in_flight.discard(job_id)
+            self._stores_in_flight.pop(job_id, None)
         for job_id in results.failed:
-            if job_id in self._stores_in_flight:
-                self._stores_in_flight.discard(job_id)
+            if self._stores_in_flight.pop(job_id, None) is not None:
                 self._failed[job_id] = self._failed.get(job_id, 0) + 1
         return set(results.failed)
 
