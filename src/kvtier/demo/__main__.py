@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"caches    vLLM {engine_blocks} blocks of {BLOCK_TOKENS} tokens; kvtier host pool "
         f"{args.pool_blocks} blocks ({mib(args.pool_blocks * size.block_bytes)}) + fs tier "
-        f"in {workdir / 'fs'}"
+        f"in {args.workdir / 'fs'}"
     )
     print(
         f"expected  (LRU model) {expected.reusable:.0%} of the prompt tokens reusable: vLLM's "
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     ideal = run_engine(IDEAL, model, workload, size, all_blocks)
     base2 = run_engine(BASELINE_AGAIN, model, workload, size, engine_blocks)
     result = report(workload, expected, [base1, kv, ideal, base2], size, args)
-    out_path: Path = args.json or workdir / "results.json"
+    out_path: Path = args.json or args.workdir / "results.json"
     out_path.write_text(json.dumps(result, indent=1))
     print(f"JSON      {out_path}   (demo took {time.perf_counter() - wall:.0f} s)")
     return 0 if result["outputs_identical"] else 1
