@@ -57,7 +57,8 @@ class Run:
     label: str
     requests: list[Request] = field(default_factory=list)
     kvtier: dict[str, Any] | None = None
-    """kvtier's counters for the timed requests (after warm-up minus before the first one)."""
+    """kvtier's counters for the timed requests: settled at the end minus settled after the
+    warm-up (the whole run, warm-up included, when they cannot be read in-process)."""
     start_s: float = 0.0
     warmup_s: float = 0.0
 
