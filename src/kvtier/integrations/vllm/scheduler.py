@@ -27,6 +27,11 @@ from kvtier.metrics import CacheStats
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 1.0
+DEFERRED_WAIT_S = 0.001
+"""After a step that deferred a request, the scheduler thread waits up to this long for a tier job
+to end. vLLM re-asks a deferred request every step, and with nothing else to run its loop spins
+and holds the GIL: the tier's reader threads then got it only every 5 ms (Python's switch
+interval), so each promotion took several milliseconds more than its I/O."""
 
 
 class JobKind(Enum):
@@ -114,6 +119,7 @@ class SchedulerSide:
         self._jobs: dict[int, _Job] = {}
         self._next_job = 0
         self._stats_written = 0.0
+        self._deferred = False
 
     # -- lookups and loads ----------------------------------------------------------------------
 
@@ -142,6 +148,7 @@ class SchedulerSide:
         result = self.cache.lookup(keys[start:limit])
         if not result.final:
             self.counters.deferred_lookups += 1
+            self._deferred = True
             return None, False
         hit_keys = keys[start : start + result.hits]
         slots = self.cache.prepare_load(hit_keys) if hit_keys else []
@@ -196,7 +203,11 @@ class SchedulerSide:
     # -- stores, once per engine step -----------------------------------------------------------
 
     def build_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        self.cache.step()
+        if self._deferred:
+            self._deferred = False
+            self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended
+        else:
+            self.cache.step()
         stores: list[CopyOrder] = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             order = self._store_order(req_id, num_scheduled)
