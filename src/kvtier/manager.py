@@ -461,7 +461,9 @@ class TieredCache:
             return not unknown
         slots = self._reserve_protected(len(wanted), keys[:hits], [k for k, t in run if t < 0])
         if not slots:
-            return True  # the pool is full of pinned blocks: go on without promoting
+            # The pool is full of pinned blocks. Tier writes in flight release theirs when they
+            # end: wait for them; with none, nothing frees a slot soon, so go on without.
+            return not any(job.kind is JobKind.WRITE for job in self._jobs.values())
         by_tier: dict[int, tuple[list[BlockKey], list[int]]] = {}
         for (key, tier_index), slot in zip(wanted, slots, strict=False):
             tier_keys, tier_slots = by_tier.setdefault(tier_index, ([], []))

@@ -118,6 +118,30 @@ def test_promotion_from_secondary_tier(ns, make_pool):
     assert cache.stats().promoted == {"slow": 4}
 
 
+def test_promotion_waits_for_writes_that_pin_the_whole_pool(ns, make_pool):
+    """Every slot pinned by write-through jobs in flight: the lookup is pending (those writes
+    free their slots when they end), not a final miss; with no write in flight, it is final."""
+    pool = make_pool(4)
+    tier = ScriptedTier("slow", ns, pool)
+    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier, WriteMode.THROUGH)])
+    wanted = keys_for(ns, 2, seed=1)
+    tier.stored = {k: k * (pool.slot_bytes // len(k)) for k in wanted}
+    store(cache, keys_for(ns, 4, seed=2))  # four writes in flight pin every slot
+    assert cache.lookup(wanted) == (0, False)
+    tier.release()
+    cache.step()  # the writes ended: their slots are evictable again
+    assert cache.lookup(wanted) == (0, False)  # the promotion is now in flight
+    tier.release()
+    cache.step()
+    assert cache.lookup(wanted) == (2, True)
+
+    other = TieredCache(make_pool(2), LRUPolicy(), [SecondaryTier(tier, WriteMode.THROUGH)])
+    other.prepare_load(store(other, keys_for(ns, 2, seed=3)))  # pinned by loads, no write
+    tier.release()
+    other.step()
+    assert other.lookup(wanted) == (0, True)
+
+
 def test_failed_promotion_is_a_miss_and_not_retried_at_once(ns, make_pool):
     pool = make_pool(8)
     tier = ScriptedTier("slow", ns, pool)
