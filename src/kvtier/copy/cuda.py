@@ -2,12 +2,13 @@
 
 How a transfer runs:
 
-* ``submit`` validates the job, notes the point on the caller's current stream it must wait for
-  (an event recorded there; or the caller's own ``after=`` event, e.g. one per engine step for
-  many jobs) and returns. The copy is enqueued on the device at once while fewer than
-  ``max_in_flight`` transfers are enqueued and unfinished; past that it waits in a host-side queue
-  and ``poll`` / ``submit`` / ``wait`` enqueue it as earlier ones finish. So no number of
-  outstanding transfers ever fills a CUDA queue and blocks the host inside ``submit``.
+* ``submit`` notes the point on the caller's current stream the job must wait for (an event
+  recorded there; or the caller's own ``after=`` event, e.g. one per engine step for many jobs)
+  and returns; the job is checked when it is enqueued on the device. The copy is enqueued on
+  the device at once while fewer than ``max_in_flight`` transfers are enqueued and unfinished;
+  past that it waits in a host-side queue and ``poll`` / ``submit`` / ``wait`` enqueue it as
+  earlier ones finish. So no number of outstanding transfers ever fills a CUDA queue and blocks
+  the host inside ``submit``.
 * An enqueued transfer runs on a stream of its own from a pool of ``max_streams`` CUDA streams,
   created at registration (creating streams later can take milliseconds; past the pool size busy
   streams are shared round robin), with events from an event pool. Streams and events go back to
@@ -25,7 +26,8 @@ How a transfer runs:
   ``staged``: for small pieces (vLLM's per-layer layout: 32 KiB per layer, K/V and block). The
   gather/scatter kernel of ``cuda_kernels`` (on at most ``max_sms`` SMs) packs the blocks into a
   device staging buffer, at device-memory speed, and the copy engines move whole blocks across
-  PCIe; chunks are double-buffered so the two overlap.
+  PCIe; chunks are double-buffered so the two overlap, and small at the end whose kernel step
+  nothing hides (``chunk_sizes``).
   ``kernel``: the same kernel reading and writing the mapped host pool directly, no staging; it
   leaves the copy engines free but moves fewer bytes per PCIe transaction (about 93% of a DMA).
   A ``staged`` backend runs ``layerwise`` jobs this way, layer by layer.

@@ -8,9 +8,8 @@ begins may read blocks that vLLM freed and handed to another request meanwhile, 
 of every step (``fence``, from vLLM's ``handle_preemptions``, which runs before anything writes
 KV) the engine's stream waits, on the device, for the stores still in flight that read a block
 this step's scheduling handed out again (``KVTierMetadata.fresh_blocks``); other stores go on
-overlapping the step. Results go back to
-the scheduler through the worker metadata; failed loads are also reported to vLLM as invalid
-blocks so it recomputes them.
+overlapping the step. Results go back to the scheduler through the worker metadata; failed loads
+are also reported to vLLM as invalid blocks so it recomputes them.
 """
 
 from __future__ import annotations
