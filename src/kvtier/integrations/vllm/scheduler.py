@@ -28,10 +28,10 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 1.0
 DEFERRED_WAIT_S = 0.001
-"""After a step that deferred a request, the scheduler thread waits up to this long for a tier job
-to end. vLLM re-asks a deferred request every step, and with nothing else to run its loop spins
-and holds the GIL: the tier's reader threads then got it only every 5 ms (Python's switch
-interval), so each promotion took several milliseconds more than its I/O."""
+"""After a step that deferred a request and scheduled nothing, the scheduler thread waits up to
+this long for a tier job to end. vLLM re-asks a deferred request every step, and with nothing
+else to run its loop spins and holds the GIL: the tier's reader threads then got it only every
+5 ms (Python's switch interval), so each promotion took several milliseconds more than its I/O."""
 
 
 class JobKind(Enum):
@@ -203,11 +203,12 @@ class SchedulerSide:
     # -- stores, once per engine step -----------------------------------------------------------
 
     def build_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        if self._deferred:
-            self._deferred = False
+        idle = not scheduler_output.num_scheduled_tokens
+        if self._deferred and idle:  # a step with work runs the model, which releases the GIL
             self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended
         else:
             self.cache.step()
+        self._deferred = False
         stores: list[CopyOrder] = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             order = self._store_order(req_id, num_scheduled)
