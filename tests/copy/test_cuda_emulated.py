@@ -413,3 +413,34 @@ def test_staged_ramp_moves_every_byte(pool: HostPool) -> None:
     assert load_batches == [1, 4, 4, 1]
     assert _idle(backend)
     backend.close()
+
+
+def test_staged_joins_copies_of_neighbouring_slots(tmp_path: object) -> None:
+    """Slots next to each other in the pool go as one copy per staging chunk (the staging side
+    is contiguous), and every byte still lands where it should."""
+    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
+    with HostPool.create(NUM_SLOTS, block, shm_dir=str(tmp_path)) as tight:
+        assert tight.slot_stride == block  # neighbouring slots are contiguous
+        fake = FakeRuntime(deferred=True)
+        opts = CudaCopyOptions(
+            strategy="staged", max_streams=4, stage_bytes=4 * block, staged_min_blocks=1
+        )
+        backend, logical, arrays = _backend(
+            tight, KVLayout.LAYER_KV_FIRST, "staged", fake, options=opts
+        )
+        blocks, slots = [5, 17, 3, 0, 23, 9], [2, 3, 4, 5, 6, 9]
+        fake.calls.clear()
+        backend.submit(CopyJob(1, Direction.STORE, blocks, slots))
+        # Chunks of 4 and 2 blocks: slots 2-5 in one copy; 6 and 9 are not neighbours.
+        assert [c[2] for c in fake.calls if c[0] == "memcpy"] == [1, 2]
+        fake.run()
+        assert backend.poll().done == [1]
+        for a in arrays:
+            a.fill(0xDEAD)
+        backend.submit(CopyJob(2, Direction.LOAD, [1, 2, 20, 21, 4, 8], slots))
+        backend.wait([2])
+        assert backend.poll().done == [2]
+        got = to_logical(arrays, KVLayout.LAYER_KV_FIRST)
+        for target, source in zip([1, 2, 20, 21, 4, 8], blocks, strict=True):
+            assert got[target].tobytes() == block_bytes(logical, source)
+        backend.close()

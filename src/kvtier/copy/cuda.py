@@ -64,6 +64,7 @@ from kvtier.copy.cuda_plan import (
     copy_list,
     describe_kv,
     host_block_addresses,
+    join_contiguous,
     merge_regions,
     pack_params,
     pick_capacity,
@@ -916,7 +917,9 @@ class CudaCopyBackend(CopyBackend):
         for k in range(chunks):
             part = slice(int(starts[k]), int(ends[k]))
             j = int(buffers[k])
-            copies = CopyList(dsts[part], srcs[part], all_sizes[part])
+            # Slots next to each other in the pool (a fresh pool hands them out in order) move as
+            # one copy: the staging side of a chunk is contiguous.
+            copies = CopyList(*join_contiguous(dsts[part], srcs[part], all_sizes[part]))
             # Consecutive chunks' copies alternate lanes. (Splitting each chunk's copies over
             # both lanes instead measured no faster on an H100 and costs more issue time.)
             lane = lanes[k % len(lanes)]
