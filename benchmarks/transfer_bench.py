@@ -563,14 +563,18 @@ def main() -> None:
                 per_layer,
                 per,
                 CudaCopyOptions(
-                    strategy="staged", stage_lanes=lanes, stage_bytes=stage, stage_ramp_bytes=ramp
+                    strategy="staged",
+                    stage_lanes=lanes,
+                    stage_bytes=stage,
+                    stage_buffers=buffers,
+                    max_sms=sms,
                 ),
             )
-            for lanes, stage, ramp in (
-                (2, 128 << 20, 128 << 20),  # equal chunks: the ramp's baseline
-                (1, 128 << 20, 8 << 20),
-                (3, 128 << 20, 8 << 20),
-                (2, 128 << 20, 32 << 20),
+            for lanes, stage, buffers, sms in (
+                (1, 128 << 20, 3, 8),
+                (1, 64 << 20, 4, 8),
+                (2, 64 << 20, 4, 8),
+                (2, 128 << 20, 2, 16),
             )
         ]
     if args.outstanding_only:
