@@ -12,6 +12,7 @@ by a crashed owner (lock free) from a live one (lock held) and remove only the f
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -36,6 +37,21 @@ class PoolHandle:
     num_slots: int
     slot_bytes: int
     slot_stride: int
+
+
+def _reserve(fd: int, size: int, shm_dir: str) -> None:
+    """Allocate the pool's memory now. A tmpfs file is sparse: a page first touched when the
+    tmpfs has filled up meanwhile kills the process with SIGBUS, so the pool claims all of it at
+    creation (a clear error instead), and pinning it later for DMA finds every page present."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return  # a filesystem without fallocate: the pages come on first touch
+        raise PoolError(
+            f"cannot reserve {size} bytes for the host pool in {shm_dir}: {exc.strerror}; "
+            "lower pool.size or enlarge the tmpfs"
+        ) from exc
 
 
 class HostPool:
@@ -83,6 +99,7 @@ class HostPool:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
+            _reserve(fd, size, shm_dir)
             return cls(PoolHandle(str(path), num_slots, slot_bytes, stride), fd, owner=True)
         except BaseException:
             os.close(fd)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import subprocess
@@ -97,3 +98,20 @@ def test_pool_too_big_for_tmpfs_fails_with_reason(tmp_path):
         HostPool.create(4, free, shm_dir=str(tmp_path))
     with pytest.raises(PoolError, match="> 0"):
         HostPool.create(0, 64, shm_dir=str(tmp_path))
+
+
+def test_pool_memory_is_claimed_at_creation(tmp_path):
+    """The file is not sparse: a tmpfs filling up later cannot fault the pool with SIGBUS."""
+    with HostPool.create(8, 100_000, shm_dir=str(tmp_path)) as pool:
+        st = os.stat(pool.handle.path)
+        assert st.st_blocks * 512 >= pool.num_slots * pool.slot_stride
+
+
+def test_pool_memory_claim_failing_is_a_clear_error(tmp_path, monkeypatch):
+    def no_space(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(PoolError, match=r"cannot reserve .* No space left"):
+        HostPool.create(4, 4096, shm_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
