@@ -41,6 +41,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobKind, Tier, TierJob
+from kvtier.tiers.iovec import advance
 from kvtier.tiers.payload import HEADER_BYTES, encode_header, header_matches, payload_matches
 from kvtier.validation import Section
 
@@ -576,14 +577,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
         n = os.writev(fd, pending)
         if n <= 0:
             raise OSError("writev wrote nothing")
-        while n:
-            first = pending[0]
-            if n >= len(first):
-                n -= len(first)
-                pending.pop(0)
-            else:
-                pending[0] = first[n:]
-                n = 0
+        advance(pending, n)
 
 
 def _read_exact(fd: int, buffers: list[memoryview]) -> bool:
@@ -593,14 +587,7 @@ def _read_exact(fd: int, buffers: list[memoryview]) -> bool:
         n = os.readv(fd, pending)
         if n <= 0:
             return False
-        while n:
-            first = pending[0]
-            if n >= len(first):
-                n -= len(first)
-                pending.pop(0)
-            else:
-                pending[0] = first[n:]
-                n = 0
+        advance(pending, n)
     return True
 
 

@@ -24,6 +24,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvtier.tiers.iovec import advance
+
 _BUFFER = 64 * 1024
 _MAX_LINE = 64 * 1024
 _IOV_MAX = 512
@@ -120,14 +122,9 @@ class Lane:
                 for chunk in chunks:
                     sock.sendall(chunk)
                 return
-            pending = list(chunks)
+            pending = [memoryview(chunk).cast("B") for chunk in chunks]
             while pending:
-                sent = sock.sendmsg(pending[:_IOV_MAX])
-                while pending and sent >= len(pending[0]):
-                    sent -= len(pending[0])
-                    pending.pop(0)
-                if sent:
-                    pending[0] = memoryview(pending[0])[sent:]
+                advance(pending, sock.sendmsg(pending[:_IOV_MAX]))
         except TimeoutError as exc:
             raise RedisTimeoutError("timeout writing to socket") from exc
         except OSError as exc:
