@@ -1,13 +1,14 @@
-"""Helpers for redis tier tests: block bytes that depend only on the key, a synchronous job
-driver with deadlines, and tier construction from config mappings."""
+"""Helpers for redis tier tests: a synchronous job driver with deadlines and tier construction
+from config mappings; block keys and bytes come from the tier tests' helpers."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from tiers.helpers import POISON, payload_for
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
@@ -16,25 +17,6 @@ from kvtier.tiers.redis import Options, RedisTier
 from kvtier.validation import Section
 
 DEADLINE_S = 15.0
-POISON = 0xA5
-
-
-def make_key(i: int, salt: str = "") -> BlockKey:
-    return hashlib.blake2b(f"{salt}:{i}".encode(), digest_size=16).digest()
-
-
-def make_keys(n: int, salt: str = "") -> list[BlockKey]:
-    return [make_key(i, salt) for i in range(n)]
-
-
-def payload_for(key: BlockKey, size: int) -> bytes:
-    """Pseudo-random bytes that depend only on the key, so any read can be checked."""
-    out = bytearray()
-    counter = 0
-    while len(out) < size:
-        out += hashlib.blake2b(key + counter.to_bytes(8, "little"), digest_size=64).digest()
-        counter += 1
-    return bytes(out[:size])
 
 
 def options(**values: Any) -> Options:

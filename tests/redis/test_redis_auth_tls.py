@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from redis_helpers import Driver, make_keys, make_tier
+from redis_helpers import Driver, make_tier
 from redis_servers import RedisServer, TlsFiles
+from tiers.helpers import make_keys
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace

@@ -6,8 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_helpers import Driver, make_keys, make_tier
+from redis_helpers import Driver, make_tier
 from redis_servers import RedisCluster, binaries_missing
+from tiers.helpers import make_keys
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace

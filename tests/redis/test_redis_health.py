@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from redis_helpers import Driver, make_keys, make_tier, wait_for
+from redis_helpers import Driver, make_tier, wait_for
 from redis_servers import RedisServer
+from tiers.helpers import make_keys
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from redis_helpers import make_tier, payload_for
+from redis_helpers import make_tier
 from redis_servers import RedisServer
+from tiers.helpers import payload_for
 
 from kvtier.keys import Namespace, chain_keys
 from kvtier.manager import SecondaryTier, TieredCache
