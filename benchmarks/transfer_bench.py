@@ -6,9 +6,11 @@ backend, for both engine layouts (vLLM's per-layer ``[2, num_blocks, 16, 8, 128]
 block-compact ``[num_blocks, 32, 2, 16, 8, 128]``) and both strategies (batched DMA, the
 gather/scatter kernel); each direction alone and both at once. Every figure is set against a
 contiguous pinned copy of the same size measured in the same run (``cudaMemcpyAsync`` of one
-1 GiB buffer; the best of PyTorch's pinned allocation and the registered pool). Also: host time
-to issue one transfer (the ``submit`` call), SMs used, a correctness check of every moved block,
-and the submit latency with 10,000 transfers outstanding.
+1 GiB buffer; the best of PyTorch's pinned allocation and the registered pool), timed right after
+each repetition. Also: host time to issue one transfer (the ``submit`` call on the engine's
+thread, and the time the backend's issuing thread spent enqueueing it), SMs used, a correctness
+check of every moved block, and the submit latency with 10,000 transfers outstanding.
+``--timeline`` instead prints when each copy and kernel of a few transfers ran on the GPU.
 
 Needs a CUDA GPU, PyTorch and CuPy. Prints a table naming the GPU and writes JSON.
 """
@@ -55,11 +57,18 @@ class Row:
     """Throughput with ``--pipeline`` transfers issued back to back (the engine's steady state)."""
     reference_gbps: float
     percent_of_contiguous: float
+    """Median over repetitions of (this repetition / the contiguous copies timed right after)."""
     single_gbps: float
     """One transfer alone, timed from ``submit`` (so including its issue time) to ``wait``."""
     single_percent: float
     issue_us_median: float
     issue_us_max: float
+    """``submit`` on the caller's (engine's) thread, one 512-block transfer."""
+    enqueue_us_median: float
+    enqueue_us_max: float
+    """Planning and CUDA calls for one transfer, on the issuing thread (with ``issue_thread``)
+    or inside ``submit`` (without)."""
+    issue_thread: bool
     verified: bool
 
 
@@ -251,7 +260,7 @@ def blocks_equal(kv: list[torch.Tensor], layout: KVLayout, a: list[int], b: list
 
 def variant_name(options: CudaCopyOptions) -> str:
     if options.strategy == "auto":
-        return "auto"
+        return "auto" if options.issue_thread else "auto no-thread"
     parts = [options.strategy]
     if options.strategy in ("kernel", "staged"):
         parts.append(f"sms={options.max_sms or 'default'}")
@@ -286,6 +295,7 @@ def run_config(
     sa, sb = slots[:n].tolist(), slots[n : 2 * n].tolist()
     job_ids = iter(range(1, 1 << 30))
     issue: dict[str, list[float]] = {"store": [], "load": [], "both": [], "_": []}
+    enqueue: dict[str, list[float]] = {}
 
     def transfer(kind: str, jobs: list[tuple[Direction, list[int], list[int]]]) -> None:
         ids = []
@@ -304,12 +314,19 @@ def run_config(
     store_one = [(Direction.STORE, a, sa)]
     load_one = [(Direction.LOAD, b, sa)]
     both_one = [(Direction.STORE, c, sb), (Direction.LOAD, b, sa)]
+
+    def timed_single(kind: str, jobs: list[tuple[Direction, list[int], list[int]]]) -> float:
+        backend.enqueue_seconds.clear()
+        seconds = median_time(lambda: transfer(kind, jobs), reps, warm)
+        enqueue[kind] = list(backend.enqueue_seconds)[warm * len(jobs) :]
+        return seconds
+
     single = {
-        "store": median_time(lambda: transfer("store", store_one), reps, warm),
-        "load": median_time(lambda: transfer("load", load_one), reps, warm),
+        "store": timed_single("store", store_one),
+        "load": timed_single("load", load_one),
     }
     ok_single = blocks_equal(kv, layout, a, b)
-    single["both"] = median_time(lambda: transfer("both", both_one), reps, warm)
+    single["both"] = timed_single("both", both_one)
     transfer("load", [(Direction.LOAD, d, sb)])
     ok_both = blocks_equal(kv, layout, a, b) and blocks_equal(kv, layout, c, d)
     # Back to back: stores alternate slot sets, loads alternate target blocks. Each repetition
@@ -321,21 +338,22 @@ def run_config(
     }
     piped: dict[str, float] = {}
     local_ref: dict[str, float] = {}
+    paired: dict[str, float] = {}
     for direction, jobs_k in piped_jobs.items():
         ours: list[float] = []
-        theirs: dict[str, list[float]] = {host: [] for host in contiguous.hosts}
+        theirs: list[float] = []
         for i in range(warm + reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             transfer("_", jobs_k)
             elapsed = time.perf_counter() - t0
-            refs = {host: contiguous.seconds(direction, host, k) for host in contiguous.hosts}
+            ref_seconds = min(contiguous.seconds(direction, host, k) for host in contiguous.hosts)
             if i >= warm:
                 ours.append(elapsed)
-                for host, seconds in refs.items():
-                    theirs[host].append(seconds)
+                theirs.append(ref_seconds)
         piped[direction] = float(np.median(ours))
-        local_ref[direction] = min(float(np.median(t)) for t in theirs.values())
+        local_ref[direction] = float(np.median(theirs))
+        paired[direction] = float(np.median(np.array(theirs) / np.array(ours)))
     sms = backend.sms_used
     strategy = backend.strategy
     backend.close()
@@ -348,7 +366,8 @@ def run_config(
         one = moved / single[direction] / GB
         reference = moved * k / local_ref[direction] / GB
         ref_one = ref.best("single", direction)
-        times = np.array(issue[direction][warm:]) * 1e6
+        times = np.array(issue[direction][warm * (2 if direction == "both" else 1) :]) * 1e6
+        enq = np.array(enqueue[direction]) * 1e6
         rows.append(
             Row(
                 layout.value,
@@ -358,11 +377,14 @@ def run_config(
                 direction,
                 round(gbps, 2),
                 round(reference, 2),
-                round(100 * gbps / reference, 1),
+                round(100 * paired[direction], 1),
                 round(one, 2),
                 round(100 * one / ref_one, 1),
                 round(float(np.median(times)), 1),
                 round(float(times.max()), 1),
+                round(float(np.median(enq)), 1) if len(enq) else -1.0,
+                round(float(enq.max()), 1) if len(enq) else -1.0,
+                options.issue_thread,
                 ok,
             )
         )
@@ -489,6 +511,120 @@ def profile_issue(
     backend.close()
 
 
+class TimelineRuntime:
+    """Wraps a backend's CUDA runtime: timing events around every batched copy and kernel launch,
+    on the stream it runs on (an op's start event completes when its stream reached it)."""
+
+    def __init__(self, rt: Any) -> None:
+        self._rt = rt
+        self.ops: list[tuple[str, int, int, Any, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+    def _timed(self, kind: str, stream: int, nbytes: int, call: Callable[[], None]) -> None:
+        ext = torch.cuda.ExternalStream(stream)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(ext)
+        call()
+        end.record(ext)
+        self.ops.append((kind, stream, nbytes, start, end))
+
+    def memcpy_batch_async(self, dsts: Any, srcs: Any, sizes: Any, attrs: Any, stream: int) -> None:
+        self._timed(
+            "dma",
+            stream,
+            int(sizes.sum()),
+            lambda: self._rt.memcpy_batch_async(dsts, srcs, sizes, attrs, stream),
+        )
+
+    def launch(self, function: Any, grid: int, block: int, params: Any, stream: int) -> None:
+        self._timed(
+            "kernel", stream, 0, lambda: self._rt.launch(function, grid, block, params, stream)
+        )
+
+
+def timeline(
+    kv: list[torch.Tensor],
+    layout: KVLayout,
+    pool: HostPool,
+    direction: Direction,
+    n: int,
+    transfers: int,
+    reference_gbps: float,
+) -> dict[str, Any]:
+    """``transfers`` back to back with the default options: when each op ran, how busy the copy
+    engines kept PCIe, and the gaps."""
+    backend = CudaCopyBackend(kv, layout, pool, CudaCopyOptions())
+    rng = np.random.default_rng(1)
+    blocks = rng.permutation(backend.geometry.num_blocks)[: 2 * n]
+    slots = rng.permutation(pool.num_slots)[:n].tolist()
+    for warm in range(2):
+        backend.submit(CopyJob(90 + warm, direction, blocks[:n].tolist(), slots))
+        backend.wait([90 + warm])
+    backend.poll()
+    wrapped = TimelineRuntime(backend._rt)
+    backend._rt = wrapped  # type: ignore[assignment]
+    torch.cuda.synchronize()
+    origin = torch.cuda.Event(enable_timing=True)
+    origin.record()
+    t0 = time.perf_counter()
+    ids = list(range(transfers))
+    for job in ids:
+        part = blocks[(job % 2) * n : (job % 2 + 1) * n].tolist()
+        backend.submit(CopyJob(job, direction, part, slots))
+    backend.wait(ids)
+    wall = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    backend._rt = wrapped._rt
+    strategy = backend.strategy
+    backend.close()
+    spans = [
+        (kind, stream, nbytes, origin.elapsed_time(a), origin.elapsed_time(b))
+        for kind, stream, nbytes, a, b in wrapped.ops
+    ]
+    dma = sorted((s, e) for kind, _, _, s, e in spans if kind == "dma")
+    busy, gaps, cur_s, cur_e = 0.0, [], dma[0][0], dma[0][1]
+    for s, e in dma[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((round(cur_e, 3), round(s - cur_e, 3)))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    first, last = dma[0][0], max(e for _, e in dma)
+    kernels = [e - s for kind, _, _, s, e in spans if kind == "kernel"]
+    moved = sum(nb for kind, _, nb, _, _ in spans if kind == "dma")
+    result = {
+        "layout": layout.value,
+        "strategy": strategy,
+        "direction": direction.value,
+        "transfers": transfers,
+        "wall_ms_host": round(wall * 1e3, 2),
+        "gpu_first_dma_ms": round(first, 3),
+        "gpu_last_dma_end_ms": round(last, 3),
+        "dma_busy_ms": round(busy, 3),
+        "dma_busy_percent_of_span": round(100 * busy / (last - first), 2),
+        "gbps_over_dma_span": round(moved / (last - first) / 1e6, 2),
+        "percent_of_reference_over_span": round(
+            100 * moved / (last - first) / 1e6 / reference_gbps, 2
+        ),
+        "largest_gaps_ms": sorted(gaps, key=lambda g: -g[1])[:8],
+        "kernels": len(kernels),
+        "kernel_ms_total": round(sum(kernels), 3),
+        "kernel_ms_max": round(max(kernels), 3) if kernels else 0.0,
+        "ops": [
+            (kind, stream % 100000, nbytes >> 20, round(s, 3), round(e, 3))
+            for kind, stream, nbytes, s, e in spans[:60]
+        ],
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "ops"}), flush=True)
+    for op in result["ops"]:
+        print("   ", op)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=512)
@@ -505,6 +641,9 @@ def main() -> None:
     parser.add_argument("--staged-sweep", action="store_true", help="staging pipeline variants")
     parser.add_argument(
         "--profile-issue", action="store_true", help="only: where the issue time goes"
+    )
+    parser.add_argument(
+        "--timeline", action="store_true", help="only: when each copy and kernel ran on the GPU"
     )
     parser.add_argument("--json", type=Path, default=Path("docs/results/transfer_bench.json"))
     args = parser.parse_args()
@@ -523,6 +662,22 @@ def main() -> None:
     pool.array()[:] = 0x5A  # fault the pages in before pinning
     # One backend holds the registration for the whole run; the others find the pool registered.
     anchor = CudaCopyBackend(compact, KVLayout.BLOCK_COMPACT, pool, CudaCopyOptions(strategy="dma"))
+    if args.timeline:
+        ref = measure_reference(pool, args.blocks * BLOCK_BYTES, 3, 1, args.pipeline)
+        lines = []
+        for kv, layout, direction in (
+            (per_layer, KVLayout.LAYER_KV_FIRST, Direction.LOAD),
+            (per_layer, KVLayout.LAYER_KV_FIRST, Direction.STORE),
+            (compact, KVLayout.BLOCK_COMPACT, Direction.LOAD),
+            (compact, KVLayout.BLOCK_COMPACT, Direction.STORE),
+        ):
+            best = ref.best("pipelined", direction.value)
+            lines.append(timeline(kv, layout, pool, direction, args.blocks, 4, best))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"gpu": info, "timelines": lines}, indent=1) + "\n")
+        anchor.close()
+        pool.close()
+        return
     if args.profile_issue:
         for kv, layout in ((compact, KVLayout.BLOCK_COMPACT), (per_layer, KVLayout.LAYER_KV_FIRST)):
             profile_issue(kv, layout, pool, args.blocks, args.repeats)
@@ -551,6 +706,8 @@ def main() -> None:
             (per_layer, per, CudaCopyOptions(strategy="kernel", max_sms=s)) for s in sms_values
         ]
         configs += [
+            (compact, compact_layout, CudaCopyOptions(issue_thread=False)),
+            (per_layer, per, CudaCopyOptions(issue_thread=False)),
             (per_layer, per, CudaCopyOptions(strategy="staged", max_sms=16)),
             (compact, compact_layout, CudaCopyOptions(strategy="dma", dma_lanes=2)),
             (compact, compact_layout, CudaCopyOptions(strategy="kernel")),
@@ -599,7 +756,8 @@ def main() -> None:
             print(
                 f"  {r.layout:<16}{r.variant:<26}{r.strategy:<8}sms={r.sms_used:<4}"
                 f"{r.direction:<6}{r.gbps:7.2f} GB/s {r.percent_of_contiguous:6.1f}%  "
-                f"single {r.single_percent:5.1f}%  issue {r.issue_us_median:.0f} us",
+                f"single {r.single_percent:5.1f}%  submit {r.issue_us_median:.0f} us "
+                f"enqueue {r.enqueue_us_median:.0f} us",
                 flush=True,
             )
 
@@ -637,6 +795,7 @@ def main() -> None:
             r.percent_of_contiguous >= 95 for (_, d), r in best.items() if d == "both"
         ),
         "issue_512_blocks_lt_1ms": all(r.issue_us_max < 1000 for r in auto),
+        "enqueue_on_issuing_thread_median_lt_1ms": all(r.enqueue_us_median < 1000 for r in auto),
         "outstanding_submit_lt_100us": bool(outstanding)
         and all(o.max_us < 100 and o.held_back for o in outstanding),
     }
@@ -655,15 +814,20 @@ def main() -> None:
                 f"store {ref.best(mode, 'store'):.2f}, both {ref.best(mode, 'both'):.2f}"
             )
     print(
+        "submit: the call on the engine's thread; enqueue: planning and CUDA calls, on the "
+        "backend's issuing thread (no-thread rows: inside submit); medians and maxima, us"
+    )
+    print(
         f"{'layout':<16}{'variant':<26}{'strategy':<9}{'SMs':>4} {'dir':<6}{'GB/s':>8}"
-        f"{'% contig':>10}{'1 xfer':>8}{'%':>7}{'issue us':>10}{'max us':>9}  ok"
+        f"{'% contig':>10}{'1 xfer':>8}{'%':>7}{'submit':>8}{'max':>7}{'enqueue':>9}{'max':>7}"
+        "  ok"
     )
     for r in rows:
         print(
             f"{r.layout:<16}{r.variant:<26}{r.strategy:<9}{r.sms_used:>4} {r.direction:<6}"
             f"{r.gbps:>8.2f}{r.percent_of_contiguous:>9.1f}%{r.single_gbps:>8.2f}"
-            f"{r.single_percent:>6.1f}%{r.issue_us_median:>10.0f}{r.issue_us_max:>9.0f}"
-            f"  {r.verified}"
+            f"{r.single_percent:>6.1f}%{r.issue_us_median:>8.0f}{r.issue_us_max:>7.0f}"
+            f"{r.enqueue_us_median:>9.0f}{r.enqueue_us_max:>7.0f}  {r.verified}"
         )
     for o in outstanding:
         print(
@@ -688,8 +852,11 @@ def main() -> None:
         "submit to wait() returning, median of repeats after warm-up; reference_gbps: the same "
         "bytes as contiguous cudaMemcpyAsync copies (--pipeline of one transfer's size, from "
         "PyTorch-pinned memory and from the registered pool, the faster counts), timed right "
-        "after each repetition; single_*: one transfer alone, from submit (so including its issue "
-        "time) to wait(), against one contiguous copy measured at the start of the run",
+        "after each repetition; percent_of_contiguous: median over repetitions of the ratio to "
+        "the reference timed right after it; single_*: one transfer alone, from submit (so "
+        "including its issue time) to wait(), against one contiguous copy measured at the start "
+        "of the run; issue_us: the submit call (the engine's thread); enqueue_us: planning and "
+        "CUDA calls per transfer, on the backend's issuing thread (inside submit without one)",
         "reference": asdict(ref),
         "rows": [asdict(r) for r in rows],
         "outstanding": [asdict(o) for o in outstanding],

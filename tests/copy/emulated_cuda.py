@@ -4,12 +4,16 @@
 address: copies are ``ctypes.memmove`` and the kernel is emulated from its packed parameters.
 Enqueued work runs in one global FIFO, either at once or when ``run()`` is called (``deferred``),
 which is enough to check that every copy happens, lands where it should and is reported once.
+The backend's issuing thread is off unless asked for (``threaded=True``): without it every test
+sees the same order of calls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -71,6 +75,8 @@ class FakeRuntime:
     register_code: int = 0
     freed: list[Any] = field(default_factory=list)
     _next: int = 100
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    """The issuing thread enqueues while the test thread runs the queue."""
 
     def _maybe_fail(self, name: str) -> None:
         left = self.fail.get(name)
@@ -82,19 +88,22 @@ class FakeRuntime:
         self.fail[name] = left - 1
 
     def _handle(self) -> int:
-        self._next += 1
-        return self._next
+        with self._lock:
+            self._next += 1
+            return self._next
 
     def _enqueue(self, op: Callable[[], None]) -> None:
-        if self.deferred:
-            self.queue.append(op)
-        else:
-            op()
+        with self._lock:
+            if self.deferred:
+                self.queue.append(op)
+            else:
+                op()
 
     def run(self) -> None:
-        queue, self.queue = self.queue, []
-        for op in queue:
-            op()
+        with self._lock:
+            queue, self.queue = self.queue, []
+            for op in queue:
+                op()
 
     # -- the CudaRuntime surface the backend uses ------------------------------------------------
 
@@ -138,9 +147,10 @@ class FakeRuntime:
     def event_record(self, event: int, stream: int) -> None:
         self._maybe_fail("event_record")
         assert event in self.events
-        self.calls.append(("record", event, stream))
-        self.done_events.discard(event)
-        self._enqueue(lambda: self.done_events.add(event))
+        with self._lock:
+            self.calls.append(("record", event, stream))
+            self.done_events.discard(event)
+            self._enqueue(lambda: self.done_events.add(event))
 
     def event_query(self, event: int) -> bool:
         return event in self.done_events
@@ -195,9 +205,20 @@ class FakeRuntime:
 class EmulatedBackend(CudaCopyBackend):
     """The real backend with its device touch points pointed at ``FakeRuntime``."""
 
-    def __init__(self, *args: Any, fake: FakeRuntime, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        kv: Any,
+        layout: Any,
+        pool: Any,
+        options: Any,
+        *,
+        fake: FakeRuntime,
+        threaded: bool = False,
+        **kwargs: Any,
+    ) -> None:
         self.fake = fake
-        super().__init__(*args, **kwargs)
+        options = dataclasses.replace(options, issue_thread=threaded)
+        super().__init__(kv, layout, pool, options, **kwargs)
 
     def _make_runtime(self) -> Any:
         return self.fake

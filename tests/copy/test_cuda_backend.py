@@ -137,14 +137,22 @@ def drain(backend: CudaCopyBackend, timeout: float = 30.0) -> tuple[list[int], l
 @pytest.mark.parametrize("layout", list(KVLayout))
 @pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
 @pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("issue_thread", [True, False])
 def test_roundtrip_every_element(
-    pool: HostPool, layout: KVLayout, strategy: str, layerwise: bool
+    pool: HostPool, layout: KVLayout, strategy: str, layerwise: bool, issue_thread: bool
 ) -> None:
     seed = zlib.crc32(f"{layout.value}/{strategy}/{layerwise}".encode())
     gen = torch.Generator(device="cuda").manual_seed(seed)
     kv = make_kv(layout, gen)
     # Staging buffers of 3 blocks: a 20-block job takes 7 chunks through 2 buffers.
-    backend = backend_for(pool, kv, layout, strategy, stage_bytes=3 * LAYERS * 2 * 32768)
+    backend = backend_for(
+        pool,
+        kv,
+        layout,
+        strategy,
+        stage_bytes=3 * LAYERS * 2 * 32768,
+        issue_thread=issue_thread,
+    )
     nbytes = backend.slot_part_bytes
     ref = logical(kv, layout)
     rng = np.random.default_rng(7)
@@ -268,6 +276,7 @@ def test_failed_enqueue_returns_streams_and_events(
     backend.submit(
         CopyJob(1, Direction.STORE, [1, 2, 3], [0, 1, 2]), layerwise=strategy != "staged"
     )
+    backend.wait([1])  # enqueued (by the issuing thread) while the fault is in place
     monkeypatch.setattr(backend, name, real)
     backend.submit(CopyJob(2, Direction.STORE, [4], [3]))
     done, failed = drain(backend)

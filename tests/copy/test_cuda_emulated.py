@@ -5,7 +5,10 @@ included, and the gate on the compute stream comes before the copy. The GPU itse
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -444,3 +447,200 @@ def test_staged_joins_copies_of_neighbouring_slots(tmp_path: object) -> None:
         for target, source in zip([1, 2, 20, 21, 4, 8], blocks, strict=True):
             assert got[target].tobytes() == block_bytes(logical, source)
         backend.close()
+
+
+# -- the issuing thread ------------------------------------------------------------------------
+
+
+class _Device:
+    """Runs the fake runtime's queue every millisecond, as a GPU would, until stopped."""
+
+    def __init__(self, fake: FakeRuntime) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(fake,), daemon=True)
+        self._thread.start()
+
+    def _loop(self, fake: FakeRuntime) -> None:
+        while not self._stop.wait(0.001):
+            fake.run()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _threaded(
+    pool: HostPool, layout: KVLayout, fake: FakeRuntime, **options: object
+) -> tuple[EmulatedBackend, np.ndarray, list[np.ndarray]]:
+    logical = logical_blocks(np.random.default_rng(3), NUM_BLOCKS)
+    arrays = engine_arrays(logical, layout)
+    opts = CudaCopyOptions(max_streams=4, **options)  # type: ignore[arg-type]
+    backend = EmulatedBackend(
+        [FakeTensor(a) for a in arrays], layout, pool, opts, fake=fake, threaded=True
+    )
+    return backend, logical, arrays
+
+
+def _drain(backend: EmulatedBackend, ids: set[int], timeout: float = 10.0) -> list[int]:
+    """Poll until every id was reported; the ids reported as done, in order (failed: raises)."""
+    done: list[int] = []
+    deadline = time.monotonic() + timeout
+    while set(done) != ids:
+        res = backend.poll()
+        assert res.failed == []
+        done += res.done
+        assert time.monotonic() < deadline, f"not reported: {ids - set(done)}"
+        time.sleep(0.0005)
+    return done
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
+def test_issuing_thread_moves_every_byte(pool: HostPool, layout: KVLayout, strategy: str) -> None:
+    fake = FakeRuntime(deferred=True)
+    device = _Device(fake)
+    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
+    backend, logical, arrays = _threaded(
+        pool,
+        layout,
+        fake,
+        strategy=strategy,
+        stage_bytes=2 * block,
+        staged_min_blocks=1,
+        max_in_flight=3,
+    )
+    rng = np.random.default_rng(5)
+    # 16 one-block STOREs polled while they run, then all 16 back into other, poisoned blocks.
+    blocks = rng.permutation(NUM_BLOCKS)[:NUM_SLOTS].tolist()
+    for slot, b in enumerate(blocks):
+        backend.submit(CopyJob(slot, Direction.STORE, [b], [slot]))
+    assert sorted(_drain(backend, set(range(NUM_SLOTS)))) == list(range(NUM_SLOTS))
+    for a in arrays:
+        a.fill(0xBEEF)
+    targets = rng.permutation(NUM_BLOCKS)[:NUM_SLOTS].tolist()
+    backend.submit(CopyJob(100, Direction.LOAD, targets[:8], list(range(8))))
+    backend.submit(CopyJob(101, Direction.LOAD, targets[8:], list(range(8, NUM_SLOTS))))
+    backend.wait([100, 101])
+    assert sorted(backend.poll().done) == [100, 101]
+    got = to_logical(arrays, layout)
+    for b, t in zip(blocks, targets, strict=True):
+        assert got[t].tobytes() == block_bytes(logical, b)
+    for b in set(range(NUM_BLOCKS)) - set(targets):
+        assert (got[b] == 0xBEEF).all()
+    assert _idle(backend)
+    backend.close()
+    device.stop()
+    assert fake.streams == set() and fake.events == set() and fake.registered == []
+
+
+def test_submit_does_not_wait_for_the_issuing_thread(pool: HostPool) -> None:
+    """While the issuing thread is stuck in a slow CUDA call, submits still return at once."""
+    fake = FakeRuntime(deferred=True)
+    stuck, entered = threading.Event(), threading.Event()
+    real_batch = fake.memcpy_batch_async
+
+    def slow_batch(*args: Any) -> None:
+        entered.set()
+        assert stuck.wait(10)
+        real_batch(*args)
+
+    fake.memcpy_batch_async = slow_batch  # type: ignore[method-assign]
+    backend, _, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma")
+    backend.submit(CopyJob(0, Direction.STORE, [0], [0]))
+    assert entered.wait(10)
+    t0 = time.perf_counter()
+    for job in range(1, 200):
+        backend.submit(CopyJob(job, Direction.STORE, [job % NUM_BLOCKS], [job % NUM_SLOTS]))
+    elapsed = time.perf_counter() - t0
+    stats = backend.stats()
+    assert stats.in_flight == 0 and stats.queued == 200  # one being enqueued, 199 waiting
+    assert elapsed < 5  # (a blocked submit would wait the 10 s for `stuck`)
+    stuck.set()
+    device = _Device(fake)
+    assert sorted(_drain(backend, set(range(200)))) == list(range(200))
+    assert _idle(backend)
+    backend.close()
+    device.stop()
+
+
+def test_issuing_thread_keeps_in_flight_bounded_and_wait_finds_queued_jobs(
+    pool: HostPool,
+) -> None:
+    fake = FakeRuntime(deferred=True)
+    seen: list[int] = []
+    real_query = fake.event_query
+
+    def query(event: int) -> bool:
+        seen.append(backend.stats().in_flight)
+        return real_query(event)
+
+    fake.event_query = query  # type: ignore[method-assign]
+    backend, _, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma", max_in_flight=2)
+    for job in range(10):
+        backend.submit(CopyJob(job, Direction.LOAD, [job], [job]))
+    device = _Device(fake)
+    backend.wait([9])  # queued behind 8 others: the thread makes room on its own
+    assert 9 not in {t.job_id for t in backend._queued}
+    assert sorted(_drain(backend, set(range(10)))) == list(range(10))
+    assert max(seen) <= 2
+    backend.close()
+    device.stop()
+
+
+def test_stream_wait_enqueues_a_queued_job_at_once(pool: HostPool) -> None:
+    fake = FakeRuntime(deferred=True)  # the device runs nothing until told
+    backend, _, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma", max_in_flight=1)
+    for job in range(3):
+        backend.submit(CopyJob(job, Direction.LOAD, [job], [job]))
+    deadline = time.monotonic() + 10
+    while backend.stats().in_flight < 1:  # job 0 enqueued; 1 and 2 wait for room
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    backend.stream_wait(2)  # ahead of job 1, though the device holds one transfer at most
+    waits = [c for c in fake.calls if c[0] == "wait" and c[1] == COMPUTE_STREAM]
+    assert len(waits) == 1
+    records = {c[1]: c[2] for c in fake.calls if c[0] == "record"}
+    assert records[waits[0][2]] != COMPUTE_STREAM  # it waits for an event on a copy stream
+    assert backend.stats().in_flight == 2 and backend.stats().queued == 1
+    device = _Device(fake)
+    assert sorted(_drain(backend, {0, 1, 2})) == [0, 1, 2]
+    backend.close()
+    device.stop()
+    assert fake.streams == set() and fake.events == set()
+
+
+def test_issuing_thread_failures_are_reported_and_return_resources(pool: HostPool) -> None:
+    fake = FakeRuntime(fail={"memcpy": 1})  # the second transfer's copy fails
+    backend, _, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma")
+    backend.submit(CopyJob(1, Direction.STORE, [1], [1]))
+    backend.wait([1])
+    backend.submit(CopyJob(2, Direction.STORE, [2], [2]))
+    backend.submit(CopyJob(3, Direction.STORE, [3], [NUM_SLOTS]))  # bad slot
+    backend.submit(CopyJob(4, Direction.STORE, [4], [4]))
+    backend.wait([2, 3, 4])
+    done: list[int] = []
+    failed: list[int] = []
+    deadline = time.monotonic() + 10
+    while len(done) + len(failed) < 4:
+        res = backend.poll()
+        done += res.done
+        failed += res.failed
+        assert time.monotonic() < deadline
+    assert sorted(done) == [1, 4] and sorted(failed) == [2, 3]
+    assert _idle(backend)
+    backend.close()
+    assert fake.streams == set() and fake.events == set()
+
+
+def test_close_stops_the_issuing_thread_with_work_queued(pool: HostPool) -> None:
+    fake = FakeRuntime(deferred=True)
+    backend, _, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma", max_in_flight=2)
+    for job in range(20):
+        backend.submit(CopyJob(job, Direction.STORE, [job % NUM_BLOCKS], [job % NUM_SLOTS]))
+    issuer = backend._issuer
+    assert issuer is not None and issuer.is_alive()
+    backend.close()  # waits for what was enqueued (event_synchronize runs the queue)
+    assert not issuer.is_alive()
+    assert fake.streams == set() and fake.events == set() and fake.registered == []
+    backend.submit(CopyJob(99, Direction.STORE, [0], [0]))
+    assert backend.poll().failed == [99]

@@ -46,6 +46,8 @@ One backend serves one worker thread; its methods are not thread-safe.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -115,10 +117,15 @@ class CudaCopyOptions:
     first gather, the last scatter) is short. ``stage_bytes`` or more: equal chunks."""
     staged_min_blocks: int = 8
     """``staged``: jobs of fewer engine blocks go straight to the pool through the kernel."""
+    issue_thread: bool = True
+    """Enqueue transfers on the device from a thread of the backend's own: ``submit`` only queues
+    (a few microseconds on the engine's thread) and the issuing thread does the planning and the
+    CUDA calls (0.2-1.7 ms for 512 scattered blocks, mostly in the driver, with the GIL
+    released). False: ``submit``, ``poll`` and ``wait`` enqueue on the caller's thread."""
     max_in_flight: int = 32
     """Transfers enqueued on the device and unfinished at most; more wait on the host (in a
-    queue that ``submit``, ``poll`` and ``wait`` feed to the device as room is made). Enqueueing
-    is a few CUDA calls that can take 100-200 us while the device is busy, queueing ~1 us."""
+    queue fed to the device as room is made). Enqueueing is a few CUDA calls that can take
+    100-200 us while the device is busy; the fewer enqueued ahead, the fewer such waits."""
     max_device_ops: int = 2048
     """Copies and kernel launches enqueued and unfinished at most (estimated per transfer). The
     driver blocks the host once about 1,000 operations wait in one of its hardware queues (4 for
@@ -192,10 +199,12 @@ class ResourceStats(NamedTuple):
 
 
 class _StreamPool:
-    """``size`` streams created up front; a busy pool shares its streams round robin."""
+    """``size`` streams created up front; a busy pool shares its streams round robin. Taken by
+    the issuing thread, returned by whichever thread sees a transfer finish."""
 
     def __init__(self, rt: CudaRuntime, size: int, priority: int) -> None:
         self._rt = rt
+        self._lock = threading.Lock()
         self._all: list[int] = []
         self._idle: list[int] = []
         self._users: dict[int, int] = {}
@@ -206,21 +215,23 @@ class _StreamPool:
             self._idle.append(stream)
 
     def acquire(self) -> int:
-        if self._idle:
-            stream = self._idle.pop()
-        else:
-            stream = self._all[self._next_shared % len(self._all)]
-            self._next_shared += 1
-        self._users[stream] = self._users.get(stream, 0) + 1
-        return stream
+        with self._lock:
+            if self._idle:
+                stream = self._idle.pop()
+            else:
+                stream = self._all[self._next_shared % len(self._all)]
+                self._next_shared += 1
+            self._users[stream] = self._users.get(stream, 0) + 1
+            return stream
 
     def release(self, stream: int) -> None:
-        users = self._users[stream] - 1
-        if users:
-            self._users[stream] = users
-        else:
-            del self._users[stream]
-            self._idle.append(stream)
+        with self._lock:
+            users = self._users[stream] - 1
+            if users:
+                self._users[stream] = users
+            else:
+                del self._users[stream]
+                self._idle.append(stream)
 
     @property
     def created(self) -> int:
@@ -240,20 +251,27 @@ class _StreamPool:
 
 
 class _EventPool:
+    """Events for gates (taken on the caller's thread), copies (the issuing thread) and staging
+    buffers; created on demand, destroyed at close."""
+
     def __init__(self, rt: CudaRuntime) -> None:
         self._rt = rt
+        self._lock = threading.Lock()
         self._idle: list[int] = []
         self._created = 0
 
     def acquire(self) -> int:
-        if self._idle:
-            return self._idle.pop()
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
         event = self._rt.event_create()
-        self._created += 1
+        with self._lock:
+            self._created += 1
         return event
 
     def release(self, event: int) -> None:
-        self._idle.append(event)
+        with self._lock:
+            self._idle.append(event)
 
     @property
     def created(self) -> int:
@@ -354,6 +372,9 @@ def _event_handle(event: Any) -> int:
     return int(handle)
 
 
+ROOM_POLL_S = 200e-6
+"""How often the issuing thread looks for finished transfers while queued ones wait for room."""
+
 STAGE_RAMP_GROWTH = 4
 """Each ramp chunk is this many times the one before: the kernel moves a chunk about ten times
 faster than PCIe does, so a 4x larger neighbour still hides behind the smaller one's DMA."""
@@ -404,6 +425,8 @@ class _Transfer:
     ops: int = 0
     """Device operations (copies, launches) it counts against ``max_device_ops``."""
     failed: bool = False
+    urgent: bool = False
+    """Enqueue it room or not (``stream_wait`` needs its events)."""
 
     @property
     def job_id(self) -> int:
@@ -480,14 +503,31 @@ class CudaCopyBackend(CopyBackend):
                     self._free_device(self._region_table)
                 self._pinned.close()
                 raise
+        # Shared between the caller's thread and the issuing thread, under ``_lock`` (held for
+        # bookkeeping only, never across a CUDA call that enqueues or waits).
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        """Notified when a transfer left the queue (enqueued on the device, or rejected)."""
         self._inflight: dict[int, _Transfer] = {}
         # A deque, not a dict: a dict of thousands of queued jobs resizes (an O(n) copy, over
         # 100 us at ~5,000 entries) inside some unlucky submit.
         self._queued: deque[_Transfer] = deque()
+        self._starting: _Transfer | None = None
+        """Taken off the queue, being enqueued on the device."""
         self._ops = 0
         self._done_early: list[int] = []
         self._failed_early: list[int] = []
+        self.enqueue_seconds: deque[float] = deque(maxlen=4096)
+        """Host time each recent transfer took to plan and enqueue on the device (on the
+        issuing thread when there is one)."""
         self._closed = False
+        self._wake = threading.Event()
+        self._issuer: threading.Thread | None = None
+        if options.issue_thread:
+            self._issuer = threading.Thread(
+                target=self._issue_loop, name=f"kvtier-cuda-issue-{self.device}", daemon=True
+            )
+            self._issuer.start()
 
     # -- strategy ------------------------------------------------------------------------------
 
@@ -625,8 +665,9 @@ class CudaCopyBackend(CopyBackend):
     def submit(self, job: CopyJob, after: Any = None, layerwise: bool = False) -> None:
         """Queue ``job``; never raises for a bad job (``poll`` reports it failed) and never waits
         for the device. The job is checked when it is enqueued on the device, so its block and
-        slot sequences must not change until it is reported; a queued submit (the device queues
-        full) costs a few microseconds.
+        slot sequences must not change until it is reported. With the issuing thread (the
+        default) a submit costs a few microseconds: recording the gate event, if ``after`` is
+        not given, and queueing.
 
         ``after``: an event (``torch.cuda.Event`` or a ``cudaEvent_t`` as int) to wait for instead
         of the work queued on the current stream now. ``layerwise``: copy layer by layer and
@@ -635,16 +676,16 @@ class CudaCopyBackend(CopyBackend):
         job_id = job.job_id
         if self._closed or job_id in self._inflight:
             log.error("copy job %d rejected: %s", job_id, "closed" if self._closed else "id in use")
-            self._failed_early.append(job_id)
+            self._report(job_id, False)
             return
         try:
             empty = len(job.engine_blocks) == 0 and len(job.slots) == 0
         except TypeError as exc:
             log.error("copy job %d rejected: %s", job_id, exc)
-            self._failed_early.append(job_id)
+            self._report(job_id, False)
             return
         if empty:
-            self._done_early.append(job_id)
+            self._report(job_id, True)
             return
         rt = self._rt
         try:
@@ -660,12 +701,24 @@ class CudaCopyBackend(CopyBackend):
                 gate = _event_handle(after)
         except Exception as exc:
             log.error("copy job %d failed: %s", job_id, exc)
-            self._failed_early.append(job_id)
+            self._report(job_id, False)
             return
         transfer = _Transfer(job, layerwise, gate, after is None)
         transfer.ops = self._estimate_ops(transfer)
-        self._queued.append(transfer)
-        self._pump()
+        with self._lock:
+            self._queued.append(transfer)
+        self._advance()
+
+    def _report(self, job_id: int, ok: bool) -> None:
+        with self._lock:
+            (self._done_early if ok else self._failed_early).append(job_id)
+
+    def _advance(self) -> None:
+        """Get queued transfers onto the device: the issuing thread's job, if there is one."""
+        if self._issuer is not None and self._issuer.is_alive():
+            self._wake.set()
+        else:
+            self._pump()
 
     def _plan(self, job: CopyJob) -> _Plan:
         if job.direction not in (Direction.STORE, Direction.LOAD):
@@ -689,26 +742,78 @@ class CudaCopyBackend(CopyBackend):
 
     def _pump(self) -> None:
         """Enqueue queued transfers, oldest first, while the device queues have room (at least
-        one when nothing is in flight, however large)."""
-        queued, inflight, opts = self._queued, self._inflight, self.options
-        while queued:
-            transfer = queued[0]
-            full = (
-                len(inflight) >= opts.max_in_flight
-                or self._ops + transfer.ops > opts.max_device_ops
-            )
-            if inflight and full:
-                return
-            queued.popleft()
-            self._start(transfer)
-
-    def _start_now(self, job_id: int) -> None:
-        """Enqueue one queued transfer now, room or not (``stream_wait`` needs its events)."""
-        for transfer in self._queued:
-            if transfer.job_id == job_id:
-                self._queued.remove(transfer)
+        one when nothing is in flight, however large; an urgent one regardless). Runs on one
+        thread at a time: the issuing thread, or the caller's where there is none."""
+        opts = self.options
+        while True:
+            with self._lock:
+                if not self._queued or self._closed:
+                    return
+                transfer = self._queued[0]
+                full = (
+                    len(self._inflight) >= opts.max_in_flight
+                    or self._ops + transfer.ops > opts.max_device_ops
+                )
+                if self._inflight and full and not transfer.urgent:
+                    return
+                self._queued.popleft()
+                self._starting = transfer
+            t0 = time.perf_counter()
+            try:
                 self._start(transfer)
+            finally:
+                self.enqueue_seconds.append(time.perf_counter() - t0)
+                with self._changed:
+                    self._starting = None
+                    self._changed.notify_all()
+
+    def _issue_loop(self) -> None:
+        """The issuing thread: enqueue what ``submit`` queued; while the queue waits for room,
+        look for finished transfers every ``ROOM_POLL_S`` (nobody else may be polling)."""
+        while not self._closed:
+            self._wake.wait(ROOM_POLL_S if self._queued else None)
+            self._wake.clear()
+            if self._closed:
                 return
+            try:
+                if self._queued:
+                    self._collect()
+                self._pump()
+            except Exception:  # a bug here must not leave jobs queued forever unnoticed
+                log.exception("kvtier copy issuing thread")
+
+    def _pending(self, job_ids: set[int]) -> bool:
+        """Some of these jobs are queued or being enqueued (call with ``_lock`` held)."""
+        starting = self._starting
+        return (starting is not None and starting.job_id in job_ids) or any(
+            transfer.job_id in job_ids for transfer in self._queued
+        )
+
+    def _wait_enqueued(self, job_ids: set[int]) -> None:
+        """Return once none of these jobs is queued or being enqueued any more."""
+        with self._changed:
+            while self._pending(job_ids):
+                if self._issuer is not None and self._issuer.is_alive():
+                    self._wake.set()
+                    self._changed.wait(0.05)
+                    continue
+                self._changed.release()  # no issuing thread: enqueue here
+                try:
+                    self._make_room(job_ids)
+                finally:
+                    self._changed.acquire()
+
+    def _make_room(self, job_ids: set[int]) -> None:
+        """(Caller's thread, no issuing thread.) Enqueue what fits; if these jobs are still
+        queued, wait for the oldest transfer in flight to finish."""
+        self._pump()
+        with self._lock:
+            if not self._pending(job_ids):
+                return
+            oldest = next(iter(self._inflight.values()), None)
+        if oldest is not None:
+            self._synchronize(oldest)
+            self._collect()
 
     def _staging(self, transfer: _Transfer) -> bool:
         """Whether this transfer goes through the staging buffers."""
@@ -735,11 +840,13 @@ class CudaCopyBackend(CopyBackend):
         return n * len(self._merged)
 
     def _start(self, transfer: _Transfer) -> None:
-        """Check and enqueue one transfer on the device. On failure it stays in flight, marked
-        failed, until what it enqueued has drained; ``poll`` reports it."""
+        """Check and enqueue one transfer on the device; it joins ``_inflight`` once enqueued
+        (before, its ``done`` is not set and ``poll`` must not see it). On failure it is in
+        flight, marked failed, until what it enqueued has drained; ``poll`` reports it."""
         job_id = transfer.job_id
         plan: _Plan | None = None
-        reason = "id in use" if job_id in self._inflight else ""  # two unreported jobs, one id
+        with self._lock:  # two unreported jobs, one id
+            reason = "id in use" if job_id in self._inflight else ""
         if not reason:
             try:
                 plan = self._plan(transfer.job)
@@ -749,11 +856,9 @@ class CudaCopyBackend(CopyBackend):
             if reason:
                 log.error("copy job %d rejected: %s", job_id, reason)
             self._release_gate(transfer)
-            (self._failed_early if reason else self._done_early).append(job_id)
+            self._report(job_id, not reason)
             return
         rt = self._rt
-        self._inflight[job_id] = transfer
-        self._ops += transfer.ops
         enqueued = False
         try:
             self._ensure_device()
@@ -773,6 +878,9 @@ class CudaCopyBackend(CopyBackend):
                 transfer.done = 0
             if enqueued:
                 self._drain_failed(transfer)
+        with self._lock:
+            self._inflight[job_id] = transfer
+            self._ops += transfer.ops
 
     def _drain_failed(self, transfer: _Transfer) -> None:
         """Make ``done`` mark the end of whatever a failed transfer enqueued (so its slots and
@@ -990,17 +1098,23 @@ class CudaCopyBackend(CopyBackend):
     # -- completion ----------------------------------------------------------------------------
 
     def poll(self) -> CopyResults:
+        if self._issuer is None:
+            self._pump()
         self._collect()
-        done, failed = self._done_early, self._failed_early
-        self._done_early, self._failed_early = [], []
+        with self._lock:
+            done, failed = self._done_early, self._failed_early
+            self._done_early, self._failed_early = [], []
         return CopyResults(done, failed)
 
     def _collect(self) -> None:
-        """Move finished transfers to the report lists, return their resources, refill."""
-        self._pump()
+        """Move finished transfers to the report lists, return their resources, refill. Either
+        thread may collect: events are queried outside the lock, and a transfer is reported by
+        whichever thread takes it out of ``_inflight``."""
+        with self._lock:
+            candidates = list(self._inflight.values())
         query = self._rt.event_query
         finished: list[_Transfer] = []
-        for transfer in self._inflight.values():
+        for transfer in candidates:
             try:
                 if not transfer.done or query(transfer.done):
                     finished.append(transfer)
@@ -1008,50 +1122,63 @@ class CudaCopyBackend(CopyBackend):
                 log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
                 transfer.failed = True
                 finished.append(transfer)
-        for transfer in finished:
-            del self._inflight[transfer.job_id]
-            self._ops -= transfer.ops
-            self._release(transfer)
-            (self._failed_early if transfer.failed else self._done_early).append(transfer.job_id)
-        if finished:
-            self._pump()
+        if not finished:
+            return
+        with self._lock:
+            for transfer in finished:
+                if self._inflight.get(transfer.job_id) is not transfer:
+                    continue  # the other thread reported it
+                del self._inflight[transfer.job_id]
+                self._ops -= transfer.ops
+                self._release(transfer)
+                report = self._failed_early if transfer.failed else self._done_early
+                report.append(transfer.job_id)
+            room_made = bool(self._queued)
+        if room_made:
+            self._advance()
 
     def wait(self, job_ids: Sequence[int]) -> None:
-        # Queued jobs are enqueued as room is made, by waiting for the oldest in flight.
-        wanted = set(job_ids)
-        while any(transfer.job_id in wanted for transfer in self._queued):
-            if not self._inflight:
-                self._pump()
-                continue
-            oldest = next(iter(self._inflight.values()))
-            self._synchronize(oldest)
-            self._collect()
-        for job_id in job_ids:
-            transfer = self._inflight.get(job_id)
+        self._wait_enqueued(set(job_ids))
+        with self._lock:
+            transfers = [self._inflight.get(job_id) for job_id in job_ids]
+        # (A transfer the other thread reports meanwhile returns its ``done`` event to the pool;
+        # if another transfer reuses it, this waits for that one too: longer, never shorter.)
+        for transfer in transfers:
             if transfer is not None:
                 self._synchronize(transfer)
 
     def _synchronize(self, transfer: _Transfer) -> None:
-        if not transfer.done:
+        done = transfer.done
+        if not done:
             return
         try:
-            self._rt.event_synchronize(transfer.done)
+            self._rt.event_synchronize(done)
         except CudaError as exc:
             log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
             transfer.failed = True
 
     def stream_wait(self, job_id: int, layer: int | None = None) -> None:
         """Make the current stream wait (on the GPU) for job ``job_id``, or for one layer of a
-        layer-wise job; a no-op for a job already reported."""
-        self._start_now(job_id)
-        transfer = self._inflight.get(job_id)
-        if transfer is None or not transfer.done:
-            return
-        if layer is None or not transfer.layer_events:
-            event = transfer.done
-        else:
-            event = transfer.layer_events[layer]
-        self._rt.stream_wait_event(self._current_stream(), event)
+        layer-wise job; a no-op for a job already reported. A queued job is enqueued first, room
+        or not; the host waits only for that."""
+        with self._lock:
+            for transfer in self._queued:
+                if transfer.job_id == job_id:
+                    transfer.urgent = True
+                    self._queued.remove(transfer)
+                    self._queued.appendleft(transfer)
+                    break
+        self._wait_enqueued({job_id})
+        current = self._current_stream()
+        with self._lock:  # so its events cannot go back to the pool before the wait binds
+            found = self._inflight.get(job_id)
+            if found is None or not found.done:
+                return
+            if layer is None or not found.layer_events:
+                event = found.done
+            else:
+                event = found.layer_events[layer]
+            self._rt.stream_wait_event(current, event)
 
     def fence(self, job_ids: Sequence[int]) -> None:
         """The current stream waits, on the GPU, for each job (the host does not)."""
@@ -1074,15 +1201,18 @@ class CudaCopyBackend(CopyBackend):
             transfer.stream = 0
 
     def stats(self) -> ResourceStats:
-        staging = sum(1 for ring in self._rings.values() for e in ring.free if e)
+        with self._lock:
+            staging = sum(1 for ring in self._rings.values() for e in ring.free if e)
+            in_flight = len(self._inflight)
+            queued = len(self._queued) + (self._starting is not None)
         return ResourceStats(
             self._streams.created,
             self._streams.idle,
             self._events.created,
             self._events.idle,
             staging,
-            len(self._inflight),
-            len(self._queued),
+            in_flight,
+            queued,
         )
 
     def close(self) -> None:
@@ -1092,6 +1222,9 @@ class CudaCopyBackend(CopyBackend):
         if self._closed:
             return
         self._closed = True
+        if self._issuer is not None:
+            self._wake.set()
+            self._issuer.join()  # it finishes the transfer it is enqueueing, if any
         with self._device_context():
             for transfer in self._queued:
                 self._release_gate(transfer)
