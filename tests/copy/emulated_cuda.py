@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -63,6 +64,8 @@ class FakeTensor:
 @dataclass
 class FakeRuntime:
     deferred: bool = False
+    sync_runs: bool = True
+    """``event_synchronize`` runs the queue; False: it waits until another thread ran it."""
     has_batch_memcpy: bool = True
     fail: dict[str, int] = field(default_factory=dict)
     """Method name -> how many more calls succeed before one raises (then the entry is removed)."""
@@ -156,7 +159,13 @@ class FakeRuntime:
         return event in self.done_events
 
     def event_synchronize(self, event: int) -> None:
-        self.run()
+        if self.sync_runs:
+            self.run()
+            return
+        deadline = time.monotonic() + 30
+        while event not in self.done_events:
+            assert time.monotonic() < deadline, "the emulated device never ran"
+            time.sleep(0.0005)
 
     def host_register(self, address: int, nbytes: int) -> int:
         if self.register_code:

@@ -588,7 +588,7 @@ def test_issuing_thread_keeps_in_flight_bounded_and_wait_finds_queued_jobs(
 
 
 def test_stream_wait_enqueues_a_queued_job_at_once(pool: HostPool) -> None:
-    fake = FakeRuntime(deferred=True)  # the device runs nothing until told
+    fake = FakeRuntime(deferred=True, sync_runs=False)  # the device runs nothing until told
     backend, _, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma", max_in_flight=1)
     for job in range(3):
         backend.submit(CopyJob(job, Direction.LOAD, [job], [job]))
@@ -596,7 +596,7 @@ def test_stream_wait_enqueues_a_queued_job_at_once(pool: HostPool) -> None:
     while backend.stats().in_flight < 1:  # job 0 enqueued; 1 and 2 wait for room
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    backend.stream_wait(2)  # ahead of job 1, though the device holds one transfer at most
+    backend.stream_wait(2)  # now, ahead of job 1, though the device holds one transfer at most
     waits = [c for c in fake.calls if c[0] == "wait" and c[1] == COMPUTE_STREAM]
     assert len(waits) == 1
     records = {c[1]: c[2] for c in fake.calls if c[0] == "record"}

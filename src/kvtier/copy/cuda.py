@@ -372,9 +372,6 @@ def _event_handle(event: Any) -> int:
     return int(handle)
 
 
-ROOM_POLL_S = 200e-6
-"""How often the issuing thread looks for finished transfers while queued ones wait for room."""
-
 STAGE_RAMP_GROWTH = 4
 """Each ramp chunk is this many times the one before: the kernel moves a chunk about ten times
 faster than PCIe does, so a 4x larger neighbour still hides behind the smaller one's DMA."""
@@ -425,8 +422,6 @@ class _Transfer:
     ops: int = 0
     """Device operations (copies, launches) it counts against ``max_device_ops``."""
     failed: bool = False
-    urgent: bool = False
-    """Enqueue it room or not (``stream_wait`` needs its events)."""
 
     @property
     def job_id(self) -> int:
@@ -512,8 +507,11 @@ class CudaCopyBackend(CopyBackend):
         # A deque, not a dict: a dict of thousands of queued jobs resizes (an O(n) copy, over
         # 100 us at ~5,000 entries) inside some unlucky submit.
         self._queued: deque[_Transfer] = deque()
-        self._starting: _Transfer | None = None
+        self._starting: dict[int, _Transfer] = {}
         """Taken off the queue, being enqueued on the device."""
+        self._start_lock = threading.Lock()
+        """Held while enqueueing one transfer (staging buffers, kernel parameters): by the
+        issuing thread, or by the caller's when ``stream_wait`` needs a queued job at once."""
         self._ops = 0
         self._done_early: list[int] = []
         self._failed_early: list[int] = []
@@ -706,8 +704,10 @@ class CudaCopyBackend(CopyBackend):
         transfer = _Transfer(job, layerwise, gate, after is None)
         transfer.ops = self._estimate_ops(transfer)
         with self._lock:
+            was_empty = not self._queued
             self._queued.append(transfer)
-        self._advance()
+        if was_empty or self._issuer is None:  # else the issuer knows there is work queued
+            self._advance()
 
     def _report(self, job_id: int, ok: bool) -> None:
         with self._lock:
@@ -740,52 +740,62 @@ class CudaCopyBackend(CopyBackend):
         )
         return _Plan(job.direction is Direction.STORE, blocks, hosts)
 
-    def _pump(self) -> None:
+    def _pump(self) -> bool:
         """Enqueue queued transfers, oldest first, while the device queues have room (at least
-        one when nothing is in flight, however large; an urgent one regardless). Runs on one
-        thread at a time: the issuing thread, or the caller's where there is none."""
+        one when nothing is in flight, however large): on the issuing thread, or the caller's
+        where there is none. True when transfers are left waiting for room."""
         opts = self.options
         while True:
             with self._lock:
                 if not self._queued or self._closed:
-                    return
+                    return False
                 transfer = self._queued[0]
                 full = (
                     len(self._inflight) >= opts.max_in_flight
                     or self._ops + transfer.ops > opts.max_device_ops
                 )
-                if self._inflight and full and not transfer.urgent:
-                    return
+                if self._inflight and full:
+                    return True
                 self._queued.popleft()
-                self._starting = transfer
-            t0 = time.perf_counter()
-            try:
+                self._starting[transfer.job_id] = transfer
+            self._start_taken(transfer)
+
+    def _start_taken(self, transfer: _Transfer) -> None:
+        """Enqueue a transfer already moved from the queue to ``_starting``."""
+        t0 = time.perf_counter()
+        try:
+            with self._start_lock:
                 self._start(transfer)
-            finally:
-                self.enqueue_seconds.append(time.perf_counter() - t0)
-                with self._changed:
-                    self._starting = None
-                    self._changed.notify_all()
+        finally:
+            self.enqueue_seconds.append(time.perf_counter() - t0)
+            with self._changed:
+                del self._starting[transfer.job_id]
+                self._changed.notify_all()
 
     def _issue_loop(self) -> None:
         """The issuing thread: enqueue what ``submit`` queued; while the queue waits for room,
-        look for finished transfers every ``ROOM_POLL_S`` (nobody else may be polling)."""
+        sleep in ``cudaEventSynchronize`` on the oldest transfer (the GIL released, so submits
+        on the engine's thread never wait for this thread) and collect."""
+        starved = False
         while not self._closed:
-            self._wake.wait(ROOM_POLL_S if self._queued else None)
-            self._wake.clear()
-            if self._closed:
-                return
             try:
-                if self._queued:
+                if starved:
+                    with self._lock:
+                        oldest = next(iter(self._inflight.values()), None)
+                    if oldest is not None:
+                        self._synchronize(oldest)
                     self._collect()
-                self._pump()
+                else:
+                    self._wake.wait()
+                    self._wake.clear()
+                starved = self._pump()
             except Exception:  # a bug here must not leave jobs queued forever unnoticed
                 log.exception("kvtier copy issuing thread")
+                time.sleep(0.01)
 
     def _pending(self, job_ids: set[int]) -> bool:
         """Some of these jobs are queued or being enqueued (call with ``_lock`` held)."""
-        starting = self._starting
-        return (starting is not None and starting.job_id in job_ids) or any(
+        return any(job_id in self._starting for job_id in job_ids) or any(
             transfer.job_id in job_ids for transfer in self._queued
         )
 
@@ -1159,16 +1169,16 @@ class CudaCopyBackend(CopyBackend):
 
     def stream_wait(self, job_id: int, layer: int | None = None) -> None:
         """Make the current stream wait (on the GPU) for job ``job_id``, or for one layer of a
-        layer-wise job; a no-op for a job already reported. A queued job is enqueued first, room
-        or not; the host waits only for that."""
+        layer-wise job; a no-op for a job already reported. A queued job is enqueued first, here
+        and room or not; the host waits only for that."""
         with self._lock:
-            for transfer in self._queued:
-                if transfer.job_id == job_id:
-                    transfer.urgent = True
-                    self._queued.remove(transfer)
-                    self._queued.appendleft(transfer)
-                    break
-        self._wait_enqueued({job_id})
+            queued = next((t for t in self._queued if t.job_id == job_id), None)
+            if queued is not None:
+                self._queued.remove(queued)
+                self._starting[job_id] = queued
+        if queued is not None:
+            self._start_taken(queued)
+        self._wait_enqueued({job_id})  # the issuing thread may be enqueueing it
         current = self._current_stream()
         with self._lock:  # so its events cannot go back to the pool before the wait binds
             found = self._inflight.get(job_id)
@@ -1204,7 +1214,7 @@ class CudaCopyBackend(CopyBackend):
         with self._lock:
             staging = sum(1 for ring in self._rings.values() for e in ring.free if e)
             in_flight = len(self._inflight)
-            queued = len(self._queued) + (self._starting is not None)
+            queued = len(self._queued) + len(self._starting)
         return ResourceStats(
             self._streams.created,
             self._streams.idle,

@@ -26,6 +26,7 @@ CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
 
 STREAM_NON_BLOCKING = 0x1
+EVENT_BLOCKING_SYNC = 0x1
 EVENT_DISABLE_TIMING = 0x2
 HOST_REGISTER_PORTABLE = 0x1
 HOST_REGISTER_MAPPED = 0x2
@@ -239,8 +240,11 @@ class CudaRuntime:
         self._check("cudaStreamWaitEvent", self.cudaStreamWaitEvent(stream, event, 0))
 
     def event_create(self) -> int:
+        """An event without timing whose ``event_synchronize`` sleeps instead of spinning (the
+        copy backend's issuing thread waits on them for minutes at a time, in the worst case)."""
         handle = _vp()
-        code = self.cudaEventCreateWithFlags(ctypes.byref(handle), EVENT_DISABLE_TIMING)
+        flags = EVENT_DISABLE_TIMING | EVENT_BLOCKING_SYNC
+        code = self.cudaEventCreateWithFlags(ctypes.byref(handle), flags)
         self._check("cudaEventCreateWithFlags", code)
         return handle.value or 0
 
