@@ -3,7 +3,13 @@
 One launch copies ``n_blocks x n_regions`` pieces (a piece: one block's bytes of one region, e.g.
 32 KiB of one layer's K). Each warp takes whole pieces; its 32 lanes move 16-byte vectors,
 ``UNROLL`` loads in flight before the matching stores, so a handful of SMs keep the PCIe link busy
-in both directions. The host side is addressed through unified virtual addressing: the pool's
+in both directions. Loads and stores are cache-streaming (``__ldcs``/``__stcs``: every byte is
+touched once): measured on an H200, a staged STORE (gather into the staging buffer while the copy
+engine drains the other one) went from 96.0% to 98.0% of a contiguous copy (presumably the copy
+engine competes less with the kernel for L2); a staged LOAD stayed at 96.3% (nothing tried moved
+it: other hints, 16-32 MiB chunks that fit in L2, discarding staging lines once read).
+
+The host side is addressed through unified virtual addressing: the pool's
 mmap is registered with ``cudaHostRegisterMapped``, and on 64-bit Linux the device sees it at the
 same address (checked at registration).
 
@@ -60,12 +66,12 @@ __device__ __forceinline__ void copy_pieces(const Params<CAP>& p) {
 #pragma unroll
             for (int k = 0; k < UNROLL; ++k) {
                 const long long j = i + 32 * k;
-                if (j < vecs) v[k] = src[j];
+                if (j < vecs) v[k] = __ldcs(src + j);
             }
 #pragma unroll
             for (int k = 0; k < UNROLL; ++k) {
                 const long long j = i + 32 * k;
-                if (j < vecs) dst[j] = v[k];
+                if (j < vecs) __stcs(dst + j, v[k]);
             }
         }
     }
