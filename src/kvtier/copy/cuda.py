@@ -4,11 +4,10 @@ How a transfer runs:
 
 * ``submit`` notes the point on the caller's current stream the job must wait for (an event
   recorded there; or the caller's own ``after=`` event, e.g. one per engine step for many jobs)
-  and returns; the job is checked when it is enqueued on the device. The copy is enqueued on
-  the device at once while fewer than ``max_in_flight`` transfers are enqueued and unfinished;
-  past that it waits in a host-side queue and ``poll`` / ``submit`` / ``wait`` enqueue it as
-  earlier ones finish. So no number of outstanding transfers ever fills a CUDA queue and blocks
-  the host inside ``submit``.
+  and queues the job; the issuing thread checks it and enqueues it on the device while fewer
+  than ``max_in_flight`` transfers are enqueued and unfinished, else once earlier ones finish.
+  So no number of outstanding transfers ever fills a CUDA queue and blocks the host inside
+  ``submit``.
 * An enqueued transfer runs on a stream of its own from a pool of ``max_streams`` CUDA streams,
   created at registration (creating streams later can take milliseconds; past the pool size busy
   streams are shared round robin), with events from an event pool. Streams and events go back to
@@ -40,7 +39,9 @@ The pool is registered with ``cudaHostRegister`` (page-locked and mapped, in pie
 the backend raises ``PoolError`` with the reason, unless ``allow_pageable`` is set (then only the
 DMA strategy is available, at pageable-memory speed).
 
-One backend serves one worker thread; its methods are not thread-safe.
+One backend serves one engine thread (its methods are not meant to be called from several); by
+default it runs an issuing thread of its own that makes the CUDA calls enqueueing transfers, so
+``submit`` costs microseconds on the engine's thread (``CudaCopyOptions.issue_thread``).
 """
 
 from __future__ import annotations
