@@ -707,16 +707,21 @@ class CudaCopyBackend(CopyBackend):
         with self._lock:
             was_empty = not self._queued
             self._queued.append(transfer)
-        if was_empty or self._issuer is None:  # else the issuer knows there is work queued
+        if was_empty or not self._threaded:  # else the issuer knows there is work queued
             self._advance()
 
     def _report(self, job_id: int, ok: bool) -> None:
         with self._lock:
             (self._done_early if ok else self._failed_early).append(job_id)
 
+    @property
+    def _threaded(self) -> bool:
+        """An issuing thread enqueues transfers (else the caller's thread does)."""
+        return self._issuer is not None and self._issuer.is_alive()
+
     def _advance(self) -> None:
         """Get queued transfers onto the device: the issuing thread's job, if there is one."""
-        if self._issuer is not None and self._issuer.is_alive():
+        if self._threaded:
             self._wake.set()
         else:
             self._pump()
@@ -804,7 +809,7 @@ class CudaCopyBackend(CopyBackend):
         """Return once none of these jobs is queued or being enqueued any more."""
         with self._changed:
             while self._pending(job_ids):
-                if self._issuer is not None and self._issuer.is_alive():
+                if self._threaded:
                     self._wake.set()
                     self._changed.wait(0.05)
                     continue
@@ -1109,7 +1114,7 @@ class CudaCopyBackend(CopyBackend):
     # -- completion ----------------------------------------------------------------------------
 
     def poll(self) -> CopyResults:
-        if self._issuer is None:
+        if not self._threaded:
             self._pump()
         self._collect()
         with self._lock:
