@@ -481,17 +481,27 @@ def _threaded(
     return backend, logical, arrays
 
 
-def _drain(backend: EmulatedBackend, ids: set[int], timeout: float = 10.0) -> list[int]:
-    """Poll until every id was reported; the ids reported as done, in order (failed: raises)."""
+def _drain(
+    backend: EmulatedBackend, ids: set[int], timeout: float = 10.0
+) -> tuple[list[int], list[int]]:
+    """Poll until every id was reported: (done, failed), each in the order reported."""
     done: list[int] = []
+    failed: list[int] = []
     deadline = time.monotonic() + timeout
-    while set(done) != ids:
+    while set(done) | set(failed) != ids:
         res = backend.poll()
-        assert res.failed == []
         done += res.done
-        assert time.monotonic() < deadline, f"not reported: {ids - set(done)}"
+        failed += res.failed
+        assert time.monotonic() < deadline, f"not reported: {ids - set(done) - set(failed)}"
         time.sleep(0.0005)
-    return done
+    return done, failed
+
+
+def _drain_done(backend: EmulatedBackend, ids: set[int]) -> list[int]:
+    """``_drain`` where every job must succeed: the ids, sorted."""
+    done, failed = _drain(backend, ids)
+    assert failed == []
+    return sorted(done)
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
@@ -514,7 +524,7 @@ def test_issuing_thread_moves_every_byte(pool: HostPool, layout: KVLayout, strat
     blocks = rng.permutation(NUM_BLOCKS)[:NUM_SLOTS].tolist()
     for slot, b in enumerate(blocks):
         backend.submit(CopyJob(slot, Direction.STORE, [b], [slot]))
-    assert sorted(_drain(backend, set(range(NUM_SLOTS)))) == list(range(NUM_SLOTS))
+    assert _drain_done(backend, set(range(NUM_SLOTS))) == list(range(NUM_SLOTS))
     for a in arrays:
         a.fill(0xBEEF)
     targets = rng.permutation(NUM_BLOCKS)[:NUM_SLOTS].tolist()
@@ -557,7 +567,7 @@ def test_submit_does_not_wait_for_the_issuing_thread(pool: HostPool) -> None:
     assert elapsed < 5  # (a blocked submit would wait the 10 s for `stuck`)
     stuck.set()
     device = _Device(fake)
-    assert sorted(_drain(backend, set(range(200)))) == list(range(200))
+    assert _drain_done(backend, set(range(200))) == list(range(200))
     assert _idle(backend)
     backend.close()
     device.stop()
@@ -581,7 +591,7 @@ def test_issuing_thread_keeps_in_flight_bounded_and_wait_finds_queued_jobs(
     device = _Device(fake)
     backend.wait([9])  # queued behind 8 others: the thread makes room on its own
     assert 9 not in {t.job_id for t in backend._queued}
-    assert sorted(_drain(backend, set(range(10)))) == list(range(10))
+    assert _drain_done(backend, set(range(10))) == list(range(10))
     assert max(seen) <= 2
     backend.close()
     device.stop()
@@ -603,7 +613,7 @@ def test_stream_wait_enqueues_a_queued_job_at_once(pool: HostPool) -> None:
     assert records[waits[0][2]] != COMPUTE_STREAM  # it waits for an event on a copy stream
     assert backend.stats().in_flight == 2 and backend.stats().queued == 1
     device = _Device(fake)
-    assert sorted(_drain(backend, {0, 1, 2})) == [0, 1, 2]
+    assert _drain_done(backend, {0, 1, 2}) == [0, 1, 2]
     backend.close()
     device.stop()
     assert fake.streams == set() and fake.events == set()
@@ -618,14 +628,7 @@ def test_issuing_thread_failures_are_reported_and_return_resources(pool: HostPoo
     backend.submit(CopyJob(3, Direction.STORE, [3], [NUM_SLOTS]))  # bad slot
     backend.submit(CopyJob(4, Direction.STORE, [4], [4]))
     backend.wait([2, 3, 4])
-    done: list[int] = []
-    failed: list[int] = []
-    deadline = time.monotonic() + 10
-    while len(done) + len(failed) < 4:
-        res = backend.poll()
-        done += res.done
-        failed += res.failed
-        assert time.monotonic() < deadline
+    done, failed = _drain(backend, {1, 2, 3, 4})
     assert sorted(done) == [1, 4] and sorted(failed) == [2, 3]
     assert _idle(backend)
     backend.close()
