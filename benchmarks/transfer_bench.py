@@ -66,8 +66,8 @@ class Row:
     """``submit`` on the caller's (engine's) thread, one 512-block transfer."""
     enqueue_us_median: float
     enqueue_us_max: float
-    """Planning and CUDA calls for one transfer, on the issuing thread (with ``issue_thread``)
-    or inside ``submit`` (without)."""
+    """The CUDA calls of one transfer: on the executor's thread (``issue_thread``), or inside
+    ``submit`` (without)."""
     issue_thread: bool
     verified: bool
 

@@ -4,8 +4,8 @@
 address: copies are ``ctypes.memmove`` and the kernel is emulated from its packed parameters.
 Enqueued work runs in one global FIFO, either at once or when ``run()`` is called (``deferred``),
 which is enough to check that every copy happens, lands where it should and is reported once.
-The backend's issuing thread is off unless asked for (``threaded=True``): without it every test
-sees the same order of calls.
+The backend's native executor thread is off unless asked for (``threaded=True``; it then calls
+back into the fake): without it every test sees the same order of calls.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.copy.cuda import CudaCopyBackend
+from kvtier.copy.cuda_executor import Executor, ExecutorFunctions
 from kvtier.copy.cuda_plan import KERNEL_CAPACITIES, emulate_kernel, param_bytes
 from kvtier.copy.cuda_runtime import CudaError
 
@@ -77,6 +78,8 @@ class FakeRuntime:
     registered: list[tuple[int, int]] = field(default_factory=list)
     register_code: int = 0
     freed: list[Any] = field(default_factory=list)
+    callback_errors: list[BaseException] = field(default_factory=list)
+    _callbacks: list[Any] = field(default_factory=list)
     _next: int = 100
     _lock: threading.RLock = field(default_factory=threading.RLock)
     """The issuing thread enqueues while the test thread runs the queue."""
@@ -195,6 +198,54 @@ class FakeRuntime:
 
         self._enqueue(op)
 
+    def executor_functions(self) -> ExecutorFunctions:
+        """C callbacks into this fake for the native executor (they take the GIL per call).
+        An injected failure returns its code, as the CUDA call would; any other exception is
+        kept in ``callback_errors`` (the test then fails) and returns -2."""
+        vp, size, uint, c_int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int
+
+        def guarded(fn: Callable[..., None]) -> Callable[..., int]:
+            def call(*args: Any) -> int:
+                try:
+                    fn(*[a or 0 for a in args])  # (a NULL pointer comes as None)
+                except CudaError as exc:
+                    return exc.code
+                except Exception as exc:  # reported to the test
+                    self.callback_errors.append(exc)
+                    return -2
+                return 0
+
+            return call
+
+        def array(address: int, count: int) -> np.ndarray:
+            return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address))
+
+        def batch(dsts: int, srcs: int, sizes: int, count: int, *rest: int) -> None:
+            stream = rest[-1]
+            self.memcpy_batch_async(
+                array(dsts, count), array(srcs, count), array(sizes, count), None, stream
+            )
+
+        def launch(function: int, gx: int, *rest: int) -> None:
+            block, stream, params = rest[2], rest[6], rest[7]
+            self.launch(function, gx, block, (ctypes.c_void_p * 1).from_address(params), stream)
+
+        callbacks = [
+            ctypes.CFUNCTYPE(c_int, vp, vp, uint)(
+                guarded(lambda stream, event, flags: self.stream_wait_event(stream, event))
+            ),
+            ctypes.CFUNCTYPE(c_int, vp, vp)(guarded(self.event_record)),
+            ctypes.CFUNCTYPE(c_int, vp, vp, size, c_int, vp)(
+                guarded(lambda dst, src, n, kind, stream: self.memcpy_async(dst, src, n, stream))
+            ),
+            ctypes.CFUNCTYPE(c_int, vp, vp, vp, size, vp, vp, size, vp)(guarded(batch)),
+            ctypes.CFUNCTYPE(c_int, vp, *[uint] * 7, vp, vp, vp)(guarded(launch)),
+            ctypes.CFUNCTYPE(c_int, vp)(guarded(self.stream_synchronize)),
+        ]
+        self._callbacks = callbacks  # alive as long as the fake
+        addresses = [ctypes.cast(c, ctypes.c_void_p).value or 0 for c in callbacks]
+        return ExecutorFunctions(0, *addresses)
+
     def launch(self, function: int, grid: int, block: int, params: Any, stream: int) -> None:
         self._maybe_fail("launch")
         capacity = function
@@ -231,6 +282,9 @@ class EmulatedBackend(CudaCopyBackend):
 
     def _make_runtime(self) -> Any:
         return self.fake
+
+    def _make_executor(self) -> Executor:
+        return Executor(self.fake.executor_functions(), False, 0)
 
     def _device_context(self) -> Any:
         return contextlib.nullcontext()

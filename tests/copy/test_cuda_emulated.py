@@ -449,7 +449,7 @@ def test_staged_joins_copies_of_neighbouring_slots(tmp_path: object) -> None:
         backend.close()
 
 
-# -- the issuing thread ------------------------------------------------------------------------
+# -- the executor thread ------------------------------------------------------------------------
 
 
 class _Device:
@@ -506,7 +506,7 @@ def _drain_done(backend: EmulatedBackend, ids: set[int]) -> list[int]:
 
 @pytest.mark.parametrize("layout", list(KVLayout))
 @pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
-def test_issuing_thread_moves_every_byte(pool: HostPool, layout: KVLayout, strategy: str) -> None:
+def test_executor_moves_every_byte(pool: HostPool, layout: KVLayout, strategy: str) -> None:
     fake = FakeRuntime(deferred=True)
     device = _Device(fake)
     block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
@@ -543,8 +543,8 @@ def test_issuing_thread_moves_every_byte(pool: HostPool, layout: KVLayout, strat
     assert fake.streams == set() and fake.events == set() and fake.registered == []
 
 
-def test_submit_does_not_wait_for_the_issuing_thread(pool: HostPool) -> None:
-    """While the issuing thread is stuck in a slow CUDA call, submits still return at once."""
+def test_submit_does_not_wait_for_the_executor(pool: HostPool) -> None:
+    """While the executor is stuck in a slow CUDA call, submits still return at once."""
     fake = FakeRuntime(deferred=True)
     stuck, entered = threading.Event(), threading.Event()
     real_batch = fake.memcpy_batch_async
@@ -563,7 +563,7 @@ def test_submit_does_not_wait_for_the_issuing_thread(pool: HostPool) -> None:
         backend.submit(CopyJob(job, Direction.STORE, [job % NUM_BLOCKS], [job % NUM_SLOTS]))
     elapsed = time.perf_counter() - t0
     stats = backend.stats()
-    assert stats.in_flight == 0 and stats.queued == 200  # one being enqueued, 199 waiting
+    assert stats.in_flight == 32 and stats.queued == 168  # planned up to max_in_flight
     assert elapsed < 5  # (a blocked submit would wait the 10 s for `stuck`)
     stuck.set()
     device = _Device(fake)
@@ -573,7 +573,7 @@ def test_submit_does_not_wait_for_the_issuing_thread(pool: HostPool) -> None:
     device.stop()
 
 
-def test_issuing_thread_keeps_in_flight_bounded_and_wait_finds_queued_jobs(
+def test_in_flight_stays_bounded_and_wait_finds_queued_jobs(
     pool: HostPool,
 ) -> None:
     fake = FakeRuntime(deferred=True)
@@ -589,7 +589,7 @@ def test_issuing_thread_keeps_in_flight_bounded_and_wait_finds_queued_jobs(
     for job in range(10):
         backend.submit(CopyJob(job, Direction.LOAD, [job], [job]))
     device = _Device(fake)
-    backend.wait([9])  # queued behind 8 others: the thread makes room on its own
+    backend.wait([9])  # queued behind 8 others: wait makes room
     assert 9 not in {t.job_id for t in backend._queued}
     assert _drain_done(backend, set(range(10))) == list(range(10))
     assert max(seen) <= 2
@@ -619,7 +619,7 @@ def test_stream_wait_enqueues_a_queued_job_at_once(pool: HostPool) -> None:
     assert fake.streams == set() and fake.events == set()
 
 
-def test_issuing_thread_failures_are_reported_and_return_resources(pool: HostPool) -> None:
+def test_executor_failures_are_reported_and_return_resources(pool: HostPool) -> None:
     fake = FakeRuntime(fail={"memcpy": 1})  # the second transfer's copy fails
     backend, _, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma")
     backend.submit(CopyJob(1, Direction.STORE, [1], [1]))
@@ -635,15 +635,14 @@ def test_issuing_thread_failures_are_reported_and_return_resources(pool: HostPoo
     assert fake.streams == set() and fake.events == set()
 
 
-def test_close_stops_the_issuing_thread_with_work_queued(pool: HostPool) -> None:
+def test_close_stops_the_executor_with_work_queued(pool: HostPool) -> None:
     fake = FakeRuntime(deferred=True)
     backend, _, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma", max_in_flight=2)
     for job in range(20):
         backend.submit(CopyJob(job, Direction.STORE, [job % NUM_BLOCKS], [job % NUM_SLOTS]))
-    issuer = backend._issuer
-    assert issuer is not None and issuer.is_alive()
-    backend.close()  # waits for what was enqueued (event_synchronize runs the queue)
-    assert not issuer.is_alive()
+    assert backend._executor is not None
+    backend.close()  # the executor makes the pushed calls; event_synchronize runs the queue
+    assert backend._executor is None and fake.callback_errors == []
     assert fake.streams == set() and fake.events == set() and fake.registered == []
     backend.submit(CopyJob(99, Direction.STORE, [0], [0]))
     assert backend.poll().failed == [99]

@@ -4,10 +4,11 @@ How a transfer runs:
 
 * ``submit`` notes the point on the caller's current stream the job must wait for (an event
   recorded there; or the caller's own ``after=`` event, e.g. one per engine step for many jobs)
-  and queues the job; the issuing thread checks it and enqueues it on the device while fewer
-  than ``max_in_flight`` transfers are enqueued and unfinished, else once earlier ones finish.
-  So no number of outstanding transfers ever fills a CUDA queue and blocks the host inside
-  ``submit``.
+  and queues the job. While fewer than ``max_in_flight`` transfers are enqueued and unfinished
+  the job is planned at once (else by a later ``submit``, ``poll`` or ``wait`` that finds room):
+  its CUDA calls are recorded and handed to the executor's native thread (``cuda_executor``),
+  which makes them without the GIL. So no number of outstanding transfers ever fills a CUDA
+  queue and blocks the host inside ``submit``, and no CUDA call runs on the engine's thread.
 * An enqueued transfer runs on a stream of its own from a pool of ``max_streams`` CUDA streams,
   created at registration (creating streams later can take milliseconds; past the pool size busy
   streams are shared round robin), with events from an event pool. Streams and events go back to
@@ -40,8 +41,8 @@ the backend raises ``PoolError`` with the reason, unless ``allow_pageable`` is s
 DMA strategy is available, at pageable-memory speed).
 
 One backend serves one engine thread (its methods are not meant to be called from several); by
-default it runs an issuing thread of its own that makes the CUDA calls enqueueing transfers, so
-``submit`` costs microseconds on the engine's thread (``CudaCopyOptions.issue_thread``).
+default a native thread of its own makes the CUDA calls that enqueue transfers
+(``CudaCopyOptions.issue_thread``; where no C compiler can build it, the caller's thread does).
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvtier.copy.base import CopyBackend, CopyJob, CopyResults, Direction
+from kvtier.copy.cuda_executor import (
+    Executor,
+    ExecutorUnavailable,
+    Program,
+    ProgramState,
+    Recorder,
+)
 from kvtier.copy.cuda_plan import (
     KERNEL_CAPACITIES,
     SLOT_LAYOUT,
@@ -70,6 +78,7 @@ from kvtier.copy.cuda_plan import (
     join_contiguous,
     merge_regions,
     pack_params,
+    param_bytes,
     pick_capacity,
     region_table,
 )
@@ -119,10 +128,9 @@ class CudaCopyOptions:
     staged_min_blocks: int = 8
     """``staged``: jobs of fewer engine blocks go straight to the pool through the kernel."""
     issue_thread: bool = True
-    """Enqueue transfers on the device from a thread of the backend's own: ``submit`` only queues
-    (a few microseconds on the engine's thread) and the issuing thread does the planning and the
-    CUDA calls (0.2-1.7 ms for 512 scattered blocks, mostly in the driver, with the GIL
-    released). False: ``submit``, ``poll`` and ``wait`` enqueue on the caller's thread."""
+    """Make the CUDA calls that enqueue transfers on the backend's native executor thread: the
+    caller's thread only plans and records them (0.1-0.5 ms for 512 scattered blocks). False, or
+    where the executor cannot be built: the caller's thread makes them too."""
     max_in_flight: int = 32
     """Transfers enqueued on the device and unfinished at most; more wait on the host (in a
     queue fed to the device as room is made). Enqueueing is a few CUDA calls that can take
@@ -417,6 +425,8 @@ class _Transfer:
     stream: int = 0
     done: int = 0
     """Event recorded after the last copy; 0 when none (nothing enqueued, or drained)."""
+    program: Program | None = None
+    """Its recorded CUDA calls, once planned; it counts as enqueued when the program ran."""
     layer_events: list[int] = field(default_factory=list)
     aux_streams: list[int] = field(default_factory=list)
     """DMA lanes; they join ``stream`` before ``done`` is recorded."""
@@ -499,34 +509,28 @@ class CudaCopyBackend(CopyBackend):
                     self._free_device(self._region_table)
                 self._pinned.close()
                 raise
-        # Shared between the caller's thread and the issuing thread, under ``_lock`` (held for
-        # bookkeeping only, never across a CUDA call that enqueues or waits).
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        """Notified when a transfer left the queue (enqueued on the device, or rejected)."""
+        self._lock = threading.Lock()  # bookkeeping only, never held across a CUDA call
         self._inflight: dict[int, _Transfer] = {}
         # A deque, not a dict: a dict of thousands of queued jobs resizes (an O(n) copy, over
         # 100 us at ~5,000 entries) inside some unlucky submit.
         self._queued: deque[_Transfer] = deque()
-        self._starting: dict[int, _Transfer] = {}
-        """Taken off the queue, being enqueued on the device."""
-        self._start_lock = threading.Lock()
-        """Held while enqueueing one transfer (staging buffers, kernel parameters): by the
-        issuing thread, or by the caller's when ``stream_wait`` needs a queued job at once."""
         self._ops = 0
         self._done_early: list[int] = []
         self._failed_early: list[int] = []
+        self.plan_seconds: deque[float] = deque(maxlen=4096)
+        """Caller's-thread time each recent transfer took to plan and record (and, without
+        the executor, to make its CUDA calls)."""
         self.enqueue_seconds: deque[float] = deque(maxlen=4096)
-        """Host time each recent transfer took to plan and enqueue on the device (on the
-        issuing thread when there is one)."""
-        self._closed = False
-        self._wake = threading.Event()
-        self._issuer: threading.Thread | None = None
+        """Time each recent transfer's CUDA calls took (on the executor's thread, if any)."""
+        self._recorder: Recorder | None = None
+        """Records the enqueueing CUDA calls of the transfer being planned."""
+        self._executor: Executor | None = None
         if options.issue_thread:
-            self._issuer = threading.Thread(
-                target=self._issue_loop, name=f"kvtier-cuda-issue-{self.device}", daemon=True
-            )
-            self._issuer.start()
+            try:
+                self._executor = self._make_executor()
+            except ExecutorUnavailable as exc:
+                log.warning("kvtier copy: CUDA calls on the caller's thread: %s", exc)
+        self._closed = False
 
     # -- strategy ------------------------------------------------------------------------------
 
@@ -567,10 +571,7 @@ class CudaCopyBackend(CopyBackend):
         self._region_table: Any = None
         self._region_table_address = 0
         if strategy in ("kernel", "staged"):
-            from kvtier.copy.cuda_kernels import ParamBuffer
-
             self._kernels = self._compile_kernels()
-            self._params = ParamBuffer()
             self._region_table, self._region_table_address = self._upload(region_table(geo.regions))
         if strategy == "staged":
             block = geo.block_bytes
@@ -598,6 +599,10 @@ class CudaCopyBackend(CopyBackend):
 
     def _make_runtime(self) -> CudaRuntime:
         return runtime()
+
+    def _make_executor(self) -> Executor:
+        rt = self._rt
+        return Executor(rt.executor_functions(), rt.batch_has_fail_idx, self.device)
 
     def _device_context(self) -> Any:
         import torch
@@ -705,26 +710,12 @@ class CudaCopyBackend(CopyBackend):
         transfer = _Transfer(job, layerwise, gate, after is None)
         transfer.ops = self._estimate_ops(transfer)
         with self._lock:
-            was_empty = not self._queued
             self._queued.append(transfer)
-        if was_empty or not self._threaded:  # else the issuer knows there is work queued
-            self._advance()
+        self._pump()
 
     def _report(self, job_id: int, ok: bool) -> None:
         with self._lock:
             (self._done_early if ok else self._failed_early).append(job_id)
-
-    @property
-    def _threaded(self) -> bool:
-        """An issuing thread enqueues transfers (else the caller's thread does)."""
-        return self._issuer is not None and self._issuer.is_alive()
-
-    def _advance(self) -> None:
-        """Get queued transfers onto the device: the issuing thread's job, if there is one."""
-        if self._threaded:
-            self._wake.set()
-        else:
-            self._pump()
 
     def _plan(self, job: CopyJob) -> _Plan:
         if job.direction not in (Direction.STORE, Direction.LOAD):
@@ -747,9 +738,9 @@ class CudaCopyBackend(CopyBackend):
         return _Plan(job.direction is Direction.STORE, blocks, hosts)
 
     def _pump(self) -> bool:
-        """Enqueue queued transfers, oldest first, while the device queues have room (at least
-        one when nothing is in flight, however large): on the issuing thread, or the caller's
-        where there is none. True when transfers are left waiting for room."""
+        """Plan and enqueue queued transfers, oldest first, while the device queues have room (at
+        least one when nothing is in flight, however large). True when transfers are left
+        waiting for room."""
         opts = self.options
         while True:
             with self._lock:
@@ -763,71 +754,26 @@ class CudaCopyBackend(CopyBackend):
                 if self._inflight and full:
                     return True
                 self._queued.popleft()
-                self._starting[transfer.job_id] = transfer
-            self._start_taken(transfer)
+            self._start(transfer)
 
-    def _start_taken(self, transfer: _Transfer) -> None:
-        """Enqueue a transfer already moved from the queue to ``_starting``."""
-        t0 = time.perf_counter()
-        try:
-            with self._start_lock:
-                self._start(transfer)
-        finally:
-            self.enqueue_seconds.append(time.perf_counter() - t0)
-            with self._changed:
-                del self._starting[transfer.job_id]
-                self._changed.notify_all()
-
-    def _issue_loop(self) -> None:
-        """The issuing thread: enqueue what ``submit`` queued; while the queue waits for room,
-        sleep in ``cudaEventSynchronize`` on the oldest transfer (the GIL released, so submits
-        on the engine's thread never wait for this thread) and collect."""
-        starved = False
-        while not self._closed:
-            try:
-                if starved:
-                    with self._lock:
-                        oldest = next(iter(self._inflight.values()), None)
-                    if oldest is not None:
-                        self._synchronize(oldest)
-                    self._collect()
-                else:
-                    self._wake.wait()
-                    self._wake.clear()
-                starved = self._pump()
-            except Exception:  # a bug here must not leave jobs queued forever unnoticed
-                log.exception("kvtier copy issuing thread")
-                time.sleep(0.01)
-
-    def _pending(self, job_ids: set[int]) -> bool:
-        """Some of these jobs are queued or being enqueued (call with ``_lock`` held)."""
-        return any(job_id in self._starting for job_id in job_ids) or any(
-            transfer.job_id in job_ids for transfer in self._queued
-        )
-
-    def _wait_enqueued(self, job_ids: set[int]) -> None:
-        """Return once none of these jobs is queued or being enqueued any more."""
-        with self._changed:
-            while self._pending(job_ids):
-                if self._threaded:
-                    self._wake.set()
-                    self._changed.wait(0.05)
-                    continue
-                self._changed.release()  # no issuing thread: enqueue here
-                try:
-                    self._make_room(job_ids)
-                finally:
-                    self._changed.acquire()
+    def _take_queued(self, job_ids: set[int]) -> list[_Transfer]:
+        with self._lock:
+            taken = [t for t in self._queued if t.job_id in job_ids]
+            for transfer in taken:
+                self._queued.remove(transfer)
+        return taken
 
     def _make_room(self, job_ids: set[int]) -> None:
-        """(Caller's thread, no issuing thread.) Enqueue what fits; if these jobs are still
-        queued, wait for the oldest transfer in flight to finish."""
-        self._pump()
-        with self._lock:
-            if not self._pending(job_ids):
-                return
-            oldest = next(iter(self._inflight.values()), None)
-        if oldest is not None:
+        """Enqueue what fits; while any of these jobs is still queued, wait for the oldest
+        transfer in flight to finish."""
+        while True:
+            self._pump()
+            with self._lock:
+                if not any(t.job_id in job_ids for t in self._queued):
+                    return
+                oldest = next(iter(self._inflight.values()), None)
+            if oldest is None:
+                continue  # (cannot stay so: _pump starts one when nothing is in flight)
             self._synchronize(oldest)
             self._collect()
 
@@ -856,9 +802,11 @@ class CudaCopyBackend(CopyBackend):
         return n * len(self._merged)
 
     def _start(self, transfer: _Transfer) -> None:
-        """Check and enqueue one transfer on the device; it joins ``_inflight`` once enqueued
-        (before, its ``done`` is not set and ``poll`` must not see it). On failure it is in
-        flight, marked failed, until what it enqueued has drained; ``poll`` reports it."""
+        """Check and plan one transfer, record its CUDA calls and hand them to the executor (or
+        make them here); it joins ``_inflight`` at once and counts as enqueued when its program
+        ran. On failure it is in flight, marked failed, until what it enqueued has drained
+        (the program then synchronizes the streams it used); ``poll`` reports it."""
+        t0 = time.perf_counter()
         job_id = transfer.job_id
         plan: _Plan | None = None
         with self._lock:  # two unreported jobs, one id
@@ -874,50 +822,66 @@ class CudaCopyBackend(CopyBackend):
             self._release_gate(transfer)
             self._report(job_id, not reason)
             return
-        rt = self._rt
-        enqueued = False
+        recorder = self._recorder = Recorder(self._rt.has_batch_memcpy)
         try:
-            self._ensure_device()
             transfer.stream = self._streams.acquire()
-            rt.stream_wait_event(transfer.stream, transfer.gate)
-            self._release_gate(transfer)  # a wait binds to the record made before it
-            enqueued = True
+            recorder.stream_wait_event(transfer.stream, transfer.gate)
+            self._retire_gate(transfer)  # a wait binds to the record made before it
             self._enqueue(transfer, plan)
-            transfer.done = self._events.acquire()
-            rt.event_record(transfer.done, transfer.stream)
+            done = self._events.acquire()
+            recorder.event_record(done, transfer.stream)
+            transfer.done = done
         except Exception as exc:
-            log.error("copy job %d failed while enqueueing: %s", transfer.job_id, exc)
+            log.error("copy job %d failed while enqueueing: %s", job_id, exc)
             transfer.failed = True
-            self._release_gate(transfer)
-            if transfer.done:  # its record failed: it marks nothing
-                self._events.release(transfer.done)
-                transfer.done = 0
-            if enqueued:
-                self._drain_failed(transfer)
+            self._retire_gate(transfer)
+            for stream in (*transfer.aux_streams, transfer.stream):
+                if stream:
+                    recorder.stream_synchronize(stream)
+        finally:
+            self._recorder = None
+        transfer.program = recorder.program
         with self._lock:
             self._inflight[job_id] = transfer
             self._ops += transfer.ops
+        self._run(recorder.program)
+        self.plan_seconds.append(time.perf_counter() - t0)
 
-    def _drain_failed(self, transfer: _Transfer) -> None:
-        """Make ``done`` mark the end of whatever a failed transfer enqueued (so its slots and
-        blocks are not reused under a running copy); where even that fails, wait here."""
-        rt = self._rt
-        for stream in transfer.aux_streams:
-            try:  # rare path: a lane may not have joined the main stream, so wait for it here
-                rt.stream_synchronize(stream)
-            except CudaError as exc:
-                log.error("copy stream unusable: %s", exc)
-        try:
-            transfer.done = self._events.acquire()
-            rt.event_record(transfer.done, transfer.stream)
-        except Exception:
-            if transfer.done:
-                self._events.release(transfer.done)
-                transfer.done = 0
+    def _run(self, program: Program) -> None:
+        """Hand ``program`` to the executor, or make its calls here."""
+        if self._executor is not None:
             try:
-                rt.stream_synchronize(transfer.stream)
-            except CudaError as exc:
-                log.error("copy stream unusable: %s", exc)
+                self._executor.push(program)
+                return
+            except ExecutorUnavailable as exc:  # out of memory: from now on, here, in order
+                log.error("kvtier copy: CUDA calls on the caller's thread from now on: %s", exc)
+                self._executor.close()
+                self._executor = None
+        with self._device_context():
+            program.replay(self._rt)
+        self._settle(program)
+
+    def _settle(self, program: Program) -> None:
+        """Bookkeeping once ``program`` ran (once; later calls do nothing)."""
+        if program.settled:
+            return
+        program.settled = True
+        self.enqueue_seconds.append(program.seconds)
+        for event in program.retired_events:
+            self._events.release(event)
+        program.retired_events = []
+
+    def _retire(self, event: int) -> None:
+        """``event`` is no longer needed by the transfer being planned: back to the pool once
+        its program ran (a wait recorded on it binds only when it is made)."""
+        assert self._recorder is not None
+        self._recorder.program.retired_events.append(event)
+
+    @property
+    def _enq(self) -> Recorder:
+        """Where the transfer being planned records its CUDA calls."""
+        assert self._recorder is not None
+        return self._recorder
 
     def _ensure_device(self) -> None:
         """Make this backend's device current (a queued submit with ``after=`` makes no CUDA
@@ -928,6 +892,11 @@ class CudaCopyBackend(CopyBackend):
     def _release_gate(self, transfer: _Transfer) -> None:
         if transfer.gate and transfer.owns_gate:
             self._events.release(transfer.gate)
+        transfer.gate = 0
+
+    def _retire_gate(self, transfer: _Transfer) -> None:
+        if transfer.gate and transfer.owns_gate:
+            self._retire(transfer.gate)
         transfer.gate = 0
 
     # -- enqueueing copies ---------------------------------------------------------------------
@@ -964,7 +933,7 @@ class CudaCopyBackend(CopyBackend):
                 self._dma(transfer, copies, plan.to_host)
             event = self._events.acquire()
             transfer.layer_events.append(event)
-            self._rt.event_record(event, transfer.stream)
+            self._enq.event_record(event, transfer.stream)
 
     def _lanes(self, transfer: _Transfer, lanes: int) -> list[int]:
         while len(transfer.aux_streams) < lanes:
@@ -975,15 +944,13 @@ class CudaCopyBackend(CopyBackend):
         """Work enqueued on ``dsts`` from now on starts after the work enqueued on ``src`` so
         far."""
         event = self._events.acquire()
-        try:
-            self._rt.event_record(event, src)
-            for dst in dsts:
-                self._rt.stream_wait_event(dst, event)
-        finally:
-            self._events.release(event)  # a wait binds to the record made before it
+        self._retire(event)  # a wait binds to the record made before it
+        self._enq.event_record(event, src)
+        for dst in dsts:
+            self._enq.stream_wait_event(dst, event)
 
     def _batch(self, stream: int, copies: CopyList, to_host: bool) -> None:
-        rt = self._rt
+        rt = self._enq
         if rt.has_batch_memcpy:
             rt.memcpy_batch_async(
                 copies.dsts, copies.srcs, copies.sizes, self._attrs[to_host], stream
@@ -1018,7 +985,7 @@ class CudaCopyBackend(CopyBackend):
         reused only after the step that last used it. Addresses are computed for the
         whole transfer at once; per chunk only the launch, the batches and a few events are
         issued."""
-        rt, ring = self._rt, self._rings[plan.to_host]
+        rt, ring = self._enq, self._rings[plan.to_host]
         block = self.geometry.block_bytes
         per = ring.buffer_bytes // block
         n = len(plan.blocks)
@@ -1067,14 +1034,10 @@ class CudaCopyBackend(CopyBackend):
 
     def _mark_free(self, ring: _StageRing, index: int, stream: int) -> None:
         event = self._events.acquire()
-        try:
-            self._rt.event_record(event, stream)
-        except BaseException:
-            self._events.release(event)
-            raise
+        self._enq.event_record(event, stream)
         old, ring.free[index] = ring.free[index], event
         if old:
-            self._events.release(old)
+            self._retire(old)
 
     def _launch(
         self,
@@ -1087,14 +1050,14 @@ class CudaCopyBackend(CopyBackend):
     ) -> None:
         """The copy kernel over ``blocks`` x regions ``[region_begin, +n_regions)``; ``hosts``
         are the other side's addresses (the pool, or a staging buffer)."""
-        from kvtier.copy.cuda_kernels import THREADS
+        from kvtier.copy.cuda_kernels import THREADS, ParamBuffer
 
         warps_per_cta = THREADS // 32
         limit = KERNEL_CAPACITIES[-1]
-        buf = self._params
         for start in range(0, len(blocks), limit):
             part = blocks[start : start + limit]
             capacity = pick_capacity(len(part))
+            buf = ParamBuffer(param_bytes(capacity))  # its own: the launch is made later
             pack_params(
                 buf.array,
                 capacity,
@@ -1107,43 +1070,29 @@ class CudaCopyBackend(CopyBackend):
                 hosts[start : start + limit],
             )
             grid = max(1, min(self.max_sms, -(-len(part) * n_regions // warps_per_cta)))
-            self._rt.launch(
-                self._kernels.functions[capacity], grid, THREADS, buf.kernel_params, stream
+            self._enq.launch(
+                self._kernels.functions[capacity], grid, THREADS, buf.kernel_params, stream, buf
             )
 
     # -- completion ----------------------------------------------------------------------------
 
     def poll(self) -> CopyResults:
-        if not self._threaded:
-            self._pump()
         self._collect()
+        self._pump()
         with self._lock:
             done, failed = self._done_early, self._failed_early
             self._done_early, self._failed_early = [], []
         return CopyResults(done, failed)
 
     def _collect(self) -> None:
-        """Move finished transfers to the report lists, return their resources, refill. Either
-        thread may collect: events are queried outside the lock, and a transfer is reported by
-        whichever thread takes it out of ``_inflight``."""
+        """Move finished transfers to the report lists, return their resources, refill."""
         with self._lock:
             candidates = list(self._inflight.values())
-        query = self._rt.event_query
-        finished: list[_Transfer] = []
-        for transfer in candidates:
-            try:
-                if not transfer.done or query(transfer.done):
-                    finished.append(transfer)
-            except CudaError as exc:
-                log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
-                transfer.failed = True
-                finished.append(transfer)
+        finished = [transfer for transfer in candidates if self._finished(transfer)]
         if not finished:
             return
         with self._lock:
             for transfer in finished:
-                if self._inflight.get(transfer.job_id) is not transfer:
-                    continue  # the other thread reported it
                 del self._inflight[transfer.job_id]
                 self._ops -= transfer.ops
                 self._release(transfer)
@@ -1151,50 +1100,71 @@ class CudaCopyBackend(CopyBackend):
                 report.append(transfer.job_id)
             room_made = bool(self._queued)
         if room_made:
-            self._advance()
+            self._pump()
+
+    def _finished(self, transfer: _Transfer) -> bool:
+        """Whether nothing of the transfer runs any more (marking it failed where it failed)."""
+        program = transfer.program
+        assert program is not None
+        if program.state is ProgramState.QUEUED:
+            return False
+        self._settle(program)
+        if program.state is ProgramState.FAILED and not transfer.failed:
+            log.error("copy job %d failed while enqueueing: %s", transfer.job_id, program.error)
+            transfer.failed = True
+        if transfer.failed or not transfer.done:
+            return True  # its program drained what it had enqueued
+        try:
+            return self._rt.event_query(transfer.done)
+        except CudaError as exc:
+            log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
+            transfer.failed = True
+            return True
+
+    def _wait_ran(self, transfer: _Transfer) -> None:
+        """Return once the transfer's program ran (the host waits for the executor only)."""
+        program = transfer.program
+        executor = self._executor
+        if program is None or executor is None:
+            return
+        while program.state is ProgramState.QUEUED:
+            executor.wait(program.seq, 1.0)
 
     def wait(self, job_ids: Sequence[int]) -> None:
-        self._wait_enqueued(set(job_ids))
+        self._make_room(set(job_ids))
         with self._lock:
             transfers = [self._inflight.get(job_id) for job_id in job_ids]
-        # (A transfer the other thread reports meanwhile returns its ``done`` event to the pool;
-        # if another transfer reuses it, this waits for that one too: longer, never shorter.)
         for transfer in transfers:
             if transfer is not None:
                 self._synchronize(transfer)
 
     def _synchronize(self, transfer: _Transfer) -> None:
-        done = transfer.done
-        if not done:
-            return
-        try:
-            self._rt.event_synchronize(done)
-        except CudaError as exc:
-            log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
-            transfer.failed = True
+        self._wait_ran(transfer)
+        if not self._finished(transfer):
+            try:
+                self._rt.event_synchronize(transfer.done)
+            except CudaError as exc:
+                log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
+                transfer.failed = True
 
     def stream_wait(self, job_id: int, layer: int | None = None) -> None:
         """Make the current stream wait (on the GPU) for job ``job_id``, or for one layer of a
-        layer-wise job; a no-op for a job already reported. A queued job is enqueued first, here
-        and room or not; the host waits only for that."""
+        layer-wise job; a no-op for a job already reported or failed. A queued job is enqueued
+        first, here and room or not; the host waits only for the executor to make its calls."""
+        for transfer in self._take_queued({job_id}):
+            self._start(transfer)
         with self._lock:
-            queued = next((t for t in self._queued if t.job_id == job_id), None)
-            if queued is not None:
-                self._queued.remove(queued)
-                self._starting[job_id] = queued
-        if queued is not None:
-            self._start_taken(queued)
-        self._wait_enqueued({job_id})  # the issuing thread may be enqueueing it
-        current = self._current_stream()
-        with self._lock:  # so its events cannot go back to the pool before the wait binds
             found = self._inflight.get(job_id)
-            if found is None or not found.done:
-                return
-            if layer is None or not found.layer_events:
-                event = found.done
-            else:
-                event = found.layer_events[layer]
-            self._rt.stream_wait_event(current, event)
+        if found is None:
+            return
+        self._wait_ran(found)
+        if found.failed or found.program is None or found.program.state is ProgramState.FAILED:
+            return
+        if not found.done:
+            return
+        event = found.done if layer is None or not found.layer_events else found.layer_events[layer]
+        # (Its events go back to the pool only when poll or wait reports it, on this thread.)
+        self._rt.stream_wait_event(self._current_stream(), event)
 
     def fence(self, job_ids: Sequence[int]) -> None:
         """The current stream waits, on the GPU, for each job (the host does not)."""
@@ -1220,7 +1190,7 @@ class CudaCopyBackend(CopyBackend):
         with self._lock:
             staging = sum(1 for ring in self._rings.values() for e in ring.free if e)
             in_flight = len(self._inflight)
-            queued = len(self._queued) + len(self._starting)
+            queued = len(self._queued)
         return ResourceStats(
             self._streams.created,
             self._streams.idle,
@@ -1238,19 +1208,15 @@ class CudaCopyBackend(CopyBackend):
         if self._closed:
             return
         self._closed = True
-        if self._issuer is not None:
-            self._wake.set()
-            self._issuer.join()  # it finishes the transfer it is enqueueing, if any
+        if self._executor is not None:
+            self._executor.close()  # makes the calls of every program pushed
+            self._executor = None
         with self._device_context():
             for transfer in self._queued:
                 self._release_gate(transfer)
             self._queued.clear()
             for transfer in list(self._inflight.values()):
-                if transfer.done:
-                    try:
-                        self._rt.event_synchronize(transfer.done)
-                    except CudaError as exc:
-                        log.error("copy job %d failed on the device: %s", transfer.job_id, exc)
+                self._synchronize(transfer)
                 self._release(transfer)
             self._inflight.clear()
             for ring in self._rings.values():

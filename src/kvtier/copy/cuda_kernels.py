@@ -121,14 +121,13 @@ def _function_handle(module: Any, name: str) -> int:
 
 
 class ParamBuffer:
-    """A reusable host buffer for one launch's parameters, and the kernelParams array pointing at
-    it. ``cuLaunchKernel`` copies the parameters before returning, so one buffer serves every
-    launch of a (single-threaded) backend."""
+    """A host buffer for one launch's parameters, and the kernelParams array pointing at it (one
+    per recorded launch: the launch is made later, on the executor's thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, nbytes: int = 0) -> None:
         import numpy as np
 
-        self.nbytes = max(param_bytes(cap) for cap in KERNEL_CAPACITIES)
+        self.nbytes = nbytes or max(param_bytes(cap) for cap in KERNEL_CAPACITIES)
         assert PARAM_HEADER_BYTES == 32
         self.array = np.zeros(self.nbytes, dtype=np.uint8)
         self.kernel_params = (ctypes.c_void_p * 1)(self.array.ctypes.data)

@@ -184,6 +184,27 @@ class CudaRuntime:
     cuGetErrorString: Any
     cuLaunchKernel: Any
 
+    @property
+    def batch_has_fail_idx(self) -> bool:
+        return self._batch_has_fail_idx
+
+    def executor_functions(self) -> Any:
+        """The entry points the native executor calls (``cuda_executor.ExecutorFunctions``)."""
+        from kvtier.copy.cuda_executor import ExecutorFunctions
+
+        def address(fn: Any) -> int:
+            return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+        return ExecutorFunctions(
+            address(self.cudaSetDevice),
+            address(self.cudaStreamWaitEvent),
+            address(self.cudaEventRecord),
+            address(self.cudaMemcpyAsync),
+            address(self._batch) if self._batch is not None else 0,
+            address(self.cuLaunchKernel),
+            address(self.cudaStreamSynchronize),
+        )
+
     # -- errors ---------------------------------------------------------------------------------
 
     def error_text(self, code: int) -> tuple[str, str]:
