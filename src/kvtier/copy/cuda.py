@@ -71,6 +71,7 @@ from kvtier.copy.cuda_plan import (
     CopyList,
     KVGeometry,
     KVLayout,
+    RegionArrays,
     check_job,
     copy_list,
     describe_kv,
@@ -140,6 +141,8 @@ class CudaCopyOptions:
     driver blocks the host once about 1,000 operations wait in one of its hardware queues (4 for
     copies, 8 for kernels, measured on an H100); this stays well below."""
     max_streams: int = 64
+    prefill_events: int = 256
+    """CUDA events created at registration (more are created when needed)."""
     """CUDA streams in the pool, all created at registration."""
     stream_priority: int = 0
     register_chunk_bytes: int = GIB
@@ -161,6 +164,8 @@ class CudaCopyOptions:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"copy.{name}", getattr(self, name), "at least 1")
+        if self.prefill_events < 0:
+            raise ConfigError("copy.prefill_events", self.prefill_events, "0 or more")
         for name in ("stage_bytes", "stage_ramp_bytes", "register_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"copy.{name}", getattr(self, name), "a positive byte count")
@@ -260,14 +265,17 @@ class _StreamPool:
 
 
 class _EventPool:
-    """Events for gates (taken on the caller's thread), copies (the issuing thread) and staging
-    buffers; created on demand, destroyed at close."""
+    """Events for gates, copies and staging buffers. ``prefill`` are created at registration, so
+    planning a transfer normally makes no CUDA call (creating one can wait for the driver's lock
+    while the executor is inside a long call); more are created on demand. Destroyed at close."""
 
-    def __init__(self, rt: CudaRuntime) -> None:
+    def __init__(self, rt: CudaRuntime, prefill: int) -> None:
         self._rt = rt
         self._lock = threading.Lock()
         self._idle: list[int] = []
         self._created = 0
+        for _ in range(prefill):
+            self.release(self.acquire())
 
     def acquire(self) -> int:
         with self._lock:
@@ -418,10 +426,11 @@ class _Transfer:
     job: CopyJob
     """As submitted; checked and turned into a ``plan`` when it is enqueued on the device."""
     layerwise: bool
-    gate: int
-    """Event the copy waits for before touching engine memory (0 once waited on)."""
-    owns_gate: bool
-    """The gate came from this backend's event pool (returned once waited on)."""
+    after: int
+    """The caller's event the copy waits for before touching engine memory (0: none)."""
+    gate_stream: int
+    """Without ``after``: the caller's stream at submit; the transfer's first call records an
+    event there and the copy waits for it."""
     stream: int = 0
     done: int = 0
     """Event recorded after the last copy; 0 when none (nothing enqueued, or drained)."""
@@ -498,7 +507,7 @@ class CudaCopyBackend(CopyBackend):
                 rt, pool, options.register_chunk_bytes, options.allow_pageable
             )
             try:
-                self._events = _EventPool(rt)
+                self._events = _EventPool(rt, options.prefill_events)
                 self._setup_strategy()
                 self._streams = _StreamPool(rt, options.max_streams, options.stream_priority)
             except BaseException:
@@ -541,6 +550,8 @@ class CudaCopyBackend(CopyBackend):
             merge_regions([geo.regions[i] for i in geo.layer_regions(layer)])
             for layer in range(geo.num_layers)
         ]
+        self._merged_arrays = RegionArrays.of(self._merged)
+        self._layer_arrays = [RegionArrays.of(regions) for regions in self._layer_merged]
         kernel_why = self._kernel_unavailable()
         dma_why = "" if rt.has_batch_memcpy else "cudaMemcpyBatchAsync needs CUDA runtime >= 12.8"
         strategy = opts.strategy
@@ -670,8 +681,15 @@ class CudaCopyBackend(CopyBackend):
         """Queue ``job``; never raises for a bad job (``poll`` reports it failed) and never waits
         for the device. The job is checked when it is enqueued on the device, so its block and
         slot sequences must not change until it is reported. With the issuing thread (the
-        default) a submit costs a few microseconds: recording the gate event, if ``after`` is
-        not given, and queueing.
+        default) no CUDA call runs on the caller's thread: a submit plans the transfer if there
+        is room (about 0.05-0.3 ms for 512 blocks) and queues it.
+
+        What the copy waits for on the GPU: the work queued on the caller's current stream when
+        the transfer's calls are made (a few microseconds after ``submit``, later if it waited for
+        room; never later than ``stream_wait``/``fence``/``wait`` on it returns). Work queued
+        after ``submit`` must not touch the job's blocks before then, which the engine's
+        contract already says (a store's blocks stay untouched until fenced or reported, a
+        load's are read only after ``stream_wait``), so waiting for it only delays the copy.
 
         ``after``: an event (``torch.cuda.Event`` or a ``cudaEvent_t`` as int) to wait for instead
         of the work queued on the current stream now. ``layerwise``: copy layer by layer and
@@ -691,23 +709,13 @@ class CudaCopyBackend(CopyBackend):
         if empty:
             self._report(job_id, True)
             return
-        rt = self._rt
         try:
-            if after is None:
-                self._ensure_device()
-                gate = self._events.acquire()
-                try:
-                    rt.event_record(gate, self._current_stream())
-                except BaseException:
-                    self._events.release(gate)
-                    raise
-            else:
-                gate = _event_handle(after)
+            gate = (0, self._current_stream()) if after is None else (_event_handle(after), 0)
         except Exception as exc:
             log.error("copy job %d failed: %s", job_id, exc)
             self._report(job_id, False)
             return
-        transfer = _Transfer(job, layerwise, gate, after is None)
+        transfer = _Transfer(job, layerwise, *gate)
         transfer.ops = self._estimate_ops(transfer)
         with self._lock:
             self._queued.append(transfer)
@@ -819,14 +827,17 @@ class CudaCopyBackend(CopyBackend):
         if plan is None or len(plan.blocks) == 0:
             if reason:
                 log.error("copy job %d rejected: %s", job_id, reason)
-            self._release_gate(transfer)
             self._report(job_id, not reason)
             return
         recorder = self._recorder = Recorder(self._rt.has_batch_memcpy)
         try:
             transfer.stream = self._streams.acquire()
-            recorder.stream_wait_event(transfer.stream, transfer.gate)
-            self._retire_gate(transfer)  # a wait binds to the record made before it
+            gate = transfer.after
+            if transfer.gate_stream:
+                gate = self._events.acquire()
+                self._retire(gate)  # a wait binds to the record made before it
+                recorder.event_record(gate, transfer.gate_stream)
+            recorder.stream_wait_event(transfer.stream, gate)
             self._enqueue(transfer, plan)
             done = self._events.acquire()
             recorder.event_record(done, transfer.stream)
@@ -834,7 +845,6 @@ class CudaCopyBackend(CopyBackend):
         except Exception as exc:
             log.error("copy job %d failed while enqueueing: %s", job_id, exc)
             transfer.failed = True
-            self._retire_gate(transfer)
             for stream in (*transfer.aux_streams, transfer.stream):
                 if stream:
                     recorder.stream_synchronize(stream)
@@ -883,22 +893,6 @@ class CudaCopyBackend(CopyBackend):
         assert self._recorder is not None
         return self._recorder
 
-    def _ensure_device(self) -> None:
-        """Make this backend's device current (a queued submit with ``after=`` makes no CUDA
-        call at all: even a cheap one can wait on a driver lock)."""
-        if self._rt.get_device() != self.device:
-            self._rt.set_device(self.device)
-
-    def _release_gate(self, transfer: _Transfer) -> None:
-        if transfer.gate and transfer.owns_gate:
-            self._events.release(transfer.gate)
-        transfer.gate = 0
-
-    def _retire_gate(self, transfer: _Transfer) -> None:
-        if transfer.gate and transfer.owns_gate:
-            self._retire(transfer.gate)
-        transfer.gate = 0
-
     # -- enqueueing copies ---------------------------------------------------------------------
 
     def _enqueue(self, transfer: _Transfer, plan: _Plan) -> None:
@@ -918,7 +912,7 @@ class CudaCopyBackend(CopyBackend):
             else:
                 self._dma(
                     transfer,
-                    copy_list(self._merged, plan.blocks, plan.hosts, plan.to_host),
+                    copy_list(self._merged_arrays, plan.blocks, plan.hosts, plan.to_host),
                     plan.to_host,
                 )
             return
@@ -929,7 +923,7 @@ class CudaCopyBackend(CopyBackend):
                     transfer.stream, plan.blocks, plan.hosts, plan.to_host, rng.start, len(rng)
                 )
             else:
-                copies = copy_list(self._layer_merged[layer], plan.blocks, plan.hosts, plan.to_host)
+                copies = copy_list(self._layer_arrays[layer], plan.blocks, plan.hosts, plan.to_host)
                 self._dma(transfer, copies, plan.to_host)
             event = self._events.acquire()
             transfer.layer_events.append(event)
@@ -1050,16 +1044,16 @@ class CudaCopyBackend(CopyBackend):
     ) -> None:
         """The copy kernel over ``blocks`` x regions ``[region_begin, +n_regions)``; ``hosts``
         are the other side's addresses (the pool, or a staging buffer)."""
-        from kvtier.copy.cuda_kernels import THREADS, ParamBuffer
+        from kvtier.copy.cuda_kernels import THREADS
 
         warps_per_cta = THREADS // 32
         limit = KERNEL_CAPACITIES[-1]
         for start in range(0, len(blocks), limit):
             part = blocks[start : start + limit]
             capacity = pick_capacity(len(part))
-            buf = ParamBuffer(param_bytes(capacity))  # its own: the launch is made later
+            params = np.zeros(param_bytes(capacity), dtype=np.uint8)  # read when launched
             pack_params(
-                buf.array,
+                params,
                 capacity,
                 self._region_table_address,
                 self.geometry.piece_bytes,
@@ -1070,9 +1064,7 @@ class CudaCopyBackend(CopyBackend):
                 hosts[start : start + limit],
             )
             grid = max(1, min(self.max_sms, -(-len(part) * n_regions // warps_per_cta)))
-            self._enq.launch(
-                self._kernels.functions[capacity], grid, THREADS, buf.kernel_params, stream, buf
-            )
+            self._enq.launch(self._kernels.functions[capacity], grid, THREADS, params, stream)
 
     # -- completion ----------------------------------------------------------------------------
 
@@ -1172,7 +1164,6 @@ class CudaCopyBackend(CopyBackend):
             self.stream_wait(job_id)
 
     def _release(self, transfer: _Transfer) -> None:
-        self._release_gate(transfer)
         if transfer.done:
             self._events.release(transfer.done)
             transfer.done = 0
@@ -1212,8 +1203,6 @@ class CudaCopyBackend(CopyBackend):
             self._executor.close()  # makes the calls of every program pushed
             self._executor = None
         with self._device_context():
-            for transfer in self._queued:
-                self._release_gate(transfer)
             self._queued.clear()
             for transfer in list(self._inflight.values()):
                 self._synchronize(transfer)

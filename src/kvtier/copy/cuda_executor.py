@@ -65,6 +65,16 @@ _ATTR_INDEX = np.zeros(1, dtype=np.uintp)
 """``attrsIdxs`` of every batched copy: one attribute set, starting at copy 0."""
 
 
+_ATTR_INDEX_ADDRESS = int(_ATTR_INDEX.ctypes.data)
+
+
+def _as_words(raw: np.ndarray) -> np.ndarray:
+    """uint8 bytes as uint64 words, zero-padded to a multiple of 8."""
+    padded = np.zeros(-(-len(raw) // 8) * 8, dtype=np.uint8)
+    padded[: len(raw)] = raw
+    return padded.view(np.uint64)
+
+
 @dataclass(slots=True)
 class Program:
     """One transfer's recorded CUDA calls, run by the executor or replayed on the caller's
@@ -72,8 +82,6 @@ class Program:
 
     calls: list[tuple[int, tuple[Any, ...]]] = field(default_factory=list)
     """(op code, arguments as the ``CudaRuntime`` method takes them)."""
-    keep: list[Any] = field(default_factory=list)
-    """Owners of memory the calls point at, beyond their arguments (kernel parameters)."""
     retired_events: list[int] = field(default_factory=list)
     """Events the plan is done with: back to the pool once the program ran (before, a new
     record of a reused event could move a wait that has not been made yet)."""
@@ -81,6 +89,8 @@ class Program:
     """State, CUDA error code, failing op, nanoseconds taken (written by whoever runs it)."""
     ops: np.ndarray | None = None
     """The calls encoded for the executor (``encode``)."""
+    blob: np.ndarray | None = None
+    """What the encoded calls point at (``encode``)."""
     seq: int = 0
     settled: bool = False
     """The backend did its bookkeeping for the program having run."""
@@ -99,28 +109,44 @@ class Program:
         return float(self.status[3]) * 1e-9
 
     def encode(self) -> None:
-        """The ops for the executor: ``WORDS`` uint64 per call, pointers to the (kept) args."""
-        ops = np.zeros((len(self.calls), WORDS), dtype=np.uint64)
-        for i, (code, args) in enumerate(self.calls):
+        """The ops for the executor: ``WORDS`` uint64 per call. What the calls point at (copy
+        lists, kernel parameters, kernelParams arrays) is copied into one array, ``blob``."""
+        parts: list[np.ndarray] = []
+        offset = 0  # in uint64 words
+
+        def put(array: np.ndarray) -> int:
+            nonlocal offset
+            words = array.view(np.uint64) if array.dtype != np.uint8 else _as_words(array)
+            parts.append(words)
+            start, offset = offset, offset + len(words)
+            return start
+
+        rows: list[list[int]] = []
+        pointer_slots: list[tuple[int, int]] = []  # (kernelParams word, parameters word)
+        for code, args in self.calls:
             if code == OP_BATCH:
                 dsts, srcs, sizes, attrs, stream = args
-                row: tuple[int, ...] = (
-                    dsts.ctypes.data,
-                    srcs.ctypes.data,
-                    sizes.ctypes.data,
-                    len(sizes),
-                    ctypes.addressof(attrs),
-                    _ATTR_INDEX.ctypes.data,
-                    stream,
-                )
+                row = [code, put(dsts), put(srcs), put(sizes), len(sizes)]
+                row += [ctypes.addressof(attrs), _ATTR_INDEX_ADDRESS, stream]
             elif code == OP_LAUNCH:
                 function, grid, block, params, stream = args
-                row = (function, grid, block, ctypes.addressof(params), stream)
+                slot = put(np.zeros(1, dtype=np.uint64))
+                pointer_slots.append((slot, put(params)))
+                row = [code, function, grid, block, slot, stream, 0, 0]
             else:
-                row = args
-            ops[i, 0] = code
-            ops[i, 1 : 1 + len(row)] = row
-        self.ops = ops
+                row = [code, *args] + [0] * (WORDS - 1 - len(args))
+            rows.append(row)
+        blob = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+        base = int(blob.ctypes.data)
+        for slot, start in pointer_slots:
+            blob[slot] = base + 8 * start
+        ops = np.array(rows, dtype=np.uint64).reshape(-1, WORDS)
+        for i, (code, _) in enumerate(self.calls):  # word offsets into blob -> addresses
+            if code == OP_BATCH:
+                ops[i, 1:4] = base + 8 * ops[i, 1:4]
+            elif code == OP_LAUNCH:
+                ops[i, 4] = base + 8 * ops[i, 4]
+        self.blob, self.ops = blob, ops
 
     def replay(self, rt: Any) -> None:
         """Make the calls here, on the caller's thread, as the executor would."""
@@ -128,7 +154,12 @@ class Program:
         state = ProgramState.DONE
         for i, (code, args) in enumerate(self.calls):
             try:
-                getattr(rt, _METHODS[code])(*args)
+                if code == OP_LAUNCH:
+                    function, grid, block, params, stream = args
+                    pointers = (ctypes.c_void_p * 1)(params.ctypes.data)
+                    rt.launch(function, grid, block, pointers, stream)
+                else:
+                    getattr(rt, _METHODS[code])(*args)
             except CudaError as exc:
                 self.status[1], self.status[2] = exc.code, i
                 state = ProgramState.FAILED
@@ -158,7 +189,7 @@ def _stream_of(code: int, args: tuple[Any, ...]) -> int:
 class Recorder:
     """Stands in for the ``CudaRuntime`` calls that enqueue work: records them in a program.
     Every argument is kept with the program, so nothing it points at is freed or reused before
-    the program ran (a kernel launch must hand over a parameter buffer of its own)."""
+    the program ran."""
 
     def __init__(self, has_batch_memcpy: bool) -> None:
         self.has_batch_memcpy = has_batch_memcpy
@@ -179,13 +210,9 @@ class Recorder:
         arrays = [np.ascontiguousarray(a, dtype=np.uintp) for a in (dsts, srcs, sizes)]
         self.program.calls.append((OP_BATCH, (*arrays, attrs, stream)))
 
-    def launch(
-        self, function: int, grid: int, block: int, params: Any, stream: int, owner: Any = None
-    ) -> None:
-        """``params``: the kernelParams array; ``owner``: what owns the memory it points at."""
+    def launch(self, function: int, grid: int, block: int, params: np.ndarray, stream: int) -> None:
+        """``params``: the kernel's parameter bytes (uint8)."""
         self.program.calls.append((OP_LAUNCH, (function, grid, block, params, stream)))
-        if owner is not None:
-            self.program.keep.append(owner)
 
     def stream_synchronize(self, stream: int) -> None:
         self.program.calls.append((OP_SYNC, (stream,)))

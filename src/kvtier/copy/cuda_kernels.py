@@ -23,11 +23,10 @@ on the transfer's own stream.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.copy.cuda_plan import KERNEL_CAPACITIES, PARAM_HEADER_BYTES, param_bytes
+from kvtier.copy.cuda_plan import KERNEL_CAPACITIES
 
 THREADS = 512
 UNROLL = 8
@@ -118,16 +117,3 @@ def _function_handle(module: Any, name: str) -> int:
     kernel = module.get_function(name)
     function = getattr(kernel, "kernel", kernel)
     return int(function.ptr)
-
-
-class ParamBuffer:
-    """A host buffer for one launch's parameters, and the kernelParams array pointing at it (one
-    per recorded launch: the launch is made later, on the executor's thread)."""
-
-    def __init__(self, nbytes: int = 0) -> None:
-        import numpy as np
-
-        self.nbytes = nbytes or max(param_bytes(cap) for cap in KERNEL_CAPACITIES)
-        assert PARAM_HEADER_BYTES == 32
-        self.array = np.zeros(self.nbytes, dtype=np.uint8)
-        self.kernel_params = (ctypes.c_void_p * 1)(self.array.ctypes.data)

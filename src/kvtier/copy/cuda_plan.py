@@ -74,7 +74,7 @@ class KVGeometry:
     @property
     def block_bytes(self) -> int:
         """Bytes of one engine block across all layers (its share of a slot)."""
-        return sum(r.nbytes for r in self.regions)
+        return self.regions[0].nbytes * len(self.regions)
 
     @property
     def piece_bytes(self) -> int:
@@ -200,21 +200,41 @@ class CopyList:
         return int(self.sizes.sum())
 
 
+@dataclass(frozen=True, slots=True)
+class RegionArrays:
+    """Regions as uint64 columns, built once per region set (copy lists are made per job)."""
+
+    base: np.ndarray
+    stride: np.ndarray
+    nbytes: np.ndarray
+    host_offset: np.ndarray
+
+    @classmethod
+    def of(cls, regions: Sequence[Region]) -> RegionArrays:
+        def column(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.uint64)
+
+        return cls(
+            column([r.base for r in regions]),
+            column([r.stride for r in regions]),
+            column([r.nbytes for r in regions]),
+            column([r.host_offset for r in regions]),
+        )
+
+
 def copy_list(
-    regions: Sequence[Region],
+    regions: RegionArrays | Sequence[Region],
     engine_blocks: np.ndarray,
     host_addrs: np.ndarray,
     to_host: bool,
     coalesce: bool = True,
 ) -> CopyList:
     """Copies of ``regions`` for each engine block (block-major), joined where contiguous."""
-    base = np.array([r.base for r in regions], dtype=np.uint64)
-    stride = np.array([r.stride for r in regions], dtype=np.uint64)
-    size = np.array([r.nbytes for r in regions], dtype=np.uint64)
-    hoff = np.array([r.host_offset for r in regions], dtype=np.uint64)
-    dev = (base[None, :] + engine_blocks.astype(np.uint64)[:, None] * stride[None, :]).reshape(-1)
-    host = (host_addrs.astype(np.uint64)[:, None] + hoff[None, :]).reshape(-1)
-    sizes = np.broadcast_to(size, (len(engine_blocks), len(regions))).reshape(-1)
+    cols = regions if isinstance(regions, RegionArrays) else RegionArrays.of(regions)
+    blocks = engine_blocks.astype(np.uint64)
+    dev = (cols.base[None, :] + blocks[:, None] * cols.stride[None, :]).reshape(-1)
+    host = (host_addrs.astype(np.uint64)[:, None] + cols.host_offset[None, :]).reshape(-1)
+    sizes = np.tile(cols.nbytes, len(engine_blocks))
     if coalesce:
         dev, host, sizes = join_contiguous(dev, host, sizes)
     dev, host = dev.astype(np.uintp), host.astype(np.uintp)
