@@ -139,6 +139,13 @@ def test_gate_on_compute_stream_comes_before_the_copy(pool: HostPool) -> None:
     assert fake.calls[0][0] == "wait" and fake.calls[0][2] == 12345
     assert all(c[0] != "record" or c[2] != COMPUTE_STREAM for c in fake.calls)
     assert sorted(backend.poll().done) == [1, 2]
+    # The legacy default stream is handle 0: still a stream to record the gate on.
+    backend._current_stream = lambda: 0  # type: ignore[method-assign]
+    fake.calls.clear()
+    backend.submit(CopyJob(3, Direction.STORE, [1], [0]))
+    record, wait = fake.calls[0], fake.calls[1]
+    assert record[0] == "record" and record[2] == 0 and wait == ("wait", wait[1], record[1])
+    assert backend.poll().done == [3]
     backend.close()
 
 

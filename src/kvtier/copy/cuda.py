@@ -428,9 +428,9 @@ class _Transfer:
     layerwise: bool
     after: int
     """The caller's event the copy waits for before touching engine memory (0: none)."""
-    gate_stream: int
-    """Without ``after``: the caller's stream at submit; the transfer's first call records an
-    event there and the copy waits for it."""
+    gate_stream: int | None
+    """Without ``after``: the caller's stream at submit (0 is the legacy default stream); the
+    transfer's first call records an event there and the copy waits for it."""
     stream: int = 0
     done: int = 0
     """Event recorded after the last copy; 0 when none (nothing enqueued, or drained)."""
@@ -710,7 +710,7 @@ class CudaCopyBackend(CopyBackend):
             self._report(job_id, True)
             return
         try:
-            gate = (0, self._current_stream()) if after is None else (_event_handle(after), 0)
+            gate = (0, self._current_stream()) if after is None else (_event_handle(after), None)
         except Exception as exc:
             log.error("copy job %d failed: %s", job_id, exc)
             self._report(job_id, False)
@@ -833,7 +833,7 @@ class CudaCopyBackend(CopyBackend):
         try:
             transfer.stream = self._streams.acquire()
             gate = transfer.after
-            if transfer.gate_stream:
+            if transfer.gate_stream is not None:
                 gate = self._events.acquire()
                 self._retire(gate)  # a wait binds to the record made before it
                 recorder.event_record(gate, transfer.gate_stream)
