@@ -554,14 +554,14 @@ def test_submit_does_not_wait_for_the_executor(pool: HostPool) -> None:
     """While the executor is stuck in a slow CUDA call, submits still return at once."""
     fake = FakeRuntime(deferred=True)
     stuck, entered = threading.Event(), threading.Event()
-    real_batch = fake.memcpy_batch_async
+    real_copy = fake.memcpy_async
 
-    def slow_batch(*args: Any) -> None:
+    def slow_copy(*args: Any) -> None:
         entered.set()
         assert stuck.wait(10)
-        real_batch(*args)
+        real_copy(*args)
 
-    fake.memcpy_batch_async = slow_batch  # type: ignore[method-assign]
+    fake.memcpy_async = slow_copy  # type: ignore[method-assign]
     backend, _, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma")
     backend.submit(CopyJob(0, Direction.STORE, [0], [0]))
     assert entered.wait(10)

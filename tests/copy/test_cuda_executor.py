@@ -193,13 +193,13 @@ def test_events_go_back_to_the_pool_only_after_their_program_ran(pool: HostPool)
     went back to the pool when recorded, a later submit could record it again and move it."""
     fake = FakeRuntime(deferred=True)
     stuck = threading.Event()
-    real_batch = fake.memcpy_batch_async
+    real_copy = fake.memcpy_async
 
-    def slow_batch(*args: Any) -> None:
+    def slow_copy(*args: Any) -> None:
         assert stuck.wait(10)
-        real_batch(*args)
+        real_copy(*args)
 
-    fake.memcpy_batch_async = slow_batch  # type: ignore[method-assign]
+    fake.memcpy_async = slow_copy  # type: ignore[method-assign]
     backend = _compact_backend(pool, fake)
     for job in range(6):
         backend.submit(CopyJob(job, Direction.STORE, [job], [job]))

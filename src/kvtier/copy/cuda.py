@@ -945,7 +945,7 @@ class CudaCopyBackend(CopyBackend):
 
     def _batch(self, stream: int, copies: CopyList, to_host: bool) -> None:
         rt = self._enq
-        if rt.has_batch_memcpy:
+        if rt.has_batch_memcpy and len(copies.sizes) > 1:  # (one copy: no batch needed)
             rt.memcpy_batch_async(
                 copies.dsts, copies.srcs, copies.sizes, self._attrs[to_host], stream
             )

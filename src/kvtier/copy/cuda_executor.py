@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -66,6 +67,7 @@ _ATTR_INDEX = np.zeros(1, dtype=np.uintp)
 
 
 _ATTR_INDEX_ADDRESS = int(_ATTR_INDEX.ctypes.data)
+_ONE_WORD = np.zeros(1, dtype=np.uint64)
 
 
 def _as_words(raw: np.ndarray) -> np.ndarray:
@@ -85,10 +87,10 @@ class Program:
     retired_events: list[int] = field(default_factory=list)
     """Events the plan is done with: back to the pool once the program ran (before, a new
     record of a reused event could move a wait that has not been made yet)."""
-    status: np.ndarray = field(default_factory=lambda: np.zeros(4, dtype=np.int64))
+    status: array[int] = field(default_factory=lambda: array("q", bytes(32)))
     """State, CUDA error code, failing op, nanoseconds taken (written by whoever runs it)."""
-    ops: np.ndarray | None = None
-    """The calls encoded for the executor (``encode``)."""
+    ops: array[int] | None = None
+    """The calls encoded for the executor (``encode``): ``WORDS`` per call."""
     blob: np.ndarray | None = None
     """What the encoded calls point at (``encode``)."""
     seq: int = 0
@@ -112,41 +114,35 @@ class Program:
         """The ops for the executor: ``WORDS`` uint64 per call. What the calls point at (copy
         lists, kernel parameters, kernelParams arrays) is copied into one array, ``blob``."""
         parts: list[np.ndarray] = []
-        offset = 0  # in uint64 words
-
-        def put(array: np.ndarray) -> int:
-            nonlocal offset
-            words = array.view(np.uint64) if array.dtype != np.uint8 else _as_words(array)
-            parts.append(words)
-            start, offset = offset, offset + len(words)
-            return start
-
-        rows: list[list[int]] = []
-        pointer_slots: list[tuple[int, int]] = []  # (kernelParams word, parameters word)
         for code, args in self.calls:
             if code == OP_BATCH:
-                dsts, srcs, sizes, attrs, stream = args
-                row = [code, put(dsts), put(srcs), put(sizes), len(sizes)]
-                row += [ctypes.addressof(attrs), _ATTR_INDEX_ADDRESS, stream]
+                parts += [a.view(np.uint64) for a in args[:3]]
             elif code == OP_LAUNCH:
-                function, grid, block, params, stream = args
-                slot = put(np.zeros(1, dtype=np.uint64))
-                pointer_slots.append((slot, put(params)))
-                row = [code, function, grid, block, slot, stream, 0, 0]
-            else:
-                row = [code, *args] + [0] * (WORDS - 1 - len(args))
-            rows.append(row)
-        blob = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
-        base = int(blob.ctypes.data)
-        for slot, start in pointer_slots:
-            blob[slot] = base + 8 * start
-        ops = np.array(rows, dtype=np.uint64).reshape(-1, WORDS)
-        for i, (code, _) in enumerate(self.calls):  # word offsets into blob -> addresses
+                parts += [_ONE_WORD, _as_words(args[3])]  # kernelParams slot, parameters
+        blob = np.concatenate(parts) if parts else None
+        base = int(blob.ctypes.data) if blob is not None else 0
+        starts = [0]
+        for part in parts:
+            starts.append(starts[-1] + len(part))
+        flat: list[int] = []
+        k = 0
+        for code, args in self.calls:
             if code == OP_BATCH:
-                ops[i, 1:4] = base + 8 * ops[i, 1:4]
+                dsts, srcs, sizes = (base + 8 * starts[k + i] for i in range(3))
+                k += 3
+                _, _, count_of, attrs, stream = args
+                flat += [code, dsts, srcs, sizes, len(count_of), ctypes.addressof(attrs)]
+                flat += [_ATTR_INDEX_ADDRESS, stream]
             elif code == OP_LAUNCH:
-                ops[i, 4] = base + 8 * ops[i, 4]
-        self.blob, self.ops = blob, ops
+                slot, params = starts[k], starts[k + 1]
+                k += 2
+                assert blob is not None
+                blob[slot] = base + 8 * params
+                function, grid, block, _, stream = args
+                flat += [code, function, grid, block, base + 8 * slot, stream, 0, 0]
+            else:
+                flat += [code, *args] + [0] * (WORDS - 1 - len(args))
+        self.blob, self.ops = blob, array("Q", flat)
 
     def replay(self, rt: Any) -> None:
         """Make the calls here, on the caller's thread, as the executor would."""
@@ -301,8 +297,9 @@ class Executor:
         assert self._handle is not None
         program.encode()
         assert program.ops is not None
+        ops, status = program.ops, program.status
         seq = self._lib.kvx_push(
-            self._handle, program.ops.ctypes.data, len(program.ops), program.status.ctypes.data
+            self._handle, ops.buffer_info()[0], len(ops) // WORDS, status.buffer_info()[0]
         )
         if seq < 0:
             raise ExecutorUnavailable("the copy executor is closed or out of memory")

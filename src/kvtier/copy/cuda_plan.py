@@ -270,11 +270,18 @@ def check_job(
         raise ValueError(
             f"{len(blocks)} engine blocks for {len(slot_arr)} slots of {blocks_per_slot} blocks"
         )
-    if len(blocks) and (blocks.min() < 0 or blocks.max() >= num_engine_blocks):
+    if not _within(blocks, num_engine_blocks):
         raise ValueError(f"engine block id outside 0..{num_engine_blocks - 1}")
-    if len(slot_arr) and (slot_arr.min() < 0 or slot_arr.max() >= num_slots):
+    if not _within(slot_arr, num_slots):
         raise ValueError(f"slot outside 0..{num_slots - 1}")
     return blocks, slot_arr
+
+
+def _within(values: np.ndarray, end: int) -> bool:
+    """All of ``values`` in ``[0, end)`` (a few: in Python, cheaper than two reductions)."""
+    if len(values) <= 8:
+        return all(0 <= v < end for v in values.tolist())
+    return bool(values.min() >= 0 and values.max() < end)
 
 
 # -- kernel launches ----------------------------------------------------------------------------
