@@ -6,10 +6,11 @@ backend, for both engine layouts (vLLM's per-layer ``[2, num_blocks, 16, 8, 128]
 block-compact ``[num_blocks, 32, 2, 16, 8, 128]``) and both strategies (batched DMA, the
 gather/scatter kernel); each direction alone and both at once. Every figure is set against a
 contiguous pinned copy of the same size measured in the same run (``cudaMemcpyAsync`` of one
-1 GiB buffer; the best of PyTorch's pinned allocation and the registered pool), timed right after
-each repetition. Also: host time to issue one transfer (the ``submit`` call on the engine's
-thread, and the time the backend's issuing thread spent enqueueing it), SMs used, a correctness
-check of every moved block, and the submit latency with 10,000 transfers outstanding.
+1 GiB buffer; the mean of one from PyTorch's pinned allocation and one from the registered pool),
+timed right after each repetition. Also: host time to issue one transfer (the ``submit`` call on
+the engine's thread, which plans it, and the time the backend's executor thread spent making
+its CUDA calls), SMs used, a correctness check of every moved block, and the submit latency
+with 10,000 transfers outstanding.
 ``--timeline`` instead prints when each copy and kernel of a few transfers ran on the GPU.
 
 Needs a CUDA GPU, PyTorch and CuPy. Prints a table naming the GPU and writes JSON.
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -95,6 +97,16 @@ class Outstanding:
     first_over_1ms: int
     slowest: list[tuple[int, float]]
     """(index, us) of the five slowest submits."""
+    planned: int
+    """Submits that planned their transfer (room on the device); the rest only queued."""
+    planning_max_us: float
+    """The slowest of those (planning and recording one transfer on the engine's thread)."""
+    queued_max_us: float
+    """The slowest submit that only queued."""
+    control_max_us: float
+    control_over_100us: int
+    """The same loop timing a trivial Python call instead (building the job and appending it to
+    a deque): the host's own noise floor on this lease."""
     device_max_connections: str
 
 
@@ -420,13 +432,22 @@ def run_outstanding(
     gate.record()
     for job in range(8):  # warm the gated path; these stay outstanding too
         backend.submit(CopyJob(100 + n + job, Direction.LOAD, [job], [job]), after=gate)
+    control = np.empty(n)
     try:
         clock = time.perf_counter
+        planned_before = len(backend.plan_seconds)
         for job in range(n):
             blocks, slot = [job % 512], [job % slots]
             t0 = clock()
             backend.submit(CopyJob(100 + job, Direction.LOAD, blocks, slot), after=gate)
             times[job] = clock() - t0
+        planned = len(backend.plan_seconds) - planned_before
+        sink: deque[CopyJob] = deque()
+        for job in range(n):
+            blocks, slot = [job % 512], [job % slots]
+            t0 = clock()
+            sink.append(CopyJob(100 + job, Direction.LOAD, blocks, slot))
+            control[job] = clock() - t0
     finally:
         gc.enable()
         gc.unfreeze()
@@ -457,6 +478,11 @@ def run_outstanding(
         int(slow[0]) if len(slow) else -1,
         int(very_slow[0]) if len(very_slow) else -1,
         [(int(i), round(float(us[i]), 1)) for i in np.argsort(us)[-5:][::-1]],
+        planned,
+        round(float(us[:planned].max()), 1) if planned else 0.0,
+        round(float(us[planned:].max()), 1),
+        round(float(control.max() * 1e6), 1),
+        int((control > 100e-6).sum()),
         os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
     )
 
@@ -848,8 +874,10 @@ def main() -> None:
         print(
             f"{o.transfers} outstanding ({o.layout}, {o.strategy}"
             f"{'' if o.issue_thread else ', no thread'}): "
-            f"submit median {o.median_us} us, "
-            f"p99.9 {o.p999_us} us, max {o.max_us} us, held back: {o.held_back}"
+            f"submit median {o.median_us} us, p99.9 {o.p999_us} us, max {o.max_us} us "
+            f"(planning {o.planned}: max {o.planning_max_us} us; queueing: max "
+            f"{o.queued_max_us} us), held back: {o.held_back}; control loop: max "
+            f"{o.control_max_us} us, {o.control_over_100us} over 100 us"
         )
     print(f"acceptance: {acceptance}")
     payload = {

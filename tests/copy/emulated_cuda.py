@@ -82,7 +82,7 @@ class FakeRuntime:
     _callbacks: list[Any] = field(default_factory=list)
     _next: int = 100
     _lock: threading.RLock = field(default_factory=threading.RLock)
-    """The issuing thread enqueues while the test thread runs the queue."""
+    """The executor calls back in while the test thread runs the queue."""
 
     def _maybe_fail(self, name: str) -> None:
         left = self.fail.get(name)

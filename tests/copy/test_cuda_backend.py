@@ -276,7 +276,7 @@ def test_failed_enqueue_returns_streams_and_events(
     backend.submit(
         CopyJob(1, Direction.STORE, [1, 2, 3], [0, 1, 2]), layerwise=strategy != "staged"
     )
-    backend.wait([1])  # enqueued (by the issuing thread) while the fault is in place
+    backend.wait([1])  # planned while the fault is in place
     monkeypatch.setattr(backend, name, real)
     backend.submit(CopyJob(2, Direction.STORE, [4], [3]))
     done, failed = drain(backend)

@@ -213,8 +213,7 @@ class ResourceStats(NamedTuple):
 
 
 class _StreamPool:
-    """``size`` streams created up front; a busy pool shares its streams round robin. Taken by
-    the issuing thread, returned by whichever thread sees a transfer finish."""
+    """``size`` streams created up front; a busy pool shares its streams round robin."""
 
     def __init__(self, rt: CudaRuntime, size: int, priority: int) -> None:
         self._rt = rt
@@ -680,9 +679,9 @@ class CudaCopyBackend(CopyBackend):
     def submit(self, job: CopyJob, after: Any = None, layerwise: bool = False) -> None:
         """Queue ``job``; never raises for a bad job (``poll`` reports it failed) and never waits
         for the device. The job is checked when it is enqueued on the device, so its block and
-        slot sequences must not change until it is reported. With the issuing thread (the
-        default) no CUDA call runs on the caller's thread: a submit plans the transfer if there
-        is room (about 0.05-0.3 ms for 512 blocks) and queues it.
+        slot sequences must not change until it is reported. With the executor (the default)
+        no CUDA call runs on the caller's thread: a submit plans and records the transfer if
+        there is room (0.05-1 ms for 512 blocks, by strategy and CPU) and queues it.
 
         What the copy waits for on the GPU: the work queued on the caller's current stream when
         the transfer's calls are made (a few microseconds after ``submit``, later if it waited for

@@ -261,8 +261,8 @@ class CudaRuntime:
         self._check("cudaStreamWaitEvent", self.cudaStreamWaitEvent(stream, event, 0))
 
     def event_create(self) -> int:
-        """An event without timing whose ``event_synchronize`` sleeps instead of spinning (the
-        copy backend's issuing thread waits on them for minutes at a time, in the worst case)."""
+        """An event without timing whose ``event_synchronize`` sleeps instead of spinning (a
+        ``wait`` on a long transfer should not burn a core)."""
         handle = _vp()
         flags = EVENT_DISABLE_TIMING | EVENT_BLOCKING_SYNC
         code = self.cudaEventCreateWithFlags(ctypes.byref(handle), flags)
