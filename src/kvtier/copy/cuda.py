@@ -76,8 +76,8 @@ from kvtier.copy.cuda_plan import (
     copy_list,
     describe_kv,
     host_block_addresses,
-    join_contiguous,
     merge_regions,
+    pack_param_rows,
     pack_params,
     param_bytes,
     pick_capacity,
@@ -975,42 +975,64 @@ class CudaCopyBackend(CopyBackend):
     def _staged(self, transfer: _Transfer, plan: _Plan) -> None:
         """Chunks of blocks through the staging ring: for a STORE, gather (kernel, on the
         transfer's stream) then DMA (on a lane); for a LOAD, DMA then scatter. A buffer is
-        reused only after the step that last used it. Addresses are computed for the
-        whole transfer at once; per chunk only the launch, the batches and a few events are
-        issued."""
-        rt, ring = self._enq, self._rings[plan.to_host]
-        block = self.geometry.block_bytes
-        per = ring.buffer_bytes // block
+        reused only after the step that last used it. Addresses, copy lists and kernel
+        parameters are computed for all chunks at once; per chunk only the calls are recorded."""
+        from kvtier.copy.cuda_kernels import THREADS
+
+        rt, ring, geo = self._enq, self._rings[plan.to_host], self.geometry
+        block = geo.block_bytes
+        per = min(ring.buffer_bytes // block, KERNEL_CAPACITIES[-1])  # one launch per chunk
         n = len(plan.blocks)
         sizes = chunk_sizes(n, per, max(1, self.options.stage_ramp_bytes // block), plan.to_host)
         chunks = len(sizes)
-        ends = np.cumsum(sizes)
-        starts = ends - sizes
+        counts = np.array(sizes, dtype=np.int64)
+        ends = np.cumsum(counts)
+        starts = ends - counts
         buffers = (ring.next + np.arange(chunks, dtype=np.uint64)) % np.uint64(len(ring.free))
         ring.next = (ring.next + chunks) % len(ring.free)
-        chunk_of = np.repeat(np.arange(chunks), sizes)
+        chunk_of = np.repeat(np.arange(chunks), counts)
         within = np.arange(n, dtype=np.uint64) - starts[chunk_of].astype(np.uint64)
         offsets = buffers[chunk_of] * np.uint64(ring.buffer_bytes)
         staged = np.uint64(ring.base) + offsets + within * np.uint64(block)
         stage_side, host_side = staged.astype(np.uintp), plan.hosts.astype(np.uintp)
         dsts, srcs = (host_side, stage_side) if plan.to_host else (stage_side, host_side)
-        all_sizes = np.full(n, block, dtype=np.uintp)
-        n_regions = len(self.geometry.regions)
+        # Slots next to each other in the pool (a fresh pool hands them out in order) move as
+        # one copy (the staging side of a chunk is contiguous), never across chunks.
+        copy_sizes = np.full(n, block, dtype=np.uintp)
+        joins = (dsts[1:] == dsts[:-1] + copy_sizes[:-1]) & (srcs[1:] == srcs[:-1] + block)
+        joins[ends[:-1] - 1] = False
+        runs = np.flatnonzero(np.concatenate(([True], ~joins)))
+        run_dsts, run_srcs = dsts[runs], srcs[runs]
+        run_sizes = np.add.reduceat(copy_sizes, runs).astype(np.uintp)
+        chunk_runs = np.append(np.searchsorted(runs, starts), len(runs)).tolist()
+        n_regions = len(geo.regions)
+        capacity = pick_capacity(max(sizes))
+        params = pack_param_rows(
+            capacity,
+            self._region_table_address,
+            geo.piece_bytes,
+            n_regions,
+            plan.to_host,
+            counts,
+            plan.blocks,
+            staged,
+        )
+        kernel = self._kernels.functions[capacity]
+        warps_per_cta = THREADS // 32
         lanes = self._lanes(transfer, self.options.stage_lanes)
         main = transfer.stream
-        for k in range(chunks):
-            part = slice(int(starts[k]), int(ends[k]))
+        for k, size in enumerate(sizes):
             j = int(buffers[k])
-            # Slots next to each other in the pool (a fresh pool hands them out in order) move as
-            # one copy: the staging side of a chunk is contiguous.
-            copies = CopyList(*join_contiguous(dsts[part], srcs[part], all_sizes[part]))
+            part = slice(chunk_runs[k], chunk_runs[k + 1])
+            copies = CopyList(run_dsts[part], run_srcs[part], run_sizes[part])
+            grid = max(1, min(self.max_sms, -(-size * n_regions // warps_per_cta)))
             # Consecutive chunks' copies alternate lanes. (Splitting each chunk's copies over
             # both lanes instead measured no faster on an H100 and costs more issue time.)
             lane = lanes[k % len(lanes)]
             if plan.to_host:
                 if ring.free[j]:
                     rt.stream_wait_event(main, ring.free[j])
-                self._launch(main, plan.blocks[part], staged[part], True, 0, n_regions)
+                rt.launch(kernel, grid, THREADS, params[k], main)
                 self._hand_over(main, lane)
                 self._batch(lane, copies, True)
                 self._mark_free(ring, j, lane)
@@ -1019,7 +1041,7 @@ class CudaCopyBackend(CopyBackend):
                     rt.stream_wait_event(lane, ring.free[j])
                 self._batch(lane, copies, False)
                 self._hand_over(lane, main)
-                self._launch(main, plan.blocks[part], staged[part], False, 0, n_regions)
+                rt.launch(kernel, grid, THREADS, params[k], main)
                 self._mark_free(ring, j, main)
         if plan.to_host:
             for lane in lanes:

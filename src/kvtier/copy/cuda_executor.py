@@ -72,6 +72,8 @@ _ONE_WORD = np.zeros(1, dtype=np.uint64)
 
 def _as_words(raw: np.ndarray) -> np.ndarray:
     """uint8 bytes as uint64 words, zero-padded to a multiple of 8."""
+    if len(raw) % 8 == 0 and raw.flags.c_contiguous:
+        return raw.view(np.uint64)
     padded = np.zeros(-(-len(raw) // 8) * 8, dtype=np.uint8)
     padded[: len(raw)] = raw
     return padded.view(np.uint64)
