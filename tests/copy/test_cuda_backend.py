@@ -260,7 +260,7 @@ def test_failed_enqueue_returns_streams_and_events(
     kv = make_kv(layout, torch.Generator(device="cuda").manual_seed(4))
     one_block = LAYERS * 2 * 32768
     backend = backend_for(pool, kv, layout, strategy, stage_bytes=one_block, staged_min_blocks=1)
-    name = "_dma" if strategy == "dma" else "_launch"
+    name = {"dma": "_dma", "kernel": "_launch", "staged": "_batch"}[strategy]  # once a step
     real = getattr(backend, name)
     calls = {"n": 0}
 
