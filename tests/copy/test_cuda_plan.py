@@ -23,6 +23,7 @@ from kvtier.copy.cuda_plan import (
     param_bytes,
     pick_capacity,
     region_table,
+    with_region_begins,
 )
 
 LAYOUTS = list(KVLayout)
@@ -229,3 +230,16 @@ def test_param_rows_equal_one_pack_per_launch() -> None:
         start += count
     with pytest.raises(ValueError, match="exceed the launch capacity 8"):
         pack_param_rows(8, 0, 1, 1, True, counts, blocks, hosts)
+
+
+def test_region_begins_repeat_one_pack() -> None:
+    rng = np.random.default_rng(9)
+    blocks = rng.permutation(100)[:5].astype(np.int64)
+    hosts = rng.integers(0, 1 << 40, 5).astype(np.uint64)
+    one = np.zeros(param_bytes(8), dtype=np.uint8)
+    pack_params(one, 8, 0x1000, 4096, 0, 2, True, blocks, hosts)
+    rows = with_region_begins(one, [0, 2, 4])
+    for row, begin in zip(rows, [0, 2, 4], strict=True):
+        expected = np.zeros(param_bytes(8), dtype=np.uint8)
+        pack_params(expected, 8, 0x1000, 4096, begin, 2, True, blocks, hosts)
+        assert row.tobytes() == expected.tobytes()

@@ -65,6 +65,7 @@ from kvtier.copy.cuda_executor import (
     ProgramState,
     Recorder,
 )
+from kvtier.copy.cuda_kernels import THREADS
 from kvtier.copy.cuda_plan import (
     KERNEL_CAPACITIES,
     SLOT_LAYOUT,
@@ -82,6 +83,7 @@ from kvtier.copy.cuda_plan import (
     param_bytes,
     pick_capacity,
     region_table,
+    with_region_begins,
 )
 from kvtier.copy.cuda_runtime import (
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
@@ -915,13 +917,11 @@ class CudaCopyBackend(CopyBackend):
                     plan.to_host,
                 )
             return
+        launches = self._layer_launches(plan) if direct else []
         for layer in range(geo.num_layers):
-            if direct:
-                rng = geo.layer_regions(layer)
-                self._launch(
-                    transfer.stream, plan.blocks, plan.hosts, plan.to_host, rng.start, len(rng)
-                )
-            else:
+            for function, grid, rows in launches:
+                self._enq.launch(function, grid, THREADS, rows[layer], transfer.stream)
+            if not direct:
                 copies = copy_list(self._layer_arrays[layer], plan.blocks, plan.hosts, plan.to_host)
                 self._dma(transfer, copies, plan.to_host)
             event = self._events.acquire()
@@ -977,8 +977,6 @@ class CudaCopyBackend(CopyBackend):
         transfer's stream) then DMA (on a lane); for a LOAD, DMA then scatter. A buffer is
         reused only after the step that last used it. Addresses, copy lists and kernel
         parameters are computed for all chunks at once; per chunk only the calls are recorded."""
-        from kvtier.copy.cuda_kernels import THREADS
-
         rt, ring, geo = self._enq, self._rings[plan.to_host], self.geometry
         block = geo.block_bytes
         per = min(ring.buffer_bytes // block, KERNEL_CAPACITIES[-1])  # one launch per chunk
@@ -1018,14 +1016,13 @@ class CudaCopyBackend(CopyBackend):
             staged,
         )
         kernel = self._kernels.functions[capacity]
-        warps_per_cta = THREADS // 32
         lanes = self._lanes(transfer, self.options.stage_lanes)
         main = transfer.stream
         for k, size in enumerate(sizes):
             j = int(buffers[k])
             part = slice(chunk_runs[k], chunk_runs[k + 1])
             copies = CopyList(run_dsts[part], run_srcs[part], run_sizes[part])
-            grid = max(1, min(self.max_sms, -(-size * n_regions // warps_per_cta)))
+            grid = self._grid(size, n_regions)
             # Consecutive chunks' copies alternate lanes. (Splitting each chunk's copies over
             # both lanes instead measured no faster on an H100 and costs more issue time.)
             lane = lanes[k % len(lanes)]
@@ -1054,6 +1051,39 @@ class CudaCopyBackend(CopyBackend):
         if old:
             self._retire(old)
 
+    def _layer_launches(self, plan: _Plan) -> list[tuple[int, int, np.ndarray]]:
+        """A layer-wise kernel copy's launches: per run of at most 2,048 blocks, the function,
+        the grid and one parameter row per layer (packed once, repeated per layer)."""
+        geo = self.geometry
+        per = len(geo.regions) // geo.num_layers
+        begins = [geo.layer_regions(layer).start for layer in range(geo.num_layers)]
+        limit = KERNEL_CAPACITIES[-1]
+        launches = []
+        for start in range(0, len(plan.blocks), limit):
+            part = plan.blocks[start : start + limit]
+            capacity = pick_capacity(len(part))
+            params = np.zeros(param_bytes(capacity), dtype=np.uint8)
+            pack_params(
+                params,
+                capacity,
+                self._region_table_address,
+                geo.piece_bytes,
+                0,
+                per,
+                plan.to_host,
+                part,
+                plan.hosts[start : start + limit],
+            )
+            function = self._kernels.functions[capacity]
+            launches.append(
+                (function, self._grid(len(part), per), with_region_begins(params, begins))
+            )
+        return launches
+
+    def _grid(self, n_blocks: int, n_regions: int) -> int:
+        """CTAs for a launch: one warp per piece, at most ``max_sms``."""
+        return max(1, min(self.max_sms, -(-n_blocks * n_regions // (THREADS // 32))))
+
     def _launch(
         self,
         stream: int,
@@ -1065,9 +1095,6 @@ class CudaCopyBackend(CopyBackend):
     ) -> None:
         """The copy kernel over ``blocks`` x regions ``[region_begin, +n_regions)``; ``hosts``
         are the other side's addresses (the pool, or a staging buffer)."""
-        from kvtier.copy.cuda_kernels import THREADS
-
-        warps_per_cta = THREADS // 32
         limit = KERNEL_CAPACITIES[-1]
         for start in range(0, len(blocks), limit):
             part = blocks[start : start + limit]
@@ -1084,7 +1111,7 @@ class CudaCopyBackend(CopyBackend):
                 part,
                 hosts[start : start + limit],
             )
-            grid = max(1, min(self.max_sms, -(-len(part) * n_regions // warps_per_cta)))
+            grid = self._grid(len(part), n_regions)
             self._enq.launch(self._kernels.functions[capacity], grid, THREADS, params, stream)
 
     # -- completion ----------------------------------------------------------------------------

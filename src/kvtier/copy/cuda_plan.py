@@ -332,6 +332,14 @@ def pack_params(
     buf[start : start + 4 * n].view(np.int32)[:] = engine_blocks
 
 
+def with_region_begins(params: np.ndarray, region_begins: Sequence[int]) -> np.ndarray:
+    """Copies of one launch's packed ``params``, one row per first region (a layer-wise copy
+    launches the same blocks once per layer; only ``region_begin`` differs)."""
+    rows = np.tile(params, (len(region_begins), 1))
+    rows[:, 16:20].view(np.int32)[:, 0] = region_begins
+    return rows
+
+
 def pack_param_rows(
     capacity: int,
     region_table: int,
