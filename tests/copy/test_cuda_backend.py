@@ -260,24 +260,27 @@ def test_failed_enqueue_returns_streams_and_events(
     kv = make_kv(layout, torch.Generator(device="cuda").manual_seed(4))
     one_block = LAYERS * 2 * 32768
     backend = backend_for(pool, kv, layout, strategy, stage_bytes=one_block, staged_min_blocks=1)
-    name = {"dma": "_dma", "kernel": "_launch", "staged": "_batch"}[strategy]  # once a step
-    real = getattr(backend, name)
+    # Something called once a step: after the gate, per layer (dma, kernel) or per chunk (staged).
+    target = backend._events if strategy == "kernel" else backend
+    name = {"dma": "_dma", "kernel": "acquire", "staged": "_batch"}[strategy]
+    real = getattr(target, name)
     calls = {"n": 0}
 
-    def flaky(*args: Any) -> None:
+    def flaky(*args: Any) -> Any:
         calls["n"] += 1
         if calls["n"] > fail_at:
             raise RuntimeError("injected")
-        real(*args)
+        return real(*args)
 
-    monkeypatch.setattr(backend, name, flaky)
+    monkeypatch.setattr(target, name, flaky)
     pool.array()[:] = 0
     # Layer by layer (dma, kernel) or one block per staging chunk (staged): several steps.
     backend.submit(
         CopyJob(1, Direction.STORE, [1, 2, 3], [0, 1, 2]), layerwise=strategy != "staged"
     )
     backend.wait([1])  # planned while the fault is in place
-    monkeypatch.setattr(backend, name, real)
+    monkeypatch.setattr(target, name, real)
+    assert calls["n"] == fail_at + 1  # it failed where asked, part of the program recorded
     backend.submit(CopyJob(2, Direction.STORE, [4], [3]))
     done, failed = drain(backend)
     assert failed == [1] and done == [2]
@@ -314,6 +317,7 @@ def test_ten_thousand_outstanding_transfers_never_block(
     gate.record()
     for job in range(n, n + 16):  # warm the gated path; these are outstanding too
         backend.submit(CopyJob(job, Direction.LOAD, [1], [1]), after=gate)
+    planned_before = len(backend.plan_seconds)
     try:
         clock = time.perf_counter
         for job in range(n):
@@ -336,10 +340,13 @@ def test_ten_thousand_outstanding_transfers_never_block(
         f"\n{strategy}: submit with up to {n} outstanding: median {np.median(times) * 1e6:.1f} us, "
         f"p99.9 {np.percentile(times, 99.9) * 1e6:.1f} us, max {times.max() * 1e6:.1f} us"
     )
-    # A submit that blocked on a full CUDA queue would take until the gate opens (~2 s); what is
-    # left above 100 us is host noise (scheduling, page faults), rare enough for the percentile.
-    assert np.percentile(times, 99.9) < 100e-6
-    assert times.max() < 1e-3
+    # A submit that blocked on a full CUDA queue would take until the gate opens (~2 s). The
+    # first ones plan their transfer (room on the device: 40-200 us by CPU); the rest only
+    # queue, and what is left of them above 100 us is host noise, rare enough for the percentile.
+    planned = len(backend.plan_seconds) - planned_before
+    assert 0 < planned <= backend.options.max_in_flight
+    assert np.percentile(times[planned:], 99.9) < 100e-6
+    assert times.max() < 5e-3
     backend.close()
 
 
