@@ -693,8 +693,9 @@ class CudaCopyBackend(CopyBackend):
         load's are read only after ``stream_wait``), so waiting for it only delays the copy.
 
         ``after``: an event (``torch.cuda.Event`` or a ``cudaEvent_t`` as int) to wait for instead
-        of the work queued on the current stream now. ``layerwise``: copy layer by layer and
-        record an event after each, for ``stream_wait(job_id, layer)``.
+        of the current stream; the wait binds to its latest record when the calls are made, so a
+        caller re-recording it every step only delays the copy. ``layerwise``: copy layer by
+        layer and record an event after each, for ``stream_wait(job_id, layer)``.
         """
         job_id = job.job_id
         if self._closed or job_id in self._inflight:
