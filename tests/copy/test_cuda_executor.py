@@ -4,6 +4,7 @@ same order as a replay on the caller's thread, failures, no GIL, fallback when i
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import sys
 import threading
@@ -218,3 +219,23 @@ def test_events_go_back_to_the_pool_only_after_their_program_ran(pool: HostPool)
     assert backend.stats().idle
     backend.close()
     assert fake.streams == set() and fake.events == set() and fake.callback_errors == []
+
+
+def test_dropped_programs_and_executor_are_run_before_their_memory_goes() -> None:
+    """The caller may drop its programs, and the executor object, while the thread still has
+    them queued: it holds them until they ran, and a collected executor first runs them."""
+    sleep = _usleep()
+    done: list[int] = []
+    executor = Executor(ExecutorFunctions(0, sleep, sleep, sleep, sleep, sleep, sleep), False, 0)
+    for _ in range(20):
+        rec = Recorder(has_batch_memcpy=True)
+        rec.stream_wait_event(20_000, 0)  # 20 ms each
+        executor.push(rec.program)
+    del rec
+    gc.collect()
+    watch = executor._pending[-1]
+    assert watch.state is ProgramState.QUEUED  # 0.4 s of work queued, the caller holds none
+    done.append(executor.pushed)
+    del executor
+    gc.collect()  # __del__ closes: runs the 20 programs, then joins the thread
+    assert watch.state is ProgramState.DONE and done == [20]

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -292,6 +293,9 @@ class Executor:
         if not handle:
             raise ExecutorUnavailable("the copy executor's thread could not start")
         self._handle: int | None = handle
+        self._pending: deque[Program] = deque()
+        """Pushed and maybe not run yet: held here, so that the thread never reads memory freed
+        by a caller that dropped its programs (or the backend) early."""
         self.pushed = 0
 
     def push(self, program: Program) -> None:
@@ -307,6 +311,10 @@ class Executor:
             raise ExecutorUnavailable("the copy executor is closed or out of memory")
         program.seq = int(seq)
         self.pushed = program.seq
+        pending = self._pending
+        pending.append(program)
+        while pending and pending[0].state is not ProgramState.QUEUED:
+            pending.popleft()
 
     def executed(self) -> int:
         """Programs run so far (their status words are final)."""
@@ -323,3 +331,8 @@ class Executor:
         if self._handle is not None:
             self._lib.kvx_close(self._handle)
             self._handle = None
+            self._pending.clear()
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None) is not None:  # (not when __init__ failed)
+            self.close()  # its thread may still be reading programs only this object holds
