@@ -747,22 +747,21 @@ class CudaCopyBackend(CopyBackend):
         )
         return _Plan(job.direction is Direction.STORE, blocks, hosts)
 
-    def _pump(self) -> bool:
+    def _pump(self) -> None:
         """Plan and enqueue queued transfers, oldest first, while the device queues have room (at
-        least one when nothing is in flight, however large). True when transfers are left
-        waiting for room."""
+        least one when nothing is in flight, however large)."""
         opts = self.options
         while True:
             with self._lock:
                 if not self._queued or self._closed:
-                    return False
+                    return
                 transfer = self._queued[0]
                 full = (
                     len(self._inflight) >= opts.max_in_flight
                     or self._ops + transfer.ops > opts.max_device_ops
                 )
                 if self._inflight and full:
-                    return True
+                    return
                 self._queued.popleft()
             self._start(transfer)
 
@@ -997,12 +996,12 @@ class CudaCopyBackend(CopyBackend):
         dsts, srcs = (host_side, stage_side) if plan.to_host else (stage_side, host_side)
         # Slots next to each other in the pool (a fresh pool hands them out in order) move as
         # one copy (the staging side of a chunk is contiguous), never across chunks.
-        copy_sizes = np.full(n, block, dtype=np.uintp)
-        joins = (dsts[1:] == dsts[:-1] + copy_sizes[:-1]) & (srcs[1:] == srcs[:-1] + block)
+        step = np.uintp(block)
+        joins = (dsts[1:] == dsts[:-1] + step) & (srcs[1:] == srcs[:-1] + step)
         joins[ends[:-1] - 1] = False
         runs = np.flatnonzero(np.concatenate(([True], ~joins)))
         run_dsts, run_srcs = dsts[runs], srcs[runs]
-        run_sizes = np.add.reduceat(copy_sizes, runs).astype(np.uintp)
+        run_sizes = (np.diff(np.append(runs, n)) * block).astype(np.uintp)
         chunk_runs = np.append(np.searchsorted(runs, starts), len(runs)).tolist()
         n_regions = len(geo.regions)
         capacity = pick_capacity(max(sizes))
