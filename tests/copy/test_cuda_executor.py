@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import os
 import sys
 import threading
 import time
@@ -223,19 +224,28 @@ def test_events_go_back_to_the_pool_only_after_their_program_ran(pool: HostPool)
 
 def test_dropped_programs_and_executor_are_run_before_their_memory_goes() -> None:
     """The caller may drop its programs, and the executor object, while the thread still has
-    them queued: it holds them until they ran, and a collected executor first runs them."""
+    them queued: it holds them until they ran, and a collected executor first runs them. The
+    stand-in copy is ``read(2)`` on a pipe, so the thread stays busy until the test writes."""
+    libc = ctypes.CDLL(None)
+    read = ctypes.cast(libc.read, ctypes.c_void_p).value or 0
     sleep = _usleep()
-    done: list[int] = []
-    executor = Executor(ExecutorFunctions(0, sleep, sleep, sleep, sleep, sleep, sleep), False, 0)
+    reader, writer = os.pipe()
+    scratch = np.zeros(1, dtype=np.uint8)
+    executor = Executor(ExecutorFunctions(0, sleep, sleep, read, sleep, sleep, sleep), False, 0)
     for _ in range(20):
         rec = Recorder(has_batch_memcpy=True)
-        rec.stream_wait_event(20_000, 0)  # 20 ms each
+        rec.memcpy_async(reader, scratch.ctypes.data, 1, 0)  # read(reader, scratch, 1)
         executor.push(rec.program)
     del rec
     gc.collect()
     watch = executor._pending[-1]
-    assert watch.state is ProgramState.QUEUED  # 0.4 s of work queued, the caller holds none
-    done.append(executor.pushed)
+    assert watch.state is ProgramState.QUEUED  # the thread waits in the first read
+    feeder = threading.Timer(0.5, os.write, (writer, bytes(20)))
+    feeder.start()
     del executor
-    gc.collect()  # __del__ closes: runs the 20 programs, then joins the thread
-    assert watch.state is ProgramState.DONE and done == [20]
+    gc.collect()  # __del__ closes: waits until the 20 programs ran, then joins the thread
+    assert watch.state is not ProgramState.QUEUED  # (it ran: read's byte count reads as an error)
+    feeder.join()
+    os.close(reader)
+    os.close(writer)
+    del scratch
