@@ -116,12 +116,6 @@ class FakeRuntime:
     def error_text(self, code: int) -> tuple[str, str]:
         return "cudaErrorFake", f"fake error {code}"
 
-    def get_device(self) -> int:
-        return 0
-
-    def set_device(self, device: int) -> None:
-        pass
-
     def multiprocessor_count(self, device: int) -> int:
         return 132
 

@@ -17,6 +17,7 @@ from kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
 
 from kvtier.copy.base import CopyJob, Direction
 from kvtier.copy.cuda import CudaCopyOptions, chunk_sizes
+from kvtier.copy.cuda_executor import ExecutorUnavailable
 from kvtier.copy.cuda_plan import KVLayout
 from kvtier.errors import ConfigError, PoolError
 from kvtier.pool import HostPool
@@ -653,3 +654,55 @@ def test_close_stops_the_executor_with_work_queued(pool: HostPool) -> None:
     assert fake.streams == set() and fake.events == set() and fake.registered == []
     backend.submit(CopyJob(99, Direction.STORE, [0], [0]))
     assert backend.poll().failed == [99]
+
+
+def test_a_failure_while_planning_fails_the_job_and_drains_what_it_recorded(
+    pool: HostPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception in the middle of recording (here: the second layer's event) fails that job
+    only; the calls recorded before it still run and their streams are synchronized."""
+    fake = FakeRuntime(deferred=True)
+    backend, _, _ = _threaded(pool, KVLayout.LAYER_KV_FIRST, fake, strategy="kernel")
+    real = backend._events.acquire
+    calls = {"n": 0}
+
+    def flaky() -> int:
+        calls["n"] += 1
+        if calls["n"] == 3:  # gate, layer 0, then layer 1
+            raise RuntimeError("injected")
+        return real()
+
+    monkeypatch.setattr(backend._events, "acquire", flaky)
+    backend.submit(CopyJob(1, Direction.STORE, [1, 2], [0, 1]), layerwise=True)
+    monkeypatch.setattr(backend._events, "acquire", real)
+    backend.submit(CopyJob(2, Direction.STORE, [3], [2]))
+    device = _Device(fake)
+    done, failed = _drain(backend, {1, 2})
+    assert failed == [1] and done == [2]
+    assert _idle(backend) and fake.callback_errors == []
+    backend.close()
+    device.stop()
+    assert fake.streams == set() and fake.events == set()
+
+
+def test_an_executor_that_stops_taking_work_hands_over_to_the_callers_thread(
+    pool: HostPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeRuntime(deferred=True)
+    backend, logical, _ = _threaded(pool, KVLayout.BLOCK_COMPACT, fake, strategy="dma")
+    backend.submit(CopyJob(1, Direction.STORE, [1], [1]))
+    executor = backend._executor
+    assert executor is not None
+
+    def refuse(program: Any) -> None:
+        raise ExecutorUnavailable("out of memory (injected)")
+
+    monkeypatch.setattr(executor, "push", refuse)
+    backend.submit(CopyJob(2, Direction.STORE, [2], [2]))  # replayed here, after job 1 ran
+    assert backend._executor is None
+    backend.wait([1, 2])
+    assert sorted(backend.poll().done) == [1, 2]
+    for slot, block in ((1, 1), (2, 2)):
+        assert _slot_part(pool, slot, 0, logical[block].nbytes) == block_bytes(logical, block)
+    backend.close()
+    assert fake.streams == set() and fake.events == set() and fake.callback_errors == []

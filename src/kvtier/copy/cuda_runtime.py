@@ -104,7 +104,6 @@ class CudaRuntime:
         entry_points: dict[str, list[Any]] = {
             "cudaRuntimeGetVersion": [ctypes.POINTER(_int)],
             "cudaDriverGetVersion": [ctypes.POINTER(_int)],
-            "cudaGetDevice": [ctypes.POINTER(_int)],
             "cudaSetDevice": [_int],
             "cudaDeviceGetAttribute": [ctypes.POINTER(_int), _int, _int],
             "cudaStreamCreateWithPriority": [ctypes.POINTER(_vp), _uint, _int],
@@ -161,7 +160,6 @@ class CudaRuntime:
     cudaGetErrorName: Any
     cudaRuntimeGetVersion: Any
     cudaDriverGetVersion: Any
-    cudaGetDevice: Any
     cudaSetDevice: Any
     cudaDeviceGetAttribute: Any
     cudaStreamCreateWithPriority: Any
@@ -224,14 +222,6 @@ class CudaRuntime:
             raise CudaError(call, code, f"CUresult {code}", (text.value or b"?").decode())
 
     # -- device ---------------------------------------------------------------------------------
-
-    def get_device(self) -> int:
-        dev = _int()
-        self._check("cudaGetDevice", self.cudaGetDevice(ctypes.byref(dev)))
-        return dev.value
-
-    def set_device(self, device: int) -> None:
-        self._check("cudaSetDevice", self.cudaSetDevice(device))
 
     def multiprocessor_count(self, device: int) -> int:
         value = _int()
