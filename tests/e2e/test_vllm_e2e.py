@@ -44,6 +44,18 @@ def _gen(llm: Any, name: str) -> list[list[int]]:
     return h.generate_ids(llm, jobs.PROMPT_SETS[name], max_tokens=jobs.MAX_TOKENS[name])
 
 
+def _compute_and_store(
+    model_dir: Path, reference: Ref, tmp_path: Path, fs_tier: dict[str, Any], name: str
+) -> None:
+    """An engine in this process generates prompt set ``name`` (checked against the reference)
+    and stores its KV through ``fs_tier``; then it is shut down."""
+    llm = _engine(model_dir, jobs.kvtier_config(tmp_path / "stats1.json", tiers=[fs_tier]))
+    try:
+        assert _gen(llm, name) == reference[name]
+    finally:
+        h.shutdown_llm(llm)
+
+
 @pytest.fixture
 def fs_tier(tmp_path: Path) -> Iterator[dict[str, Any]]:
     yield {"kind": "fs", "path": str(tmp_path / "fs"), "capacity": "256MiB"}
@@ -71,11 +83,7 @@ def test_b_warm_restart_multiprocess(
     model_dir: Path, reference: Ref, tmp_path: Path, fs_tier: dict[str, Any]
 ) -> None:
     # Process 1 (this one, single-process engine): compute and store into the fs tier.
-    llm = _engine(model_dir, jobs.kvtier_config(tmp_path / "stats1.json", tiers=[fs_tier]))
-    try:
-        assert _gen(llm, "basic") == reference["basic"]
-    finally:
-        h.shutdown_llm(llm)
+    _compute_and_store(model_dir, reference, tmp_path, fs_tier, "basic")
     assert list(Path(fs_tier["path"]).rglob("*.kvb")), "nothing written to the fs tier"
     # Process 2: a new Python process, vLLM's default multi-process mode, empty host pool.
     extra = jobs.kvtier_config(tmp_path / "stats2.json", tiers=[fs_tier])
@@ -93,11 +101,7 @@ def test_c_shared_prefix_loaded_once(
 ) -> None:
     # Engine 1 stores the shared prefix in the fs tier; engine 2 starts with an empty pool, so
     # its lookups go pending while the prefix is promoted, and 4 concurrent requests share it.
-    llm = _engine(model_dir, jobs.kvtier_config(tmp_path / "stats1.json", tiers=[fs_tier]))
-    try:
-        assert _gen(llm, "prefix_only") == reference["prefix_only"]
-    finally:
-        h.shutdown_llm(llm)
+    _compute_and_store(model_dir, reference, tmp_path, fs_tier, "prefix_only")
     stats_path = tmp_path / "stats2.json"
     llm = _engine(model_dir, jobs.kvtier_config(stats_path, tiers=[fs_tier]))
     try:

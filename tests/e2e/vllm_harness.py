@@ -19,9 +19,9 @@ value 1234 (vllm/model_executor/model_loader/weight_utils.py), so dummy
 weights are identical in every process, whatever ``seed`` is. They are also so
 small that the output barely depends on anything but the last token, which
 makes them a poor detector of wrong KV. The default here is therefore a real
-checkpoint with N(0, 0.02)-style weights from ``torch.Generator`` seeded by
-``weights_seed``: bit-identical across processes and sensitive to the KV
-contents. Use ``weights="dummy"`` for the vLLM-native variant.
+checkpoint with the demo's N(0, 1/fan_in) weights (``kvtier.demo.llama_weights``)
+from a ``torch.Generator`` seeded by ``weights_seed``: bit-identical across
+processes and sensitive to the KV contents. Use ``weights="dummy"`` for the vLLM-native variant.
 
 Environment: vLLM reads several variables when the engine starts. Call
 :func:`prepare_env` (``build_llm`` does) before building an engine; it sets
@@ -49,30 +49,23 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.demo import ModelSize, llama_weights
+
 if TYPE_CHECKING:  # vllm is heavy; import it lazily so this module is cheap.
     from vllm import LLM
 
 # A tiny Llama. head_dim must be one the CPU attention kernel supports
 # (32, 64, 80, ...; 16 fails with "Unsupported CPU attention configuration").
-TINY_LLAMA_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+TINY_LLAMA = ModelSize(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=512,
+)
+TINY_LLAMA_CONFIG: dict[str, Any] = {**TINY_LLAMA.config(), "max_position_embeddings": 4096}
 
 # vLLM's CPU attention backend only supports multiples of 32 as block size.
 DEFAULT_BLOCK_SIZE = 32
@@ -128,71 +121,29 @@ def cpu_threads_bind(ranks: int) -> str:
     return "|".join(lists)
 
 
-def _tiny_llama_state_dict(config: Mapping[str, Any], seed: int) -> dict[str, Any]:
-    import torch
-
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed)
-    hidden = int(config["hidden_size"])
-    inter = int(config["intermediate_size"])
-    vocab = int(config["vocab_size"])
-    n_heads = int(config["num_attention_heads"])
-    n_kv = int(config["num_key_value_heads"])
-    head_dim = int(config.get("head_dim") or hidden // n_heads)
-
-    def rnd(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
-
-    # Fixed insertion order => the same draws in every process.
-    sd: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": rnd(vocab, hidden, std=1.0),
-    }
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = torch.ones(hidden)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-        sd[p + "self_attn.q_proj.weight"] = rnd(n_heads * head_dim, hidden, std=0.2)
-        sd[p + "self_attn.k_proj.weight"] = rnd(n_kv * head_dim, hidden, std=0.2)
-        sd[p + "self_attn.v_proj.weight"] = rnd(n_kv * head_dim, hidden, std=0.2)
-        sd[p + "self_attn.o_proj.weight"] = rnd(hidden, n_heads * head_dim, std=0.1)
-        sd[p + "mlp.gate_proj.weight"] = rnd(inter, hidden, std=0.1)
-        sd[p + "mlp.up_proj.weight"] = rnd(inter, hidden, std=0.1)
-        sd[p + "mlp.down_proj.weight"] = rnd(hidden, inter, std=0.1)
-    sd["model.norm.weight"] = torch.ones(hidden)
-    sd["lm_head.weight"] = rnd(vocab, hidden, std=0.2)
-    return sd
-
-
 def write_tiny_llama(
-    model_dir: str | os.PathLike[str],
-    *,
-    weights: str = "random",
-    weights_seed: int = 0,
-    **config_overrides: Any,
+    model_dir: str | os.PathLike[str], *, weights: str = "random", weights_seed: int = 0
 ) -> Path:
     """Write a tiny ``LlamaForCausalLM`` model directory and return its path.
 
     ``weights="random"`` also writes ``model.safetensors`` with weights drawn
     from a CPU ``torch.Generator`` seeded with ``weights_seed`` (identical in
-    every process); ``weights="dummy"`` writes only ``config.json`` and the
-    engine must use ``load_format="dummy"`` (``build_llm`` picks that itself).
-    Extra keyword arguments override entries of :data:`TINY_LLAMA_CONFIG`.
-    No tokenizer files are written: use token-id prompts.
+    every process: ``kvtier.demo.llama_weights``); ``weights="dummy"`` writes
+    only ``config.json`` and the engine must use ``load_format="dummy"``
+    (``build_llm`` picks that itself). No tokenizer files are written: use
+    token-id prompts.
     """
     if weights not in ("random", "dummy"):
         raise ValueError(f"weights must be 'random' or 'dummy', not {weights!r}")
     path = Path(model_dir)
     path.mkdir(parents=True, exist_ok=True)
-    config = {**TINY_LLAMA_CONFIG, **config_overrides}
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG, indent=2, sort_keys=True))
     weights_file = path / "model.safetensors"
     if weights == "random":
         from safetensors.torch import save_file
 
         save_file(
-            _tiny_llama_state_dict(config, weights_seed),
-            str(weights_file),
-            metadata={"format": "pt"},
+            llama_weights(TINY_LLAMA, weights_seed), str(weights_file), metadata={"format": "pt"}
         )
     elif weights_file.exists():
         weights_file.unlink()

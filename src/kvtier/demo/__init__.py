@@ -129,11 +129,20 @@ def write_model(directory: Path, size: ModelSize, seed: int = 0) -> Path:
     Each matrix is N(0, 1/fan_in), so activations stay of order one through the layers and the
     attention is spread over many positions: wrong KV bytes change the output.
     """
-    import torch
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(size.config(), indent=2))
+    weights = llama_weights(size, seed)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def llama_weights(size: ModelSize, seed: int = 0) -> dict[str, Any]:
+    """The seeded random ``LlamaForCausalLM`` state dict ``write_model`` saves (drawn in a fixed
+    order from a CPU generator: the same tensors in every process)."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     hidden, inter, vocab = size.hidden_size, size.intermediate_size, size.vocab_size
     q_dim = size.num_attention_heads * size.head_dim
@@ -156,8 +165,7 @@ def write_model(directory: Path, size: ModelSize, seed: int = 0) -> Path:
         weights[p + "mlp.down_proj.weight"] = rnd(hidden, inter)
     weights["model.norm.weight"] = torch.ones(hidden)
     weights["lm_head.weight"] = rnd(vocab, hidden)
-    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
+    return weights
 
 
 # -- the workload -------------------------------------------------------------------------------
