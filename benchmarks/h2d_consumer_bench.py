@@ -31,9 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-CHUNK = 128 << 20
-CHUNKS = 16
-BUFFERS = 2
+TOTAL = 2 << 30
 CTAS, THREADS = 8, 512
 WAIT_GEQ, WRITE_DEFAULT = 0x0, 0x0
 
@@ -60,6 +58,7 @@ extern "C" __global__ void follow(const uint4* stage, uint4* dst, unsigned long 
     }
   }
 }
+extern "C" __global__ void nothing() {}
 extern "C" __global__ void copy_chunk(const uint4* src, uint4* out, unsigned long long vecs) {
   for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < vecs;
        i += (unsigned long long)gridDim.x * blockDim.x) __stcs(out + i, __ldcg(src + i));
@@ -68,8 +67,10 @@ extern "C" __global__ void copy_chunk(const uint4* src, uint4* out, unsigned lon
 
 
 class Pipeline:
-    def __init__(self) -> None:
+    def __init__(self, chunk: int, buffers: int) -> None:
         import cupy
+
+        self.chunk, self.buffers, self.chunks = chunk, buffers, TOTAL // chunk
 
         self.cupy = cupy
         driver = ctypes.CDLL("libcuda.so.1")
@@ -78,23 +79,30 @@ class Pipeline:
         for fn in (self.wait_value, self.write_value):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
             fn.restype = ctypes.c_int
-        total = CHUNK * CHUNKS
+        total = TOTAL
         self.host = torch.randint(0, 256, (total,), dtype=torch.uint8).pin_memory()
-        self.stage = torch.empty(CHUNK * BUFFERS, dtype=torch.uint8, device="cuda")
+        self.stage = torch.empty(chunk * buffers, dtype=torch.uint8, device="cuda")
+        # One staging region per chunk, for the variants that never reuse a buffer.
+        self.stage_all = torch.empty(total, dtype=torch.uint8, device="cuda")
         self.dst = torch.empty(total, dtype=torch.uint8, device="cuda")
-        self.flags = torch.zeros(8 + CHUNKS, dtype=torch.int32, device="cuda")
+        self.flags = torch.zeros(8 + self.chunks, dtype=torch.int32, device="cuda")
         module = cupy.RawModule(code=_SOURCE)
         self.follow = module.get_function("follow")
         self.copy_chunk = module.get_function("copy_chunk")
+        self.nothing = module.get_function("nothing")
         self.lane, self.main = torch.cuda.Stream(), torch.cuda.Stream()
         self.cupy_main = cupy.cuda.ExternalStream(self.main.cuda_stream)
 
-    def _copy_in(self, k: int) -> int:
-        """Chunk ``k`` into its staging buffer, on the copy stream; the buffer's address."""
-        stage = self.stage.data_ptr() + (k % BUFFERS) * CHUNK
+    def _copy_in(self, k: int, own_buffer: bool = False) -> int:
+        """Chunk ``k`` into its staging buffer (or a region of its own), on the copy stream;
+        the buffer's address."""
+        if own_buffer:
+            stage = self.stage_all.data_ptr() + k * self.chunk
+        else:
+            stage = self.stage.data_ptr() + (k % self.buffers) * self.chunk
         rt = self.cupy.cuda.runtime
-        source = self.host.data_ptr() + k * CHUNK
-        rt.memcpyAsync(stage, source, CHUNK, rt.memcpyDefault, self.lane.cuda_stream)
+        source = self.host.data_ptr() + k * self.chunk
+        rt.memcpyAsync(stage, source, self.chunk, rt.memcpyDefault, self.lane.cuda_stream)
         return stage
 
     def contiguous(self) -> None:
@@ -102,25 +110,107 @@ class Pipeline:
             self.dst.copy_(self.host, non_blocking=True)
 
     def dma_only(self) -> None:
-        for k in range(CHUNKS):
+        for k in range(self.chunks):
             self._copy_in(k)
 
     def events(self) -> None:
-        read: list[torch.cuda.Event | None] = [None] * BUFFERS
-        u64 = np.uint64
-        for k in range(CHUNKS):
-            previous = read[k % BUFFERS]
+        read: list[torch.cuda.Event | None] = [None] * self.buffers
+        for k in range(self.chunks):
+            previous = read[k % self.buffers]
             if previous is not None:
                 self.lane.wait_event(previous)
             stage = self._copy_in(k)
             self.main.wait_stream(self.lane)
-            out = self.dst.data_ptr() + k * CHUNK
-            self.copy_chunk(
-                (CTAS,), (THREADS,), (u64(stage), u64(out), u64(CHUNK // 16)), stream=self.cupy_main
-            )
-            event = torch.cuda.Event()
-            event.record(self.main)
-            read[k % BUFFERS] = event
+            self._consume(k, stage)
+            read[k % self.buffers] = self._recorded(self.main)
+        self.lane.wait_stream(self.main)
+
+    def _consume(self, k: int, stage: int) -> None:
+        out = self.dst.data_ptr() + k * self.chunk
+        u64 = np.uint64
+        self.copy_chunk(
+            (CTAS,),
+            (THREADS,),
+            (u64(stage), u64(out), u64(self.chunk // 16)),
+            stream=self.cupy_main,
+        )
+
+    def _recorded(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def dma_recorded(self) -> None:
+        """An event recorded after each copy; nothing waits for it."""
+        for k in range(self.chunks):
+            self._copy_in(k)
+            self._recorded(self.lane)
+
+    def dma_waited(self) -> None:
+        """The consumer stream waits for each copy's event but launches nothing."""
+        for k in range(self.chunks):
+            self._copy_in(k)
+            self.main.wait_event(self._recorded(self.lane))
+        self.lane.wait_stream(self.main)
+
+    def empty_consumer(self) -> None:
+        """An empty kernel waits for each copy's event."""
+        for k in range(self.chunks):
+            self._copy_in(k)
+            self.main.wait_event(self._recorded(self.lane))
+            self.nothing((1,), (1,), (), stream=self.cupy_main)
+        self.lane.wait_stream(self.main)
+
+    def independent(self) -> None:
+        """Consumer kernels that wait for nothing (each chunk its own buffer): the kernels run
+        beside the copies without depending on them. The result is not checked (it races)."""
+        for k in range(self.chunks):
+            self._copy_in(k, own_buffer=True)
+        for k in range(self.chunks):
+            self._consume(k, self.stage_all.data_ptr() + k * self.chunk)
+        self.lane.wait_stream(self.main)
+
+    def dependent_no_reuse(self) -> None:
+        """A consumer per chunk through events, each chunk its own buffer: no copy waits."""
+        for k in range(self.chunks):
+            stage = self._copy_in(k, own_buffer=True)
+            self.main.wait_event(self._recorded(self.lane))
+            self._consume(k, stage)
+        self.lane.wait_stream(self.main)
+
+    def host_gated(self) -> None:
+        """The host waits for each copy to land, then launches its consumer: nothing on the
+        GPU waits for anything (each chunk its own buffer)."""
+        landed = []
+        for k in range(self.chunks):
+            self._copy_in(k, own_buffer=True)
+            landed.append(self._recorded(self.lane))
+        for k in range(self.chunks):
+            landed[k].synchronize()
+            self._consume(k, self.stage_all.data_ptr() + k * self.chunk)
+        self.lane.wait_stream(self.main)
+
+    def host_gated_reuse(self, device_reuse: bool) -> None:
+        """Two staging buffers; the host launches chunk k's consumer once its copy landed. A
+        buffer is refilled after its consumer: the copy stream waits for the consumer's event
+        (``device_reuse``) or the host waits for it before queueing the copy."""
+        landed: list[torch.cuda.Event] = []
+        read: list[torch.cuda.Event] = []
+        for k in range(min(self.buffers, self.chunks)):
+            self._copy_in(k)
+            landed.append(self._recorded(self.lane))
+        for k in range(self.chunks):
+            landed[k].synchronize()
+            self._consume(k, self.stage.data_ptr() + (k % self.buffers) * self.chunk)
+            read.append(self._recorded(self.main))
+            nxt = k + self.buffers
+            if nxt < self.chunks:
+                if device_reuse:
+                    self.lane.wait_event(read[k])
+                else:
+                    read[k].synchronize()
+                self._copy_in(nxt)
+                landed.append(self._recorded(self.lane))
         self.lane.wait_stream(self.main)
 
     def flagged(self) -> None:
@@ -128,16 +218,18 @@ class Pipeline:
         args = (
             np.uint64(self.stage.data_ptr()),
             np.uint64(self.dst.data_ptr()),
-            np.uint64(CHUNK // 16),
-            np.int32(CHUNKS),
-            np.int32(BUFFERS),
+            np.uint64(self.chunk // 16),
+            np.int32(self.chunks),
+            np.int32(self.buffers),
             np.uint64(flags),
         )
         self.follow((CTAS,), (THREADS,), args, stream=self.cupy_main)
         stream = self.lane.cuda_stream
-        for k in range(CHUNKS):
-            if k >= BUFFERS:  # the chunk that last used this buffer has been consumed
-                code = self.wait_value(stream, flags + 4 * (1 + k % BUFFERS), k - BUFFERS + 1, 0)
+        for k in range(self.chunks):
+            if k >= self.buffers:  # the chunk that last used this buffer has been consumed
+                code = self.wait_value(
+                    stream, flags + 4 * (1 + k % self.buffers), k - self.buffers + 1, 0
+                )
                 assert code == 0, f"cuStreamWaitValue32: {code}"
             self._copy_in(k)
             code = self.write_value(stream, flags, k + 1, WRITE_DEFAULT)
@@ -161,47 +253,71 @@ class Pipeline:
         return bool(torch.equal(self.dst, self.host.to("cuda")))
 
 
+def variants_of(pipe: Pipeline) -> dict[str, Callable[[], None]]:
+    return {
+        "dma only": pipe.dma_only,
+        "events": pipe.events,
+        "flags": pipe.flagged,
+        "dma+record": pipe.dma_recorded,
+        "dma+wait": pipe.dma_waited,
+        "empty kernels": pipe.empty_consumer,
+        "independent": pipe.independent,
+        "dependent, no reuse": pipe.dependent_no_reuse,
+        "host gated, no reuse": pipe.host_gated,
+        "host gated, device reuse": lambda: pipe.host_gated_reuse(True),
+        "host gated, host reuse": lambda: pipe.host_gated_reuse(False),
+    }
+
+
+UNCHECKED = {"dma only", "dma+record", "dma+wait", "empty kernels", "independent"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk-mib", type=int, nargs="+", default=[128])
+    parser.add_argument("--buffers", type=int, nargs="+", default=[2])
+    parser.add_argument("--variants", nargs="+", help="names of the variants to run (all)")
     parser.add_argument("--json", type=Path, default=Path("docs/results/h2d_consumer_bench.json"))
     args = parser.parse_args()
-    pipe = Pipeline()
     gpu = torch.cuda.get_device_name()
-    variants: dict[str, Callable[[], None]] = {
-        "dma only": pipe.dma_only,
-        "events": pipe.events,
-        "flags": pipe.flagged,
-    }
     rows: list[dict[str, Any]] = []
-    for round_ in range(args.rounds):
-        for name, variant in variants.items():
-            before = pipe.seconds(pipe.contiguous, args.repeats)
-            took = pipe.seconds(variant, args.repeats)
-            after = pipe.seconds(pipe.contiguous, args.repeats)
-            right = name == "dma only" or pipe.landed_right()
-            reference = (before + after) / 2
-            rows.append(
-                {
-                    "round": round_,
-                    "variant": name,
-                    "gbps": round(CHUNK * CHUNKS / took / 1e9, 2),
-                    "contiguous_gbps": round(CHUNK * CHUNKS / reference / 1e9, 2),
-                    "percent_of_contiguous": round(100 * reference / took, 1),
-                    "verified": right,
-                }
-            )
+    for chunk_mib in args.chunk_mib:
+        for buffers in args.buffers:
+            pipe = Pipeline(chunk_mib << 20, buffers)
+            variants = variants_of(pipe)
+            chosen = args.variants or list(variants)
+            for round_ in range(args.rounds):
+                for name in chosen:
+                    before = pipe.seconds(pipe.contiguous, args.repeats)
+                    took = pipe.seconds(variants[name], args.repeats)
+                    after = pipe.seconds(pipe.contiguous, args.repeats)
+                    right = None if name in UNCHECKED else pipe.landed_right()
+                    reference = (before + after) / 2
+                    rows.append(
+                        {
+                            "chunk_mib": chunk_mib,
+                            "buffers": buffers,
+                            "round": round_,
+                            "variant": name,
+                            "gbps": round(TOTAL / took / 1e9, 2),
+                            "contiguous_gbps": round(TOTAL / reference / 1e9, 2),
+                            "percent_of_contiguous": round(100 * reference / took, 1),
+                            "verified": right,
+                        }
+                    )
+            del pipe
+            torch.cuda.empty_cache()
     print(f"\nhost-to-device stream with a consumer kernel, on {gpu}")
-    print(
-        f"{CHUNKS} chunks of {CHUNK >> 20} MiB, {BUFFERS} staging buffers, consumer on {CTAS} SMs;"
-    )
+    print(f"{TOTAL >> 30} GiB in chunks through staging buffers, consumer on {CTAS} SMs;")
     print("contig: the whole-buffer copy timed before and after each variant (mean)")
-    print(f"{'round':>5}  {'variant':<10}{'GB/s':>8}{'contig':>8}{'%':>8}  verified")
+    header = f"{'MiB':>5}{'bufs':>5}{'round':>6}  {'variant':<26}"
+    print(f"{header}{'GB/s':>8}{'contig':>8}{'%':>8}  verified")
     for row in rows:
         print(
-            f"{row['round']:>5}  {row['variant']:<10}{row['gbps']:>8.2f}"
-            f"{row['contiguous_gbps']:>8.2f}{row['percent_of_contiguous']:>7.1f}%"
+            f"{row['chunk_mib']:>5}{row['buffers']:>5}{row['round']:>6}  {row['variant']:<26}"
+            f"{row['gbps']:>8.2f}{row['contiguous_gbps']:>8.2f}{row['percent_of_contiguous']:>7.1f}%"
             f"  {row['verified']}"
         )
     args.json.parent.mkdir(parents=True, exist_ok=True)

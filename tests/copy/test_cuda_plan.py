@@ -70,7 +70,19 @@ def test_layouts_are_checked() -> None:
     logical = logical_blocks(np.random.default_rng(3), 4)
     arrays = engine_arrays(logical, KVLayout.LAYER_KV_FIRST)
     with pytest.raises(ValueError, match="want"):
-        describe_kv(_tensors(arrays), KVLayout.LAYER_BLOCKS_FIRST)
+        describe_kv(_tensors([a[:, :, ::2] for a in arrays]), KVLayout.LAYER_BLOCKS_FIRST)
+    with pytest.raises(ValueError, match="page sizes"):
+        describe_kv(
+            _tensors([arrays[0], np.ascontiguousarray(arrays[1][:, :, :2])]),
+            KVLayout.LAYER_BLOCKS_FIRST,
+        )
+    permuted = [
+        np.ascontiguousarray(a.transpose(0, 1, 3, 2, 4)).transpose(0, 1, 3, 2, 4) for a in arrays
+    ]
+    assert (
+        describe_kv(_tensors(permuted), KVLayout.LAYER_KV_FIRST).piece_bytes
+        == arrays[0][0, 0].nbytes
+    )
     with pytest.raises(ValueError, match="one tensor"):
         describe_kv(_tensors(arrays), KVLayout.BLOCK_COMPACT)
     strided = [a[:, ::2] for a in arrays]  # blocks still dense, fewer of them: fine

@@ -453,3 +453,38 @@ def test_tensor_parallel_with_an_external_launcher_is_refused(
     with pytest.raises(ConfigError, match="distributed_executor_backend"):
         KVTierConnector(config, role, kv_cache_config())
     assert not list(tmp_path.iterdir())
+
+
+def test_the_connector_asks_vllm_for_the_configured_kv_cache_layout(tmp_path: Path) -> None:
+    pool = {"size": POOL_SLOTS * TP * PART, "shm_dir": str(tmp_path)}
+    assert KVTierConnector.get_required_kvcache_layout(vllm_config({"pool": pool})) == "BLNHC"
+    for value, asked in (("BLHNC", "BLHNC"), ("LBNHC", "LBNHC"), ("engine", None)):
+        config = vllm_config({"pool": pool, "vllm": {"kv_cache_layout": value}})
+        assert KVTierConnector.get_required_kvcache_layout(config) == asked
+    bad = vllm_config({"pool": pool, "vllm": {"kv_cache_layout": "NHD"}})
+    with pytest.raises(ConfigError, match="vllm.kv_cache_layout"):
+        KVTierConnector.get_required_kvcache_layout(bad)
+    assert not list(tmp_path.iterdir())  # asking creates no pool
+
+
+def test_vllm_takes_the_connector_layout_where_its_backends_allow_it() -> None:
+    """vLLM's own resolution: the connector's layout is used where the attention backends have
+    no objection (FlashAttention declares none) and dropped for one they refuse (the CPU
+    backend takes only LBHNC)."""
+    from vllm.v1.attention.backends import utils as attention_utils
+
+    def resolve(supported: list[str]) -> str:
+        config = SimpleNamespace(
+            cache_config=SimpleNamespace(kv_cache_layout=None),
+            model_config=SimpleNamespace(model="m"),
+            kv_transfer_config=SimpleNamespace(
+                kv_connector="KVTierConnector",
+                kv_connector_module_path="kvtier.integrations.vllm.connector",
+                kv_connector_extra_config={"model": "m", "pool": {"size": "64MiB"}},
+            ),
+        )
+        return str(attention_utils.resolve_kv_cache_layout(config, [supported]).name)
+
+    any_layout = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
+    assert resolve(any_layout) == "BLNHC"
+    assert resolve(["LBHNC"]) == "LBHNC"

@@ -177,11 +177,76 @@ def _shaped(*shape: int) -> Any:
 
 
 def test_cuda_layout_from_vllm_shapes() -> None:
-    # FlashAttention: [2, num_blocks, block_size, kv_heads, head_dim] per layer.
+    # vLLM 0.32: [num_blocks, kv_heads, block_size, K + V] per layer, whatever the KV layout.
+    assert cuda_layout([_shaped(100, 8, 16, 256)] * 3) is KVLayout.LAYER_BLOCKS_FIRST
+    assert cuda_layout([_shaped(2, 8, 16, 256)] * 3) is KVLayout.LAYER_BLOCKS_FIRST
+    # Older FlashAttention: [2, num_blocks, block_size, kv_heads, head_dim] per layer.
     assert cuda_layout([_shaped(2, 100, 16, 8, 128)] * 3) is KVLayout.LAYER_KV_FIRST
-    # FlashInfer: [num_blocks, 2, block_size, kv_heads, head_dim].
+    # Older FlashInfer: [num_blocks, 2, block_size, kv_heads, head_dim].
     assert cuda_layout([_shaped(100, 2, 16, 8, 128)] * 3) is KVLayout.LAYER_BLOCKS_FIRST
     with pytest.raises(ValueError, match="unrecognised"):
         cuda_layout([_shaped(2, 2, 16, 8, 128)])  # two blocks: ambiguous
+    with pytest.raises(ValueError, match="unrecognised"):
+        cuda_layout([_shaped(100, 4096)])
     with pytest.raises(ValueError, match="different shapes"):
         cuda_layout([_shaped(2, 100, 16, 8, 128), _shaped(2, 99, 16, 8, 128)])
+
+
+LAYOUT_NAMES = ["LBNHC", "LBHNC", "BLNHC", "BLHNC"]
+
+
+def vllm_views(layout_name: str, layers: int, blocks: int) -> tuple[Any, list[Any], int]:
+    """vLLM 0.32's own per-layer KV views over one CPU allocation (placed as its KVCacheTensor
+    documents: layer-outermost layouts a run of blocks per layer, block-outermost ones a block
+    of all layers' pages); the allocation, the views and the page size."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[layout_name]
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    outer = layout.is_block_outermost
+    placement = KVCacheTensor(
+        size=layers * blocks * page,
+        layers=[f"layer.{i}" for i in range(layers)],
+        layer_stride=page if outer else page * blocks,
+        block_stride=page * layers if outer else page,
+    )
+    raw = torch.zeros(layers * blocks * page, dtype=torch.int8)
+    return raw, create_kv_cache_views(raw, spec, blocks, layout, placement), page
+
+
+@pytest.mark.parametrize("layout_name", LAYOUT_NAMES)
+def test_vllm_032_views_map_to_their_pages(layout_name: str) -> None:
+    """Each (layer, block) region is exactly the bytes of that view's block, the regions tile the
+    allocation, and a block-outermost layout moves a block as one copy."""
+    import ctypes
+
+    import torch
+
+    from kvtier.copy.cuda_plan import describe_kv, merge_regions
+
+    layers, blocks = 3, 5
+    raw, views, page = vllm_views(layout_name, layers, blocks)
+    for layer, view in enumerate(views):
+        for block in range(blocks):
+            # through vLLM's (permuted) view, as 16-bit integers
+            view[block].view(torch.int16).fill_(layer * blocks + block + 1)
+    layout = cuda_layout(views)
+    geo = describe_kv(views, layout)
+    assert (geo.num_layers, geo.num_blocks, geo.piece_bytes) == (layers, blocks, page)
+    spans = []
+    for region in geo.regions:
+        for block in range(blocks):
+            start = region.base + block * region.stride
+            got = ctypes.string_at(start, region.nbytes)
+            value = (region.layer * blocks + block + 1).to_bytes(2, "little")
+            assert got == value * (page // 2), (region.layer, block)
+            spans.append((start - raw.data_ptr(), region.nbytes))
+    assert sorted(spans) == [(i * page, page) for i in range(layers * blocks)]
+    merged = merge_regions(geo.regions)
+    if layout_name.startswith("BL"):
+        assert [r.nbytes for r in merged] == [layers * page]
+    else:
+        assert len(merged) == layers

@@ -2,19 +2,26 @@
 
 Pure index arithmetic on integers and numpy arrays (no CUDA), so it is tested on any machine.
 
-The engine's KV memory is described as *regions*: a region is one (layer, K-or-V) part of the KV
-cache in which engine block ``b`` occupies ``nbytes`` contiguous bytes at ``base + b * stride``.
-Every supported layout reduces to such regions:
+The engine's KV memory is described as *regions*: a region is one part of the KV cache (a layer,
+or one layer's K or V) in which engine block ``b`` occupies ``nbytes`` contiguous bytes at
+``base + b * stride``. Bytes are copied as they lie; the order of the dimensions inside a piece
+does not matter. Every supported layout reduces to such regions:
 
-* ``LAYER_KV_FIRST`` (vLLM's FlashAttention default): one tensor per layer,
+* ``LAYER_KV_FIRST`` (vLLM's FlashAttention before 0.32): one tensor per layer,
   ``[2, num_blocks, block_size, kv_heads, head_dim]``; regions (layer, K) and (layer, V).
-* ``LAYER_BLOCKS_FIRST`` (FlashInfer): one tensor per layer, ``[num_blocks, 2, block_size, ...]``.
+* ``LAYER_BLOCKS_FIRST``: one tensor per layer, ``[num_blocks, ...]``, each block's bytes one
+  dense run at any block stride; one region per layer. These are vLLM 0.32's per-layer views
+  (``[num_blocks, kv_heads, block_size, K + V]`` in any of its ``KVCacheLayout`` orders: a
+  layer-outermost layout gives each layer its own run of blocks, a block-outermost one, such as
+  ``BLNHC``, puts a block's layers next to each other, which ``merge_regions`` joins into one
+  copy) and FlashInfer's ``[num_blocks, 2, ...]``.
 * ``BLOCK_COMPACT``: one tensor ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``: a
   block is contiguous across all layers, so a whole block is one copy.
 
-Slot arrangement (the same bytes for all three layouts, hence one namespace ``layout``): a rank's
-part of a slot holds its ``blocks_per_slot`` engine blocks one after another; one engine block is
-its regions in (layer, K/V) order, i.e. ``[layers, 2, block_size, kv_heads, head_dim]``.
+Slot arrangement (hence one namespace ``layout`` for all three, given the same page bytes): a
+rank's part of a slot holds its ``blocks_per_slot`` engine blocks one after another; one engine
+block is its regions in order, i.e. for each layer its page (K then V in the first and last
+layouts, as ``[layers, 2, block_size, kv_heads, head_dim]``).
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ class KVGeometry:
     num_layers: int
     num_blocks: int
     regions: tuple[Region, ...]
-    """Finest regions, one per (layer, K/V), in slot order; all of equal ``nbytes``."""
+    """Finest regions (per layer, or per layer and K/V), in slot order; all of equal ``nbytes``."""
 
     @property
     def block_bytes(self) -> int:
@@ -94,6 +101,22 @@ def _inner_contiguous(t: TensorLike, first_dim: int) -> bool:
         if shape[dim] != 1 and stride[dim] != expected:
             return False
         expected *= shape[dim]
+    return True
+
+
+def _dense(t: TensorLike, first_dim: int) -> bool:
+    """Whether dims ``first_dim..`` of ``t`` cover one dense run of elements, in any order (vLLM
+    permutes the dimensions inside a page by its KV cache layout)."""
+    dims = sorted(
+        (stride, size)
+        for size, stride in zip(t.shape[first_dim:], t.stride()[first_dim:], strict=True)
+        if size != 1
+    )
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
     return True
 
 
@@ -132,22 +155,27 @@ def describe_kv(kv_caches: Sequence[TensorLike], layout: KVLayout) -> KVGeometry
     num_blocks = -1
     for layer, t in enumerate(kv_caches):
         shape, stride, es = list(t.shape), list(t.stride()), t.element_size()
+        starts: tuple[int, ...]  # of the layer's regions, in elements from its data pointer
         if layout is KVLayout.LAYER_KV_FIRST:
-            if len(shape) < 3 or shape[0] != 2 or not _inner_contiguous(t, 2):
+            if len(shape) < 3 or shape[0] != 2 or not _dense(t, 2):
                 raise ValueError(f"layer {layer}: want [2, num_blocks, ...] with dense blocks")
-            blocks, block_stride, kv_stride = shape[1], stride[1], stride[0]
+            blocks, block_stride, starts = shape[1], stride[1], (0, stride[0])
+            piece = _prod(shape[2:]) * es
         else:
-            if len(shape) < 3 or shape[1] != 2 or not _inner_contiguous(t, 1):
-                raise ValueError(f"layer {layer}: want [num_blocks, 2, ...] with dense blocks")
-            blocks, block_stride, kv_stride = shape[0], stride[0], stride[1]
+            if len(shape) < 2 or not _dense(t, 1):
+                raise ValueError(f"layer {layer}: want [num_blocks, ...] with dense blocks")
+            blocks, block_stride, starts = shape[0], stride[0], (0,)
+            piece = _prod(shape[1:]) * es
         if num_blocks not in (-1, blocks):
             raise ValueError(f"layer {layer} has {blocks} blocks, layer 0 has {num_blocks}")
         num_blocks = blocks
-        piece = _prod(shape[2:]) * es
-        for kv in range(2):
-            base = t.data_ptr() + kv * kv_stride * es
-            regions.append(Region(base, block_stride * es, piece, layer, offset))
+        for start in starts:
+            regions.append(
+                Region(t.data_ptr() + start * es, block_stride * es, piece, layer, offset)
+            )
             offset += piece
+    if len({r.nbytes for r in regions}) != 1:
+        raise ValueError(f"layers of different page sizes: {sorted({r.nbytes for r in regions})}")
     return KVGeometry(layout, num_layers, num_blocks, tuple(regions))
 
 

@@ -26,7 +26,7 @@ from kvtier.errors import ConfigError
 from kvtier.events import EventKind
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.settings import VllmSettings
+from kvtier.integrations.vllm.settings import ENGINE_LAYOUT, VllmSettings
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.keys import Namespace
 
@@ -50,12 +50,16 @@ class KVTierStats(KVConnectorStats):
         return not self.data
 
 
+def _load_config(vllm_config: Any) -> KVTierConfig:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    extra.setdefault("model", str(vllm_config.model_config.model))
+    return load_config(extra)
+
+
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        extra.setdefault("model", str(vllm_config.model_config.model))
-        config = load_config(extra)
+        config = _load_config(vllm_config)
         self.settings = VllmSettings.parse(config.vllm)
         engine_block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
@@ -111,6 +115,13 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.tp_size,
                 CudaCopyOptions.from_config(config),
             )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """The layout ``vllm.kv_cache_layout`` names: by default block-outermost, where a
+        block's pages of all layers are adjacent and move as one DMA copy on CUDA."""
+        layout = VllmSettings.parse(_load_config(vllm_config).vllm).kv_cache_layout
+        return None if layout == ENGINE_LAYOUT else layout
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -259,6 +270,11 @@ def _namespace(
     dtype = str(model_config.dtype) if cache_dtype == "auto" else cache_dtype
     device = str(current_platform.device_type)
     packing = device
+    resolved = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if resolved:
+        # A page's bytes follow the order of its dimensions (NHC or HNC), not where the layers
+        # and blocks are: block-outermost and layer-outermost layouts share slots.
+        packing = f"{device}-{resolved.replace('L', '').replace('B', '')}"
     if device == "cpu":
         with contextlib.suppress(Exception):
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa

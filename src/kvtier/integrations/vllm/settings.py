@@ -6,7 +6,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.errors import ConfigError
 from kvtier.validation import Section
+
+ENGINE_LAYOUT = "engine"
+"""``vllm.kv_cache_layout``: ask vLLM for no particular KV cache layout."""
+
+
+def _vllm_layout_names() -> list[str]:
+    """vLLM's KV cache layout names (none where vLLM is not installed: nothing to check then)."""
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:
+        return []
+    return [layout.name for layout in KVCacheLayout]
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +30,10 @@ class VllmSettings:
     """Also store blocks filled by generated tokens (not only prompt tokens)."""
     stats_path: str | None = None
     """Write the scheduler's kvtier stats as JSON to this file (each second and at shutdown)."""
+    kv_cache_layout: str = "BLNHC"
+    """The KV cache layout asked of vLLM (a ``KVCacheLayout`` name), or ``engine`` to ask for none.
+    The default keeps a block's pages of all layers next to each other, so that a block moves as
+    one copy; vLLM uses it where every attention backend allows it and its own choice otherwise."""
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> VllmSettings:
@@ -25,6 +42,18 @@ class VllmSettings:
             blocks_per_slot=s.integer("blocks_per_slot", 1, minimum=1, maximum=1024),
             store_generated=s.boolean("store_generated", False),
             stats_path=s.optional_string("stats_path"),
+            kv_cache_layout=s.string("kv_cache_layout", "BLNHC"),
         )
+        known = _vllm_layout_names()
+        if (
+            settings.kv_cache_layout != ENGINE_LAYOUT
+            and known
+            and settings.kv_cache_layout not in known
+        ):
+            raise ConfigError(
+                "vllm.kv_cache_layout",
+                settings.kv_cache_layout,
+                f"{ENGINE_LAYOUT!r} or one of vLLM's layouts: {', '.join(known)}",
+            )
         s.done()
         return settings

@@ -201,17 +201,24 @@ def make_backend(
 
 
 def cuda_layout(kv_caches: Sequence[Any]) -> Any:
-    """Which of vLLM's per-layer CUDA layouts the tensors have: FlashAttention's
-    ``[2, num_blocks, ...]`` or FlashInfer's ``[num_blocks, 2, ...]`` (strides are checked by the
-    backend: a permuted physical layout such as FlashInfer's HND is refused there)."""
+    """Which layout vLLM's per-layer CUDA tensors have (the backend checks their strides):
+    vLLM 0.32's ``[num_blocks, kv_heads, block_size, K + V]`` views, in whichever
+    ``KVCacheLayout`` order, and FlashInfer's older ``[num_blocks, 2, ...]`` are
+    ``LAYER_BLOCKS_FIRST``; FlashAttention's older ``[2, num_blocks, ...]`` is
+    ``LAYER_KV_FIRST``."""
     from kvtier.copy.cuda_plan import KVLayout
 
     shapes = {tuple(t.shape) for t in kv_caches}
     if len(shapes) != 1:
         raise ValueError(f"KV tensors of different shapes: {sorted(shapes)}")
     shape = next(iter(shapes))
-    if len(shape) >= 3 and shape[0] == 2 and shape[1] != 2:
-        return KVLayout.LAYER_KV_FIRST
-    if len(shape) >= 3 and shape[1] == 2 and shape[0] != 2:
+    if len(shape) == 4:
         return KVLayout.LAYER_BLOCKS_FIRST
-    raise ValueError(f"unrecognised per-layer KV shape {shape} (want [2, blocks, ...])")
+    if len(shape) == 5 and shape[0] == 2 and shape[1] != 2:
+        return KVLayout.LAYER_KV_FIRST
+    if len(shape) == 5 and shape[1] == 2 and shape[0] != 2:
+        return KVLayout.LAYER_BLOCKS_FIRST
+    raise ValueError(
+        f"unrecognised per-layer KV shape {shape} (want [blocks, heads, tokens, K+V], "
+        "[2, blocks, ...] or [blocks, 2, ...])"
+    )
