@@ -462,7 +462,7 @@ def test_the_connector_asks_vllm_for_the_configured_kv_cache_layout(tmp_path: Pa
         config = vllm_config({"pool": pool, "vllm": {"kv_cache_layout": value}})
         assert KVTierConnector.get_required_kvcache_layout(config) == asked
     bad = vllm_config({"pool": pool, "vllm": {"kv_cache_layout": "NHD"}})
-    with pytest.raises(ConfigError, match="vllm.kv_cache_layout"):
+    with pytest.raises(ConfigError, match=r"vllm\.kv_cache_layout"):
         KVTierConnector.get_required_kvcache_layout(bad)
     assert not list(tmp_path.iterdir())  # asking creates no pool
 
