@@ -795,10 +795,11 @@ def main() -> None:
                 ),
             )
             for lanes, stage, buffers, sms in (
-                (1, 128 << 20, 3, 8),
-                (1, 64 << 20, 4, 8),
-                (2, 64 << 20, 4, 8),
-                (2, 128 << 20, 2, 16),
+                (1, 128 << 20, 2, 8),
+                (2, 32 << 20, 2, 8),  # staging that fits in an H100's 50 MB L2 (or nearly)
+                (1, 32 << 20, 2, 8),
+                (1, 16 << 20, 2, 8),
+                (2, 16 << 20, 3, 8),
             )
         ]
     if args.outstanding_only:
