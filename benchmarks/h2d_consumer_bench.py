@@ -2,17 +2,23 @@
 
 Why: the per-layer (staged) LOAD of the CUDA backend stays at 95-96% of a contiguous copy while
 its pipeline without kernels reaches 98% (docs/cuda.md). This isolates the pattern: 2 GiB of
-pinned host memory moved in 16 chunks of 128 MiB through two device staging buffers, each chunk
-copied on by a consumer kernel on 8 SMs into a device buffer, so a buffer is refilled only after
-the kernel read it. Variants:
+pinned host memory moved in chunks (``--chunk-mib``, 128 by default) through ``--buffers`` device
+staging buffers, each chunk copied on by a consumer kernel on 8 SMs into a device buffer, so a
+buffer is refilled only after the kernel read it. Variants (``--variants`` picks some):
 
-* ``contiguous``: one copy of the whole 2 GiB (the reference, timed between the variants).
-* ``dma only``: the chunked copies alone.
+* ``contiguous``: one copy of the whole 2 GiB (the reference, timed around each variant).
+* ``dma only``: the chunked copies alone; ``dma+record``: an event recorded after each;
+  ``dma+wait``: the consumer stream waits for each event; ``empty kernels``: and launches an
+  empty kernel there.
 * ``events``: a consumer kernel per chunk that waits for the chunk's copy through an event; the
   copy into a buffer waits for the kernel that last read it (the backend's staged pattern).
 * ``flags``: one long-lived consumer kernel that polls a counter the copy stream writes after
   each chunk (``cuStreamWriteValue32``), and the copy stream waits on counters the kernel writes
   (``cuStreamWaitValue32``): no kernel depends on a copy through the scheduler.
+* ``independent``: consumers that wait for nothing (unchecked, they race the copies);
+  ``dependent, no reuse``: ``events`` with a buffer per chunk; ``host gated, ...``: the host
+  waits for each copy to land and only then launches its consumer (a buffer per chunk, or two
+  buffers refilled after a device-side or a host-side wait for their consumer).
 
 Every variant's result is compared with the source. Needs a CUDA GPU, PyTorch and CuPy; prints a
 table naming the GPU and writes JSON.

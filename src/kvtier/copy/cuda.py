@@ -143,9 +143,9 @@ class CudaCopyOptions:
     driver blocks the host once about 1,000 operations wait in one of its hardware queues (4 for
     copies, 8 for kernels, measured on an H100); this stays well below."""
     max_streams: int = 64
+    """CUDA streams in the pool, all created at registration."""
     prefill_events: int = 256
     """CUDA events created at registration (more are created when needed)."""
-    """CUDA streams in the pool, all created at registration."""
     stream_priority: int = 0
     register_chunk_bytes: int = GIB
     """Pin the pool in pieces of about this size (whole slots each)."""
