@@ -11,6 +11,8 @@ from kvtier.validation import Section
 
 ENGINE_LAYOUT = "engine"
 """``vllm.kv_cache_layout``: ask vLLM for no particular KV cache layout."""
+BLOCK_OUTERMOST_LAYOUT = "BLNHC"
+"""The default ``vllm.kv_cache_layout``: blocks outermost, then layers; pages as vLLM's default."""
 
 
 def _vllm_layout_names() -> list[str]:
@@ -30,7 +32,7 @@ class VllmSettings:
     """Also store blocks filled by generated tokens (not only prompt tokens)."""
     stats_path: str | None = None
     """Write the scheduler's kvtier stats as JSON to this file (each second and at shutdown)."""
-    kv_cache_layout: str = "BLNHC"
+    kv_cache_layout: str = BLOCK_OUTERMOST_LAYOUT
     """The KV cache layout asked of vLLM (a ``KVCacheLayout`` name), or ``engine`` to ask for none.
     The default keeps a block's pages of all layers next to each other, so that a block moves as
     one copy; vLLM uses it where every attention backend allows it and its own choice otherwise."""
@@ -42,7 +44,7 @@ class VllmSettings:
             blocks_per_slot=s.integer("blocks_per_slot", 1, minimum=1, maximum=1024),
             store_generated=s.boolean("store_generated", False),
             stats_path=s.optional_string("stats_path"),
-            kv_cache_layout=s.string("kv_cache_layout", "BLNHC"),
+            kv_cache_layout=s.string("kv_cache_layout", BLOCK_OUTERMOST_LAYOUT),
         )
         known = _vllm_layout_names()
         if (
