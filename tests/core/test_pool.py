@@ -115,3 +115,12 @@ def test_pool_memory_claim_failing_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(PoolError, match=r"cannot reserve .* No space left"):
         HostPool.create(4, 4096, shm_dir=str(tmp_path))
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_pool_on_a_filesystem_without_fallocate_is_created(tmp_path, monkeypatch):
+    def unsupported(fd, offset, size):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    with HostPool.create(4, 4096, shm_dir=str(tmp_path)) as pool:
+        assert pool.num_slots == 4  # its pages come on first touch instead

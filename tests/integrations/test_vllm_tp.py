@@ -488,3 +488,22 @@ def test_vllm_takes_the_connector_layout_where_its_backends_allow_it() -> None:
     any_layout = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
     assert resolve(any_layout) == "BLNHC"
     assert resolve(["LBHNC"]) == "LBHNC"
+
+
+def test_the_namespace_names_the_page_order_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slots hold a page's bytes as they lie: pages of NHC and HNC order never share blocks,
+    layer- and block-outermost layouts of one order do."""
+    import vllm.platforms
+
+    from kvtier.integrations.vllm import connector as connector_module
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(device_type="cuda"))
+
+    def layout_of(name: str) -> str:
+        config = vllm_config({"pool": {"size": "64MiB"}})
+        config.cache_config.kv_cache_layout = name
+        kvtier_config = connector_module._load_config(config)
+        return connector_module._namespace(config, kvtier_config, BS, LAYERS, PAGE).layout
+
+    assert layout_of("LBNHC") == layout_of("BLNHC") == f"vllm/cuda-NHC/engine-block-{BS}"
+    assert layout_of("LBHNC") == layout_of("BLHNC") != layout_of("LBNHC")

@@ -68,7 +68,6 @@ from kvtier.copy.cuda_executor import (
 from kvtier.copy.cuda_kernels import THREADS
 from kvtier.copy.cuda_plan import (
     KERNEL_CAPACITIES,
-    SLOT_LAYOUT,
     CopyList,
     KVGeometry,
     KVLayout,
@@ -671,10 +670,6 @@ class CudaCopyBackend(CopyBackend):
     @property
     def slot_part_bytes(self) -> int:
         return self._part_bytes
-
-    @property
-    def slot_layout(self) -> str:
-        return SLOT_LAYOUT
 
     # -- submit --------------------------------------------------------------------------------
 

@@ -18,8 +18,8 @@ does not matter. Every supported layout reduces to such regions:
 * ``BLOCK_COMPACT``: one tensor ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``: a
   block is contiguous across all layers, so a whole block is one copy.
 
-Slot arrangement (hence one namespace ``layout`` for all three, given the same page bytes): a
-rank's part of a slot holds its ``blocks_per_slot`` engine blocks one after another; one engine
+Slot arrangement (the same for all three layouts, given the same page bytes): a rank's part of
+a slot holds its ``blocks_per_slot`` engine blocks one after another; one engine
 block is its regions in order, i.e. for each layer its page (K then V in the first and last
 layouts, as ``[layers, 2, block_size, kv_heads, head_dim]``).
 """
@@ -32,9 +32,6 @@ from enum import Enum
 from typing import Protocol
 
 import numpy as np
-
-SLOT_LAYOUT = "lkv"
-"""Namespace ``layout`` of the slot arrangement above (shared by the CPU backend if it agrees)."""
 
 
 class KVLayout(Enum):

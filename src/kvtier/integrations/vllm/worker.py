@@ -80,8 +80,9 @@ class WorkerSide:
         if self._backend is None or not self._stores_in_flight:
             return
         self._collect()
-        fresh = None if meta is None or meta.fresh_blocks is None else set(meta.fresh_blocks)
-        if fresh is not None and meta is not None:
+        fresh: set[int] | None = None  # None: unknown, every store in flight counts
+        if meta is not None and meta.fresh_blocks is not None:
+            fresh = set(meta.fresh_blocks)
             fresh.update(b for order in meta.loads for b in order.engine_blocks if b != SKIP)
         jobs = [
             job
