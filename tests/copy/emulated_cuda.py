@@ -192,6 +192,14 @@ class FakeRuntime:
 
         self._enqueue(op)
 
+    def memcpy_batch_raw(
+        self, dsts: int, srcs: int, sizes: int, count: int, attrs: int, stream: int
+    ) -> None:
+        def array(address: int) -> np.ndarray:
+            return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address))
+
+        self.memcpy_batch_async(array(dsts), array(srcs), array(sizes), None, stream)
+
     def executor_functions(self) -> ExecutorFunctions:
         """C callbacks into this fake for the native executor (they take the GIL per call).
         An injected failure returns its code, as the CUDA call would; any other exception is
@@ -211,14 +219,8 @@ class FakeRuntime:
 
             return call
 
-        def array(address: int, count: int) -> np.ndarray:
-            return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address))
-
         def batch(dsts: int, srcs: int, sizes: int, count: int, *rest: int) -> None:
-            stream = rest[-1]
-            self.memcpy_batch_async(
-                array(dsts, count), array(srcs, count), array(sizes, count), None, stream
-            )
+            self.memcpy_batch_raw(dsts, srcs, sizes, count, 0, rest[-1])
 
         def launch(function: int, gx: int, *rest: int) -> None:
             block, stream, params = rest[2], rest[6], rest[7]

@@ -16,9 +16,10 @@ from emulated_cuda import COMPUTE_STREAM, EmulatedBackend, FakeRuntime, FakeTens
 from kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
 
 from kvtier.copy.base import CopyJob, Direction
-from kvtier.copy.cuda import CudaCopyOptions, chunk_sizes
+from kvtier.copy.cuda import CudaCopyOptions
 from kvtier.copy.cuda_executor import ExecutorUnavailable
 from kvtier.copy.cuda_plan import KVLayout
+from kvtier.copy.cuda_staged import chunk_sizes
 from kvtier.errors import ConfigError, PoolError
 from kvtier.pool import HostPool
 

@@ -98,7 +98,7 @@ def test_a_failing_call_skips_the_rest_and_drains_the_streams_used(native: bool)
     assert int(program.status[1]) == 999 and int(program.status[2]) == 2
     assert "error 999 in CUDA call 2 of 5" in program.error
     assert [c[0] for c in fake.calls] == ["record", "wait"]  # nothing after the failure
-    stream_s1, stream_s2 = program.calls[0][1][1], program.calls[1][1][0]
+    stream_s1, stream_s2 = program.rows()[0][2], program.rows()[1][1]  # record's, wait's
     assert set(synced) == {stream_s1, stream_s2}
     assert fake.queue == [] and not dst.any()  # the record ran (drained); no copy happened
 
@@ -207,11 +207,11 @@ def test_events_go_back_to_the_pool_only_after_their_program_ran(pool: HostPool)
         backend.submit(CopyJob(job, Direction.STORE, [job], [job]))
     pending = [t.program for t in backend._inflight.values()]
     referenced = {
-        args[1] if code == cuda_executor.OP_WAIT else args[0]
+        op[2] if op[0] == cuda_executor.OP_WAIT else op[1]
         for p in pending
         if p is not None and p.state is ProgramState.QUEUED
-        for code, args in p.calls
-        if code in (cuda_executor.OP_WAIT, cuda_executor.OP_RECORD)
+        for op in p.rows()
+        if op[0] in (cuda_executor.OP_WAIT, cuda_executor.OP_RECORD)
     }
     assert referenced and not referenced & set(backend._events._idle)
     stuck.set()

@@ -18,7 +18,6 @@ from kvtier.copy.cuda_plan import (
     emulate_kernel,
     host_block_addresses,
     merge_regions,
-    pack_param_rows,
     pack_params,
     param_bytes,
     pick_capacity,
@@ -222,26 +221,6 @@ def test_kernel_params_drive_the_emulated_kernel(layout: KVLayout, to_host: bool
                 assert got[b].tobytes() == block_bytes(logical, b)
             else:
                 assert (got[b] == 0xBEEF).all()
-
-
-def test_param_rows_equal_one_pack_per_launch() -> None:
-    """The staged path packs all its launches at once: each row is what ``pack_params`` writes
-    for that run of blocks (over all regions), padding included."""
-    rng = np.random.default_rng(8)
-    counts = np.array([44, 64, 16, 4, 1], dtype=np.int64)
-    blocks = rng.permutation(1000)[: counts.sum()].astype(np.int64)
-    hosts = rng.integers(0, 1 << 40, counts.sum()).astype(np.uint64)
-    rows = pack_param_rows(64, 0xABC0, 32768, 64, False, counts, blocks, hosts)
-    assert rows.shape == (5, param_bytes(64))
-    start = 0
-    for row, count in zip(rows, counts.tolist(), strict=True):
-        one = np.zeros(param_bytes(64), dtype=np.uint8)
-        part = slice(start, start + count)
-        pack_params(one, 64, 0xABC0, 32768, 0, 64, False, blocks[part], hosts[part])
-        assert row.tobytes() == one.tobytes()
-        start += count
-    with pytest.raises(ValueError, match="exceed the launch capacity 8"):
-        pack_param_rows(8, 0, 1, 1, True, counts, blocks, hosts)
 
 
 def test_region_begins_repeat_one_pack() -> None:

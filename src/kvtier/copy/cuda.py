@@ -47,6 +47,7 @@ default a native thread of its own makes the CUDA calls that enqueue transfers
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -64,6 +65,7 @@ from kvtier.copy.cuda_executor import (
     Program,
     ProgramState,
     Recorder,
+    load_library,
 )
 from kvtier.copy.cuda_kernels import THREADS
 from kvtier.copy.cuda_plan import (
@@ -77,7 +79,6 @@ from kvtier.copy.cuda_plan import (
     describe_kv,
     host_block_addresses,
     merge_regions,
-    pack_param_rows,
     pack_params,
     param_bytes,
     pick_capacity,
@@ -92,12 +93,15 @@ from kvtier.copy.cuda_runtime import (
     memcpy_attributes,
     runtime,
 )
+from kvtier.copy.cuda_staged import StagedKernel, StagingRing, chunk_sizes, plan_staged
 from kvtier.errors import ConfigError, PoolError
 from kvtier.pool import HostPool
 
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "dma", "staged", "kernel")
+WARPS = THREADS // 32
+"""Warps per CTA of the copy kernel: one piece each at a time."""
 DEFAULT_MAX_SMS = 8
 GIB = 1 << 30
 MIB = 1 << 20
@@ -286,6 +290,12 @@ class _EventPool:
             self._created += 1
         return event
 
+    def acquire_many(self, count: int) -> list[int]:
+        with self._lock:
+            taken = self._idle[len(self._idle) - count :] if count else []
+            del self._idle[len(self._idle) - len(taken) :]
+        return taken + [self.acquire() for _ in range(count - len(taken))]
+
     def release(self, event: int) -> None:
         with self._lock:
             self._idle.append(event)
@@ -379,6 +389,15 @@ class PinnedPool:
 # -- the backend -------------------------------------------------------------------------------
 
 
+def _planner_missing() -> str:
+    """Why the staged strategy's native planner (``cuda_executor.c``) cannot run ('' if it can)."""
+    try:
+        load_library()
+    except ExecutorUnavailable as exc:
+        return f"it needs the native planner: {exc}"
+    return ""
+
+
 def _event_handle(event: Any) -> int:
     """A ``cudaEvent_t`` from an int or a ``torch.cuda.Event``."""
     if isinstance(event, int):
@@ -387,29 +406,6 @@ def _event_handle(event: Any) -> int:
     if handle is None:
         handle = event._as_parameter_.value
     return int(handle)
-
-
-STAGE_RAMP_GROWTH = 4
-"""Each ramp chunk is this many times the one before: the kernel moves a chunk about ten times
-faster than PCIe does, so a 4x larger neighbour still hides behind the smaller one's DMA."""
-
-
-def chunk_sizes(n: int, per: int, ramp: int, to_host: bool) -> list[int]:
-    """Blocks per staging chunk for an ``n``-block transfer through ``per``-block buffers.
-
-    A STORE gathers chunk 0 before any DMA can start, and a LOAD scatters its last chunk after
-    the last DMA: that kernel step is the part of the pipeline nothing hides. So the chunks at
-    that end are small (``ramp`` blocks, then growing ``STAGE_RAMP_GROWTH`` times per chunk up
-    to ``per``): first for a STORE, last for a LOAD.
-    """
-    sizes: list[int] = []
-    left, size = n, min(ramp, per)
-    while left > 0:
-        take = min(size, left)
-        sizes.append(take)
-        left -= take
-        size = min(size * STAGE_RAMP_GROWTH, per)
-    return sizes if to_host else sizes[::-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,18 +442,6 @@ class _Transfer:
     @property
     def job_id(self) -> int:
         return self.job.job_id
-
-
-@dataclass(slots=True)
-class _StageRing:
-    """Device staging buffers of one direction, used in turn by every staged transfer."""
-
-    owner: Any
-    base: int
-    buffer_bytes: int
-    free: list[int]
-    """Per buffer: an event recorded after its last use (0: never used)."""
-    next: int = 0
 
 
 class CudaCopyBackend(CopyBackend):
@@ -499,7 +483,7 @@ class CudaCopyBackend(CopyBackend):
         self._pool = pool
         self._num_slots = pool.num_slots
         self._kv_refs = list(kv_caches)  # the addresses below stay valid while these live
-        self._rings: dict[bool, _StageRing] = {}
+        self._rings: dict[bool, StagingRing] = {}
 
         rt = self._rt = self._make_runtime()
         with self._device_context():
@@ -559,13 +543,14 @@ class CudaCopyBackend(CopyBackend):
             raise ConfigError(
                 "copy.strategy", strategy, f"the kernel cannot run here: {kernel_why}"
             )
-        if strategy == "staged" and dma_why:
-            raise ConfigError("copy.strategy", strategy, dma_why)
+        staged_why = dma_why or _planner_missing() if strategy in ("auto", "staged") else ""
+        if strategy == "staged" and staged_why:
+            raise ConfigError("copy.strategy", strategy, staged_why)
         if strategy == "auto":
             small = min(r.nbytes for r in self._merged) < opts.dma_min_piece_bytes
             if not small or kernel_why:
                 strategy = "dma"  # large pieces, or no kernel: the copy engines alone
-            elif dma_why:
+            elif staged_why:
                 strategy = "kernel"
             else:
                 strategy = "staged"
@@ -589,7 +574,7 @@ class CudaCopyBackend(CopyBackend):
             buffer_bytes = max(1, opts.stage_bytes // block) * block
             for to_host in (True, False):
                 owner, base = self._alloc_device(buffer_bytes * opts.stage_buffers)
-                self._rings[to_host] = _StageRing(
+                self._rings[to_host] = StagingRing(
                     owner, base, buffer_bytes, [0] * opts.stage_buffers
                 )
 
@@ -968,83 +953,45 @@ class CudaCopyBackend(CopyBackend):
             self._hand_over(stream, transfer.stream)
 
     def _staged(self, transfer: _Transfer, plan: _Plan) -> None:
-        """Chunks of blocks through the staging ring: for a STORE, gather (kernel, on the
-        transfer's stream) then DMA (on a lane); for a LOAD, DMA then scatter. A buffer is
-        reused only after the step that last used it. Addresses, copy lists and kernel
-        parameters are computed for all chunks at once; per chunk only the calls are recorded."""
-        rt, ring, geo = self._enq, self._rings[plan.to_host], self.geometry
+        """Chunks of blocks through the staging ring (see ``cuda_staged``); a buffer is reused
+        only after the step that last used it."""
+        ring, geo = self._rings[plan.to_host], self.geometry
         block = geo.block_bytes
         per = min(ring.buffer_bytes // block, KERNEL_CAPACITIES[-1])  # one launch per chunk
-        n = len(plan.blocks)
-        sizes = chunk_sizes(n, per, max(1, self.options.stage_ramp_bytes // block), plan.to_host)
-        chunks = len(sizes)
-        counts = np.array(sizes, dtype=np.int64)
-        ends = np.cumsum(counts)
-        starts = ends - counts
-        buffers = (ring.next + np.arange(chunks, dtype=np.uint64)) % np.uint64(len(ring.free))
-        ring.next = (ring.next + chunks) % len(ring.free)
-        chunk_of = np.repeat(np.arange(chunks), counts)
-        within = np.arange(n, dtype=np.uint64) - starts[chunk_of].astype(np.uint64)
-        offsets = buffers[chunk_of] * np.uint64(ring.buffer_bytes)
-        staged = np.uint64(ring.base) + offsets + within * np.uint64(block)
-        stage_side, host_side = staged.astype(np.uintp), plan.hosts.astype(np.uintp)
-        dsts, srcs = (host_side, stage_side) if plan.to_host else (stage_side, host_side)
-        # Slots next to each other in the pool (a fresh pool hands them out in order) move as
-        # one copy (the staging side of a chunk is contiguous), never across chunks.
-        step = np.uintp(block)
-        joins = (dsts[1:] == dsts[:-1] + step) & (srcs[1:] == srcs[:-1] + step)
-        joins[ends[:-1] - 1] = False
-        runs = np.flatnonzero(np.concatenate(([True], ~joins)))
-        run_dsts, run_srcs = dsts[runs], srcs[runs]
-        run_sizes = (np.diff(np.append(runs, n)) * block).astype(np.uintp)
-        chunk_runs = np.append(np.searchsorted(runs, starts), len(runs)).tolist()
-        n_regions = len(geo.regions)
+        ramp = max(1, self.options.stage_ramp_bytes // block)
+        sizes = chunk_sizes(len(plan.blocks), per, ramp, plan.to_host)
         capacity = pick_capacity(max(sizes))
-        params = pack_param_rows(
+        kernel = StagedKernel(
+            self._kernels.functions[capacity],
             capacity,
+            THREADS,
+            WARPS,
+            self.max_sms,
             self._region_table_address,
             geo.piece_bytes,
-            n_regions,
-            plan.to_host,
-            counts,
-            plan.blocks,
-            staged,
+            len(geo.regions),
         )
-        kernel = self._kernels.functions[capacity]
         lanes = self._lanes(transfer, self.options.stage_lanes)
-        main = transfer.stream
-        for k, size in enumerate(sizes):
-            j = int(buffers[k])
-            part = slice(chunk_runs[k], chunk_runs[k + 1])
-            copies = CopyList(run_dsts[part], run_srcs[part], run_sizes[part])
-            grid = self._grid(size, n_regions)
-            # Consecutive chunks' copies alternate lanes. (Splitting each chunk's copies over
-            # both lanes instead measured no faster on an H100 and costs more issue time.)
-            lane = lanes[k % len(lanes)]
-            if plan.to_host:
-                if ring.free[j]:
-                    rt.stream_wait_event(main, ring.free[j])
-                rt.launch(kernel, grid, THREADS, params[k], main)
-                self._hand_over(main, lane)
-                self._batch(lane, copies, True)
-                self._mark_free(ring, j, lane)
-            else:
-                if ring.free[j]:
-                    rt.stream_wait_event(lane, ring.free[j])
-                self._batch(lane, copies, False)
-                self._hand_over(lane, main)
-                rt.launch(kernel, grid, THREADS, params[k], main)
-                self._mark_free(ring, j, main)
+        attrs = self._attrs[plan.to_host]
+        staged = plan_staged(
+            plan.blocks,
+            plan.hosts,
+            plan.to_host,
+            block,
+            sizes,
+            transfer.stream,
+            lanes,
+            self._events.acquire_many(2 * len(sizes)),
+            ring,
+            kernel,
+            ctypes.addressof(attrs),
+        )
+        self._enq.add_rows(staged.rows, staged.memory, attrs)
+        for event in staged.retired:
+            self._retire(event)
         if plan.to_host:
             for lane in lanes:
-                self._hand_over(lane, main)
-
-    def _mark_free(self, ring: _StageRing, index: int, stream: int) -> None:
-        event = self._events.acquire()
-        self._enq.event_record(event, stream)
-        old, ring.free[index] = ring.free[index], event
-        if old:
-            self._retire(old)
+                self._hand_over(lane, transfer.stream)
 
     def _layer_launches(self, plan: _Plan) -> list[tuple[int, int, np.ndarray]]:
         """A layer-wise kernel copy's launches: per run of at most 2,048 blocks, the function,
@@ -1077,7 +1024,7 @@ class CudaCopyBackend(CopyBackend):
 
     def _grid(self, n_blocks: int, n_regions: int) -> int:
         """CTAs for a launch: one warp per piece, at most ``max_sms``."""
-        return max(1, min(self.max_sms, -(-n_blocks * n_regions // (THREADS // 32))))
+        return max(1, min(self.max_sms, -(-n_blocks * n_regions // WARPS)))
 
     def _launch(
         self,

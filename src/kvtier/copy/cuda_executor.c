@@ -1,4 +1,5 @@
-/* kvtier's copy executor: one native thread that makes a CUDA copy backend's enqueue calls.
+/* kvtier's copy executor: one native thread that makes a CUDA copy backend's enqueue calls;
+ * and the staged strategy's planner, which writes such calls for a whole transfer at once.
  *
  * Why native: a Python thread making these calls needs the GIL between every two of them, and a
  * busy engine thread hands the GIL over only every switch interval (5 ms): each hand-over stalls
@@ -19,6 +20,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #define KVX_WORDS 8
@@ -246,4 +248,130 @@ void kvx_close(void *handle) {
     pthread_cond_destroy(&ex->done);
     free(ex->queue);
     free(ex);
+}
+
+/* -- staged plans ------------------------------------------------------------------------------
+ *
+ * The ops of a staged transfer's chunks (see cuda_staged.py for the pipeline), with each chunk's
+ * kernel parameters and copy list, written in one pass: in Python the same took 40 numpy calls
+ * and most of a staged submit. Pure arithmetic: no CUDA call, no allocation. */
+
+typedef struct {
+    /* the transfer */
+    int64_t n_blocks;
+    const int64_t *blocks;     /* engine block ids */
+    const uint64_t *hosts;     /* each block's address in the pool */
+    int64_t to_host;
+    int64_t block_bytes;
+    int64_t n_chunks;
+    const int64_t *chunk_blocks; /* blocks per chunk */
+    /* streams and events */
+    uint64_t main_stream;
+    int64_t n_lanes;
+    const uint64_t *lanes;
+    const uint64_t *events;     /* per chunk a hand-over event, then per chunk a free event */
+    /* the staging ring */
+    uint64_t ring_base;
+    int64_t buffer_bytes;
+    int64_t n_buffers;
+    int64_t first_buffer;
+    const uint64_t *buffer_free; /* per buffer: the event marking it free (0: never used) */
+    /* the kernel */
+    uint64_t kernel;
+    int64_t threads;
+    int64_t warps;
+    int64_t max_sms;
+    int64_t capacity;
+    int64_t param_bytes;
+    uint64_t region_table;
+    int64_t piece_bytes;
+    int64_t n_regions;
+    /* batched copies */
+    uint64_t attrs;
+    uint64_t attr_index;
+    /* out: n_chunks * 6 ops, n_chunks parameter rows (zeroed), n_chunks kernelParams slots,
+     * n_blocks entries per copy list */
+    uint64_t *ops;
+    uint8_t *params;
+    uint64_t *kernel_params;
+    uint64_t *copy_dsts;
+    uint64_t *copy_srcs;
+    uint64_t *copy_sizes;
+} StagedPlan;
+
+static uint64_t *put_op(uint64_t *op, uint64_t code, uint64_t a, uint64_t b, uint64_t c,
+                        uint64_t d, uint64_t e, uint64_t f, uint64_t g) {
+    op[0] = code; op[1] = a; op[2] = b; op[3] = c; op[4] = d; op[5] = e; op[6] = f; op[7] = g;
+    return op + KVX_WORDS;
+}
+
+/* Returns the number of ops written. */
+int64_t kvx_plan_staged(const StagedPlan *p) {
+    uint64_t *op = p->ops;
+    int64_t block = 0, run = 0;
+    for (int64_t k = 0; k < p->n_chunks; ++k) {
+        const int64_t count = p->chunk_blocks[k];
+        const int64_t buffer = (p->first_buffer + k) % p->n_buffers;
+        const uint64_t stage = p->ring_base + (uint64_t)(buffer * p->buffer_bytes);
+        const uint64_t lane = p->lanes[k % p->n_lanes];
+        const uint64_t hand = p->events[k], freed = p->events[p->n_chunks + k];
+        const uint64_t wait = k >= p->n_buffers ? p->events[p->n_chunks + k - p->n_buffers]
+                                                : p->buffer_free[buffer];
+        /* Params<capacity>: see cuda_kernels.py and cuda_plan.pack_params. */
+        uint8_t *row = p->params + k * p->param_bytes;
+        int32_t header[4] = {0, (int32_t)p->n_regions, (int32_t)count, (int32_t)p->to_host};
+        memcpy(row, &p->region_table, 8);
+        memcpy(row + 8, &p->piece_bytes, 8);
+        memcpy(row + 16, header, 16);
+        uint64_t *host_addr = (uint64_t *)(row + 32);
+        int32_t *block_id = (int32_t *)(row + 32 + 8 * p->capacity);
+        p->kernel_params[k] = (uint64_t)(uintptr_t)row;
+        /* The copy list: slots next to each other in the pool join into one copy (the staging
+         * side of a chunk is contiguous). */
+        const int64_t first_run = run;
+        for (int64_t i = 0; i < count; ++i) {
+            const uint64_t staged = stage + (uint64_t)(i * p->block_bytes);
+            const uint64_t host = p->hosts[block + i];
+            host_addr[i] = staged;
+            block_id[i] = (int32_t)p->blocks[block + i];
+            const uint64_t dst = p->to_host ? host : staged, src = p->to_host ? staged : host;
+            if (run > first_run && p->copy_dsts[run - 1] + p->copy_sizes[run - 1] == dst &&
+                p->copy_srcs[run - 1] + p->copy_sizes[run - 1] == src) {
+                p->copy_sizes[run - 1] += (uint64_t)p->block_bytes;
+            } else {
+                p->copy_dsts[run] = dst;
+                p->copy_srcs[run] = src;
+                p->copy_sizes[run] = (uint64_t)p->block_bytes;
+                run += 1;
+            }
+        }
+        block += count;
+        int64_t grid = (count * p->n_regions + p->warps - 1) / p->warps;
+        if (grid > p->max_sms) grid = p->max_sms;
+        if (grid < 1) grid = 1;
+        const uint64_t first_stream = p->to_host ? p->main_stream : lane;
+        const uint64_t second_stream = p->to_host ? lane : p->main_stream;
+        uint64_t copy[KVX_WORDS], launch[KVX_WORDS];
+        const int64_t runs = run - first_run;
+        if (runs == 1) {
+            put_op(copy, OP_MEMCPY, p->copy_dsts[first_run], p->copy_srcs[first_run],
+                   p->copy_sizes[first_run], lane, 0, 0, 0);
+        } else {
+            put_op(copy, OP_BATCH, (uint64_t)(uintptr_t)(p->copy_dsts + first_run),
+                   (uint64_t)(uintptr_t)(p->copy_srcs + first_run),
+                   (uint64_t)(uintptr_t)(p->copy_sizes + first_run), (uint64_t)runs, p->attrs,
+                   p->attr_index, lane);
+        }
+        put_op(launch, OP_LAUNCH, p->kernel, (uint64_t)grid, (uint64_t)p->threads,
+               (uint64_t)(uintptr_t)(p->kernel_params + k), p->main_stream, 0, 0);
+        if (wait) op = put_op(op, OP_WAIT, first_stream, wait, 0, 0, 0, 0, 0);
+        memcpy(op, p->to_host ? launch : copy, sizeof copy);
+        op += KVX_WORDS;
+        op = put_op(op, OP_RECORD, hand, first_stream, 0, 0, 0, 0, 0);
+        op = put_op(op, OP_WAIT, second_stream, hand, 0, 0, 0, 0, 0);
+        memcpy(op, p->to_host ? copy : launch, sizeof copy);
+        op += KVX_WORDS;
+        op = put_op(op, OP_RECORD, freed, second_stream, 0, 0, 0, 0, 0);
+    }
+    return (op - p->ops) / KVX_WORDS;
 }

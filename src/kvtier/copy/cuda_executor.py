@@ -7,8 +7,9 @@ between every two CUDA calls, and a busy engine thread hands the GIL over only e
 interval; each hand-over stalled the engine's thread by 0.1-0.6 ms on an H100 host (two thread
 wake-ups), and the Python thread got one CUDA call through per 5 ms.
 
-The C source is compiled with the system C compiler on first use (like the copy kernel with
-NVRTC) into ``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``), once per source version.
+The same C file plans staged transfers (``kvx_plan_staged``, see ``cuda_staged``). It is compiled
+with the system C compiler on first use (like the copy kernel with NVRTC) into
+``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``), once per source version.
 """
 
 from __future__ import annotations
@@ -63,42 +64,40 @@ class ExecutorFunctions(NamedTuple):
     stream_synchronize: int
 
 
-_ATTR_INDEX = np.zeros(1, dtype=np.uintp)
+ATTR_INDEX = np.zeros(1, dtype=np.uintp)
 """``attrsIdxs`` of every batched copy: one attribute set, starting at copy 0."""
+ATTR_INDEX_ADDRESS = int(ATTR_INDEX.ctypes.data)
+
+STREAM_WORD = {OP_WAIT: 1, OP_RECORD: 2, OP_MEMCPY: 4, OP_BATCH: 7, OP_LAUNCH: 5, OP_SYNC: 1}
+"""Per op code: the word holding the stream it enqueues on."""
 
 
-_ATTR_INDEX_ADDRESS = int(_ATTR_INDEX.ctypes.data)
-_ONE_WORD = np.zeros(1, dtype=np.uint64)
-
-
-def _as_words(raw: np.ndarray) -> np.ndarray:
-    """uint8 bytes as uint64 words, zero-padded to a multiple of 8."""
-    if len(raw) % 8 == 0 and raw.flags.c_contiguous:
-        return raw.view(np.uint64)
-    padded = np.zeros(-(-len(raw) // 8) * 8, dtype=np.uint8)
-    padded[: len(raw)] = raw
-    return padded.view(np.uint64)
+def pointer_of(array: np.ndarray) -> int:
+    return int(array.ctypes.data)
 
 
 @dataclass(slots=True)
 class Program:
     """One transfer's recorded CUDA calls, run by the executor or replayed on the caller's
-    thread: the same ops, in the same order, with the same failure handling."""
+    thread: the same ops, in the same order, with the same failure handling.
 
-    calls: list[tuple[int, tuple[Any, ...]]] = field(default_factory=list)
-    """(op code, arguments as the ``CudaRuntime`` method takes them)."""
+    An op is ``WORDS`` uint64 words, the op code then its arguments, as ``cuda_executor.c``
+    reads them; pointers in them point into arrays ``keep`` holds."""
+
+    parts: list[np.ndarray | list[int]] = field(default_factory=list)
+    """The ops so far, in order: flat word lists (one op at a time) and ``(n, WORDS)`` arrays
+    (many at once); ``ops`` joins them."""
+    keep: list[Any] = field(default_factory=list)
+    """What the ops point at (copy lists, kernel parameters): alive as long as the program."""
     retired_events: list[int] = field(default_factory=list)
     """Events the plan is done with: back to the pool once the program ran (before, a new
     record of a reused event could move a wait that has not been made yet)."""
     status: array[int] = field(default_factory=lambda: array("q", bytes(32)))
     """State, CUDA error code, failing op, nanoseconds taken (written by whoever runs it)."""
-    ops: array[int] | None = None
-    """The calls encoded for the executor (``encode``): ``WORDS`` per call."""
-    blob: np.ndarray | None = None
-    """What the encoded calls point at (``encode``)."""
     seq: int = 0
     settled: bool = False
     """The backend did its bookkeeping for the program having run."""
+    _ops: np.ndarray | None = None
 
     @property
     def state(self) -> ProgramState:
@@ -107,114 +106,120 @@ class Program:
     @property
     def error(self) -> str:
         code, index = int(self.status[1]), int(self.status[2])
-        return f"error {code} in CUDA call {index} of {len(self.calls)}"
+        return f"error {code} in CUDA call {index} of {len(self.ops) // WORDS}"
 
     @property
     def seconds(self) -> float:
         return float(self.status[3]) * 1e-9
 
-    def encode(self) -> None:
-        """The ops for the executor: ``WORDS`` uint64 per call. What the calls point at (copy
-        lists, kernel parameters, kernelParams arrays) is copied into one array, ``blob``."""
-        parts: list[np.ndarray] = []
-        for code, args in self.calls:
-            if code == OP_BATCH:
-                parts += [a.view(np.uint64) for a in args[:3]]
-            elif code == OP_LAUNCH:
-                parts += [_ONE_WORD, _as_words(args[3])]  # kernelParams slot, parameters
-        blob = np.concatenate(parts) if parts else None
-        base = int(blob.ctypes.data) if blob is not None else 0
-        starts = [0]
-        for part in parts:
-            starts.append(starts[-1] + len(part))
-        flat: list[int] = []
-        k = 0
-        for code, args in self.calls:
-            if code == OP_BATCH:
-                dsts, srcs, sizes = (base + 8 * starts[k + i] for i in range(3))
-                k += 3
-                _, _, count_of, attrs, stream = args
-                flat += [code, dsts, srcs, sizes, len(count_of), ctypes.addressof(attrs)]
-                flat += [_ATTR_INDEX_ADDRESS, stream]
-            elif code == OP_LAUNCH:
-                slot, params = starts[k], starts[k + 1]
-                k += 2
-                assert blob is not None
-                blob[slot] = base + 8 * params
-                function, grid, block, _, stream = args
-                flat += [code, function, grid, block, base + 8 * slot, stream, 0, 0]
-            else:
-                flat += [code, *args] + [0] * (WORDS - 1 - len(args))
-        self.blob, self.ops = blob, array("Q", flat)
+    def word_list(self) -> list[int]:
+        """The open flat list that single ops are appended to."""
+        parts = self.parts
+        if not parts or not isinstance(parts[-1], list):
+            parts.append([])
+        last = parts[-1]
+        assert isinstance(last, list)
+        return last
+
+    def add_rows(self, rows: np.ndarray) -> None:
+        """Append ``(n, WORDS)`` uint64 ops."""
+        if len(rows):
+            self.parts.append(np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1))
+
+    @property
+    def ops(self) -> np.ndarray:
+        """Every op, flat (``WORDS`` uint64 per op); fixed once first read."""
+        if self._ops is None:
+            arrays = [
+                np.array(p, dtype=np.uint64) if isinstance(p, list) else p for p in self.parts
+            ]
+            self._ops = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            self.parts = []
+        return self._ops
+
+    def rows(self) -> list[list[int]]:
+        return self.ops.reshape(-1, WORDS).tolist()
 
     def replay(self, rt: Any) -> None:
         """Make the calls here, on the caller's thread, as the executor would."""
         start = time.perf_counter_ns()
         state = ProgramState.DONE
-        for i, (code, args) in enumerate(self.calls):
+        rows = self.rows()
+        for i, op in enumerate(rows):
             try:
-                if code == OP_LAUNCH:
-                    function, grid, block, params, stream = args
-                    pointers = (ctypes.c_void_p * 1)(params.ctypes.data)
-                    rt.launch(function, grid, block, pointers, stream)
-                else:
-                    getattr(rt, _METHODS[code])(*args)
+                _call(rt, op)
             except CudaError as exc:
                 self.status[1], self.status[2] = exc.code, i
                 state = ProgramState.FAILED
-                for used_code, used_args in self.calls[:i]:
+                for used in rows[:i]:
                     # (failing: a broken context, where nothing runs any more anyway)
                     with contextlib.suppress(CudaError):
-                        rt.stream_synchronize(_stream_of(used_code, used_args))
+                        rt.stream_synchronize(used[STREAM_WORD[used[0]]])
                 break
         self.status[3] = time.perf_counter_ns() - start
         self.status[0] = state
 
 
-_METHODS = {
-    OP_WAIT: "stream_wait_event",
-    OP_RECORD: "event_record",
-    OP_MEMCPY: "memcpy_async",
-    OP_BATCH: "memcpy_batch_async",
-    OP_LAUNCH: "launch",
-    OP_SYNC: "stream_synchronize",
-}
-
-
-def _stream_of(code: int, args: tuple[Any, ...]) -> int:
-    return int(args[0] if code in (OP_WAIT, OP_SYNC) else args[-1])
+def _call(rt: Any, op: list[int]) -> None:
+    """One encoded op as a ``CudaRuntime`` call."""
+    code = op[0]
+    if code == OP_WAIT:
+        rt.stream_wait_event(op[1], op[2])
+    elif code == OP_RECORD:
+        rt.event_record(op[1], op[2])
+    elif code == OP_MEMCPY:
+        rt.memcpy_async(op[1], op[2], op[3], op[4])
+    elif code == OP_BATCH:
+        rt.memcpy_batch_raw(op[1], op[2], op[3], op[4], op[5], op[7])
+    elif code == OP_LAUNCH:
+        rt.launch(op[1], op[2], op[3], (ctypes.c_void_p * 1).from_address(op[4]), op[5])
+    elif code == OP_SYNC:
+        rt.stream_synchronize(op[1])
+    else:
+        raise ValueError(f"unknown op code {code}")
 
 
 class Recorder:
     """Stands in for the ``CudaRuntime`` calls that enqueue work: records them in a program.
-    Every argument is kept with the program, so nothing it points at is freed or reused before
-    the program ran."""
+    Every array a call points at is kept with the program, so nothing is freed or reused
+    before the program ran."""
 
     def __init__(self, has_batch_memcpy: bool) -> None:
         self.has_batch_memcpy = has_batch_memcpy
         self.program = Program()
 
     def stream_wait_event(self, stream: int, event: int) -> None:
-        self.program.calls.append((OP_WAIT, (stream, event)))
+        self.program.word_list().extend((OP_WAIT, stream, event, 0, 0, 0, 0, 0))
 
     def event_record(self, event: int, stream: int) -> None:
-        self.program.calls.append((OP_RECORD, (event, stream)))
+        self.program.word_list().extend((OP_RECORD, event, stream, 0, 0, 0, 0, 0))
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self.program.calls.append((OP_MEMCPY, (dst, src, nbytes, stream)))
+        self.program.word_list().extend((OP_MEMCPY, dst, src, nbytes, stream, 0, 0, 0))
 
     def memcpy_batch_async(
         self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, attrs: Any, stream: int
     ) -> None:
         arrays = [np.ascontiguousarray(a, dtype=np.uintp) for a in (dsts, srcs, sizes)]
-        self.program.calls.append((OP_BATCH, (*arrays, attrs, stream)))
+        self.program.keep += (*arrays, attrs)
+        pointers = [pointer_of(a) for a in arrays]
+        words = (OP_BATCH, *pointers, len(arrays[2]), ctypes.addressof(attrs))
+        self.program.word_list().extend((*words, ATTR_INDEX_ADDRESS, stream))
 
     def launch(self, function: int, grid: int, block: int, params: np.ndarray, stream: int) -> None:
-        """``params``: the kernel's parameter bytes (uint8)."""
-        self.program.calls.append((OP_LAUNCH, (function, grid, block, params, stream)))
+        """``params``: the kernel's parameter bytes (a contiguous uint8 array)."""
+        slot = np.array([pointer_of(params)], dtype=np.uint64)  # kernelParams: one pointer
+        self.program.keep += (params, slot)
+        words = (OP_LAUNCH, function, grid, block, pointer_of(slot), stream, 0, 0)
+        self.program.word_list().extend(words)
+
+    def add_rows(self, rows: np.ndarray, *keep: Any) -> None:
+        """Ops encoded elsewhere (``(n, WORDS)`` uint64), and what they point at."""
+        self.program.keep += keep
+        self.program.add_rows(rows)
 
     def stream_synchronize(self, stream: int) -> None:
-        self.program.calls.append((OP_SYNC, (stream,)))
+        self.program.word_list().extend((OP_SYNC, stream, 0, 0, 0, 0, 0, 0))
 
 
 _LIBRARY: ctypes.CDLL | None = None
@@ -280,6 +285,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvx_wait.restype = ctypes.c_int
     lib.kvx_close.argtypes = [vp]
     lib.kvx_close.restype = None
+    lib.kvx_plan_staged.argtypes = [vp]
+    lib.kvx_plan_staged.restype = i64
     return lib
 
 
@@ -301,11 +308,9 @@ class Executor:
     def push(self, program: Program) -> None:
         """Queue ``program``; sets ``program.seq``."""
         assert self._handle is not None
-        program.encode()
-        assert program.ops is not None
         ops, status = program.ops, program.status
         seq = self._lib.kvx_push(
-            self._handle, ops.buffer_info()[0], len(ops) // WORDS, status.buffer_info()[0]
+            self._handle, pointer_of(ops), len(ops) // WORDS, status.buffer_info()[0]
         )
         if seq < 0:
             raise ExecutorUnavailable("the copy executor is closed or out of memory")

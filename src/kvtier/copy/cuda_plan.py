@@ -365,36 +365,6 @@ def with_region_begins(params: np.ndarray, region_begins: Sequence[int]) -> np.n
     return rows
 
 
-def pack_param_rows(
-    capacity: int,
-    region_table: int,
-    piece_bytes: int,
-    n_regions: int,
-    to_host: bool,
-    counts: np.ndarray,
-    engine_blocks: np.ndarray,
-    host_addrs: np.ndarray,
-) -> np.ndarray:
-    """``pack_params`` for consecutive launches at once (all regions, from region 0): the blocks
-    cut into runs of ``counts``, one ``Params<capacity>`` row each (uint8)."""
-    rows = len(counts)
-    if rows and int(np.max(counts)) > capacity:
-        raise ValueError(f"{int(np.max(counts))} blocks exceed the launch capacity {capacity}")
-    out = np.zeros((rows, param_bytes(capacity)), dtype=np.uint8)
-    out[:, :16].view(np.uint64)[:] = (region_table, piece_bytes)
-    header = out[:, 16:32].view(np.int32)
-    header[:] = (0, n_regions, 0, 1 if to_host else 0)
-    header[:, 2] = counts
-    ends = np.cumsum(counts)
-    row_of = np.repeat(np.arange(rows), counts)
-    column = np.arange(len(engine_blocks)) - (ends - counts)[row_of]
-    addresses = out[:, PARAM_HEADER_BYTES : PARAM_HEADER_BYTES + 8 * capacity].view(np.uint64)
-    addresses[row_of, column] = host_addrs
-    ids_start = PARAM_HEADER_BYTES + 8 * capacity
-    out[:, ids_start : ids_start + 4 * capacity].view(np.int32)[row_of, column] = engine_blocks
-    return out
-
-
 def region_table(regions: Sequence[Region]) -> np.ndarray:
     """The device-side region table: per region ``(base, stride, host_offset)`` as uint64."""
     return np.array([(r.base, r.stride, r.host_offset) for r in regions], dtype=np.uint64).reshape(

@@ -337,19 +337,24 @@ class CudaRuntime:
         stream: int,
     ) -> None:
         """One ``cudaMemcpyBatchAsync`` over uintp arrays of equal length (one attribute set)."""
-        batch = self._batch
-        if batch is None:
-            raise CudaError("cudaMemcpyBatchAsync", -1, "unavailable", "needs CUDA runtime >= 12.8")
-        count = len(sizes)
-        args: list[Any] = [
+        self.memcpy_batch_raw(
             dsts.ctypes.data,
             srcs.ctypes.data,
             sizes.ctypes.data,
-            count,
+            len(sizes),
             ctypes.addressof(attrs),
-            self._attr_idx.ctypes.data,
-            1,
-        ]
+            stream,
+        )
+
+    def memcpy_batch_raw(
+        self, dsts: int, srcs: int, sizes: int, count: int, attrs: int, stream: int
+    ) -> None:
+        """``memcpy_batch_async`` from the addresses of the three uintp arrays and the
+        attributes (as a recorded program holds them)."""
+        batch = self._batch
+        if batch is None:
+            raise CudaError("cudaMemcpyBatchAsync", -1, "unavailable", "needs CUDA runtime >= 12.8")
+        args: list[Any] = [dsts, srcs, sizes, count, attrs, self._attr_idx.ctypes.data, 1]
         if self._batch_has_fail_idx:
             args.append(ctypes.addressof(self._fail_idx))
         self._check("cudaMemcpyBatchAsync", batch(*args, stream))

@@ -1,0 +1,176 @@
+"""The ``staged`` strategy's pipeline as a table of executor ops, built for all chunks at once.
+
+A staged transfer moves its blocks in chunks through the device staging buffers of its direction
+(used in turn, ``B`` of them). Per chunk ``k`` on buffer ``j``, with ``lane`` its DMA stream
+(chunks alternate lanes) and ``main`` the transfer's stream:
+
+* STORE: ``main`` waits until buffer ``j`` is free, the kernel gathers the chunk's blocks into it,
+  ``lane`` waits for the kernel (a hand-over event), the copy engines move the chunk to the pool,
+  and an event on ``lane`` marks buffer ``j`` free again.
+* LOAD: ``lane`` waits until buffer ``j`` is free, the copy engines move the chunk from the pool,
+  ``main`` waits for the copy (a hand-over event), the kernel scatters the chunk into the engine's
+  blocks, and an event on ``main`` marks buffer ``j`` free again.
+
+At the end of a STORE ``main`` waits for every lane. Six ops per chunk, so 512 blocks in about ten
+chunks are some sixty ops, with a kernel parameter block and a copy list per chunk: computed in
+Python they took most of a staged submit (0.3-1 ms on the H100 leases' CPUs), so
+``kvx_plan_staged`` in ``cuda_executor.c`` writes them, in one pass over the blocks.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.copy.cuda_executor import ATTR_INDEX_ADDRESS, WORDS, load_library, pointer_of
+from kvtier.copy.cuda_plan import param_bytes
+
+STAGE_RAMP_GROWTH = 4
+"""Each ramp chunk is this many times the one before: the kernel moves a chunk about ten times
+faster than PCIe does, so a 4x larger neighbour still hides behind the smaller one's DMA."""
+
+
+def chunk_sizes(n: int, per: int, ramp: int, to_host: bool) -> list[int]:
+    """Blocks per staging chunk for an ``n``-block transfer through ``per``-block buffers.
+
+    A STORE gathers chunk 0 before any DMA can start, and a LOAD scatters its last chunk after
+    the last DMA: that kernel step is the part of the pipeline nothing hides. So the chunks at
+    that end are small (``ramp`` blocks, then growing ``STAGE_RAMP_GROWTH`` times per chunk up
+    to ``per``): first for a STORE, last for a LOAD.
+    """
+    sizes: list[int] = []
+    left, size = n, min(ramp, per)
+    while left > 0:
+        take = min(size, left)
+        sizes.append(take)
+        left -= take
+        size = min(size * STAGE_RAMP_GROWTH, per)
+    return sizes if to_host else sizes[::-1]
+
+
+@dataclass(slots=True)
+class StagingRing:
+    """Device staging buffers of one direction, used in turn by every staged transfer."""
+
+    owner: Any
+    base: int
+    buffer_bytes: int
+    free: list[int]
+    """Per buffer: an event recorded after its last use (0: never used)."""
+    next: int = 0
+    """The buffer the next chunk takes."""
+
+
+@dataclass(frozen=True, slots=True)
+class StagedKernel:
+    """How a staged transfer launches the copy kernel."""
+
+    function: int
+    capacity: int
+    threads: int
+    warps: int
+    max_sms: int
+    region_table: int
+    piece_bytes: int
+    n_regions: int
+
+
+@dataclass(slots=True)
+class StagedOps:
+    rows: np.ndarray
+    """The chunks' ops, ``(n, WORDS)`` uint64."""
+    memory: np.ndarray
+    """What they point at (kernel parameters, copy lists): keep it until they ran."""
+    retired: list[int]
+    """Events the transfer is done with once its ops ran (hand-overs, replaced free events)."""
+
+
+PLAN_FIELDS = (
+    *("n_blocks", "blocks", "hosts", "to_host", "block_bytes", "n_chunks", "chunk_blocks"),
+    *("main_stream", "n_lanes", "lanes", "events"),
+    *("ring_base", "buffer_bytes", "n_buffers", "first_buffer", "buffer_free"),
+    *("kernel", "threads", "warps", "max_sms", "capacity", "param_bytes", "region_table"),
+    *("piece_bytes", "n_regions", "attrs", "attr_index"),
+    *("ops", "params", "kernel_params", "copy_dsts", "copy_srcs", "copy_sizes"),
+)
+"""``StagedPlan`` of ``cuda_executor.c``: every field is 8 bytes, so it is passed as uint64
+words in this order."""
+
+
+def plan_staged(
+    blocks: np.ndarray,
+    hosts: np.ndarray,
+    to_host: bool,
+    block_bytes: int,
+    sizes: list[int],
+    main: int,
+    lanes: list[int],
+    events: list[int],
+    ring: StagingRing,
+    kernel: StagedKernel,
+    attrs: int,
+) -> StagedOps:
+    """The ops of a staged transfer of ``blocks`` (int64 ids) to or from ``hosts`` (uint64
+    addresses) in chunks of ``sizes`` blocks, with ``2 * len(sizes)`` fresh ``events``
+    (hand-overs, then buffer-free events). Updates ``ring`` as if the ops had been made."""
+    chunks, n = len(sizes), len(blocks)
+    n_buffers = len(ring.free)
+    first = ring.next
+    param_words = param_bytes(kernel.capacity) // 8
+    words = [6 * chunks * WORDS, chunks * param_words, chunks, n, n, n]  # of each output
+    memory = np.zeros(sum(words), dtype=np.uint64)
+    out = [pointer_of(memory)]
+    for size in words[:-1]:
+        out.append(out[-1] + 8 * size)
+    inputs = [
+        np.ascontiguousarray(blocks, dtype=np.int64),
+        np.ascontiguousarray(hosts, dtype=np.uint64),
+        np.array([*sizes, *lanes, *events, *ring.free], dtype=np.uint64),
+    ]
+    small = pointer_of(inputs[2])  # sizes, lanes, events, ring.free
+    fields = {
+        "n_blocks": n,
+        "blocks": pointer_of(inputs[0]),
+        "hosts": pointer_of(inputs[1]),
+        "to_host": int(to_host),
+        "block_bytes": block_bytes,
+        "n_chunks": chunks,
+        "chunk_blocks": small,
+        "main_stream": main,
+        "n_lanes": len(lanes),
+        "lanes": small + 8 * chunks,
+        "events": small + 8 * (chunks + len(lanes)),
+        "ring_base": ring.base,
+        "buffer_bytes": ring.buffer_bytes,
+        "n_buffers": n_buffers,
+        "first_buffer": first,
+        "buffer_free": small + 8 * (3 * chunks + len(lanes)),
+        "kernel": kernel.function,
+        "threads": kernel.threads,
+        "warps": kernel.warps,
+        "max_sms": kernel.max_sms,
+        "capacity": kernel.capacity,
+        "param_bytes": 8 * param_words,
+        "region_table": kernel.region_table,
+        "piece_bytes": kernel.piece_bytes,
+        "n_regions": kernel.n_regions,
+        "attrs": attrs,
+        "attr_index": ATTR_INDEX_ADDRESS,
+        **dict(zip(PLAN_FIELDS[-6:], out, strict=True)),
+    }
+    plan = array("Q", [fields[name] for name in PLAN_FIELDS])
+    count = load_library().kvx_plan_staged(plan.buffer_info()[0])
+    # Chunk k waited for the event that freed its buffer last: chunk k - n_buffers's, or, for
+    # the first uses, one an earlier transfer left in the ring. All but the newest are done.
+    frees = events[chunks:]
+    used = [(first + k) % n_buffers for k in range(min(chunks, n_buffers))]
+    retired = events[:chunks] + [ring.free[j] for j in used if ring.free[j]]
+    retired += frees[: max(0, chunks - n_buffers)]
+    for k in range(max(0, chunks - n_buffers), chunks):
+        ring.free[(first + k) % n_buffers] = frees[k]
+    ring.next = (first + chunks) % n_buffers
+    rows = memory[: count * WORDS].reshape(-1, WORDS)
+    return StagedOps(rows, memory, retired)
