@@ -301,9 +301,10 @@ def test_failed_enqueue_returns_streams_and_events(
     kv = make_kv(layout, torch.Generator(device="cuda").manual_seed(4))
     one_block = LAYERS * 2 * 32768
     backend = backend_for(pool, kv, layout, strategy, stage_bytes=one_block, staged_min_blocks=1)
-    # Something called once a step: after the gate, per layer (dma, kernel) or per chunk (staged).
-    target = backend._events if strategy == "kernel" else backend
-    name = {"dma": "_dma", "kernel": "acquire", "staged": "_batch"}[strategy]
+    # Something called once a step, after the gate: per layer (dma, kernel), or for the
+    # hand-over of each DMA lane after the staged chunks were planned (staged).
+    target = backend if strategy == "dma" else backend._events
+    name = "_dma" if strategy == "dma" else "acquire"
     real = getattr(target, name)
     calls = {"n": 0}
 

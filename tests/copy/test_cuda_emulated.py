@@ -196,7 +196,7 @@ def test_failures_return_streams_and_events(
         KVLayout.LAYER_KV_FIRST,
         "kernel",
         fake,
-        options=CudaCopyOptions(strategy="kernel", max_streams=2),
+        options=CudaCopyOptions(strategy="kernel", max_streams=2, prefill_events=1),
     )
     backend.submit(CopyJob(9, Direction.STORE, [0], [0]))  # a healthy job alongside
     fake.fail[method] = after_calls
@@ -332,6 +332,17 @@ def test_pool_registered_in_slot_aligned_pieces(pool: HostPool) -> None:
     assert all(n % pool.slot_stride == 0 for n in sizes) and max(sizes) == 3 * pool.slot_stride
     backend.close()
     assert fake.registered == []
+
+
+def test_events_are_created_up_front(pool: HostPool) -> None:
+    opts = CudaCopyOptions(strategy="kernel", max_streams=2, prefill_events=5)
+    backend, _, _ = _backend(pool, KVLayout.LAYER_KV_FIRST, "kernel", options=opts)
+    created = backend.fake.events.copy()
+    assert backend.stats().events_created == 5 == len(created) == backend.stats().events_idle
+    backend.submit(CopyJob(1, Direction.STORE, [0], [0]))  # a gate and a done event: no new one
+    backend.wait([1])
+    assert backend.poll().done == [1] and backend.fake.events == created
+    backend.close()
 
 
 def test_options() -> None:

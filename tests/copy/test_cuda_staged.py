@@ -254,3 +254,71 @@ def test_the_native_plan_packs_what_pack_params_packs() -> None:
     assert waits == [555, 1004, 1005]
     assert ring.next == 1 and ring.free == [1007, 1006]
     assert sorted(staged.retired) == [555, 1000, 1001, 1002, 1003, 1004, 1005]
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_staged_transfer_failing_midway_returns_everything(
+    pool: HostPool, threaded: bool
+) -> None:
+    """The second chunk's copy fails: the transfer is reported failed once, every stream and
+    event goes back, and the ring still serves the next transfers byte for byte."""
+    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
+    logical = logical_blocks(np.random.default_rng(2), NUM_BLOCKS)
+    arrays = engine_arrays(logical, KVLayout.LAYER_KV_FIRST)
+    fake = FakeRuntime(fail={"memcpy": 1})
+    opts = CudaCopyOptions(
+        strategy="staged", max_streams=8, stage_bytes=3 * block, staged_min_blocks=1
+    )
+    backend = EmulatedBackend(
+        [FakeTensor(a) for a in arrays],
+        KVLayout.LAYER_KV_FIRST,
+        pool,
+        opts,
+        fake=fake,
+        threaded=threaded,
+    )
+    backend.submit(CopyJob(1, Direction.STORE, list(range(9)), list(range(9))))
+    backend.wait([1])
+    assert backend.poll().failed == [1]
+    assert backend.stats().idle and "memcpy" not in fake.fail
+    backend.submit(CopyJob(2, Direction.STORE, list(range(9)), list(range(9))))
+    backend.wait([2])
+    for a in arrays:
+        a.fill(0xDEAD)
+    backend.submit(CopyJob(3, Direction.LOAD, list(range(10, 19)), list(range(9))))
+    backend.wait([3])
+    assert backend.poll().done == [2, 3]
+    got = to_logical(arrays, KVLayout.LAYER_KV_FIRST)
+    for i in range(9):
+        assert got[10 + i].tobytes() == block_bytes(logical, i)
+    assert backend.stats().idle and fake.callback_errors == []
+    backend.close()
+    assert fake.streams == set() and fake.events == set()
+
+
+def test_running_out_of_events_while_planning_loses_none(pool: HostPool) -> None:
+    """No events prefilled and event creation failing halfway through a staged plan's events:
+    the job fails, and the events it had already taken go back to the pool."""
+    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
+    arrays = engine_arrays(
+        logical_blocks(np.random.default_rng(3), NUM_BLOCKS), KVLayout.LAYER_KV_FIRST
+    )
+    fake = FakeRuntime()
+    opts = CudaCopyOptions(
+        strategy="staged",
+        max_streams=4,
+        stage_bytes=block,
+        staged_min_blocks=1,
+        prefill_events=0,
+    )
+    backend = EmulatedBackend(
+        [FakeTensor(a) for a in arrays], KVLayout.LAYER_KV_FIRST, pool, opts, fake=fake
+    )
+    fake.fail["event_create"] = 3  # the gate's, then two of the plan's six, then a failure
+    backend.submit(CopyJob(1, Direction.STORE, [1, 2, 3], [0, 1, 2]))
+    backend.wait([1])
+    assert backend.poll().failed == [1]
+    stats = backend.stats()
+    assert stats.idle and stats.events_created == 3 == stats.events_idle
+    backend.close()
+    assert fake.events == set()

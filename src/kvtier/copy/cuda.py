@@ -279,7 +279,8 @@ class _EventPool:
         self._idle: list[int] = []
         self._created = 0
         for _ in range(prefill):
-            self.release(self.acquire())
+            self._idle.append(rt.event_create())
+            self._created += 1
 
     def acquire(self) -> int:
         with self._lock:
@@ -292,9 +293,17 @@ class _EventPool:
 
     def acquire_many(self, count: int) -> list[int]:
         with self._lock:
-            taken = self._idle[len(self._idle) - count :] if count else []
-            del self._idle[len(self._idle) - len(taken) :]
-        return taken + [self.acquire() for _ in range(count - len(taken))]
+            split = max(0, len(self._idle) - count)
+            taken = self._idle[split:]
+            del self._idle[split:]
+        try:
+            while len(taken) < count:
+                taken.append(self.acquire())
+        except BaseException:
+            for event in taken:
+                self.release(event)
+            raise
+        return taken
 
     def release(self, event: int) -> None:
         with self._lock:
