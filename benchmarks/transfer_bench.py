@@ -19,6 +19,7 @@ Needs a CUDA GPU, PyTorch and CuPy. Prints a table naming the GPU and writes JSO
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import gc
 import json
@@ -593,13 +594,20 @@ class TimelineRuntime:
         end.record(ext)
         self.ops.append((kind, stream, nbytes, start, end))
 
-    def memcpy_batch_async(self, dsts: Any, srcs: Any, sizes: Any, attrs: Any, stream: int) -> None:
+    def memcpy_batch_raw(
+        self, dsts: int, srcs: int, sizes: int, count: int, attrs: int, stream: int
+    ) -> None:
+        """(A replayed program makes its batched copies through this.)"""
+        nbytes = int(np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(sizes)).sum())
         self._timed(
             "dma",
             stream,
-            int(sizes.sum()),
-            lambda: self._rt.memcpy_batch_async(dsts, srcs, sizes, attrs, stream),
+            nbytes,
+            lambda: self._rt.memcpy_batch_raw(dsts, srcs, sizes, count, attrs, stream),
         )
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._timed("dma", stream, nbytes, lambda: self._rt.memcpy_async(dst, src, nbytes, stream))
 
     def launch(self, function: Any, grid: int, block: int, params: Any, stream: int) -> None:
         self._timed(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -120,34 +121,35 @@ def plan_staged(
     n_buffers = len(ring.free)
     first = ring.next
     param_words = param_bytes(kernel.capacity) // 8
-    words = [6 * chunks * WORDS, chunks * param_words, chunks, n, n, n]  # of each output
-    memory = np.zeros(sum(words), dtype=np.uint64)
-    out = [pointer_of(memory)]
-    for size in words[:-1]:
-        out.append(out[-1] + 8 * size)
-    inputs = [
-        np.ascontiguousarray(blocks, dtype=np.int64),
-        np.ascontiguousarray(hosts, dtype=np.uint64),
-        np.array([*sizes, *lanes, *events, *ring.free], dtype=np.uint64),
-    ]
-    small = pointer_of(inputs[2])  # sizes, lanes, events, ring.free
+    small = [*sizes, *lanes, *events, *ring.free]
+    # One array for the outputs (ops, parameter rows, kernelParams slots, three copy lists)
+    # and the inputs (block ids, host addresses, the small lists above), at these offsets:
+    words = [6 * chunks * WORDS, chunks * param_words, chunks, n, n, n, n, n, len(small)]
+    ends = list(accumulate(words))
+    memory = np.zeros(ends[-1], dtype=np.uint64)
+    memory[ends[5] : ends[6]] = blocks  # (int64 ids, non-negative: stored as they are)
+    memory[ends[6] : ends[7]] = hosts
+    memory[ends[7] :] = small
+    base = pointer_of(memory)
+    at = [base] + [base + 8 * end for end in ends[:-1]]
+    small_at = at[8]
     fields = {
         "n_blocks": n,
-        "blocks": pointer_of(inputs[0]),
-        "hosts": pointer_of(inputs[1]),
+        "blocks": at[6],
+        "hosts": at[7],
         "to_host": int(to_host),
         "block_bytes": block_bytes,
         "n_chunks": chunks,
-        "chunk_blocks": small,
+        "chunk_blocks": small_at,
         "main_stream": main,
         "n_lanes": len(lanes),
-        "lanes": small + 8 * chunks,
-        "events": small + 8 * (chunks + len(lanes)),
+        "lanes": small_at + 8 * chunks,
+        "events": small_at + 8 * (chunks + len(lanes)),
         "ring_base": ring.base,
         "buffer_bytes": ring.buffer_bytes,
         "n_buffers": n_buffers,
         "first_buffer": first,
-        "buffer_free": small + 8 * (3 * chunks + len(lanes)),
+        "buffer_free": small_at + 8 * (3 * chunks + len(lanes)),
         "kernel": kernel.function,
         "threads": kernel.threads,
         "warps": kernel.warps,
@@ -159,7 +161,7 @@ def plan_staged(
         "n_regions": kernel.n_regions,
         "attrs": attrs,
         "attr_index": ATTR_INDEX_ADDRESS,
-        **dict(zip(PLAN_FIELDS[-6:], out, strict=True)),
+        **dict(zip(PLAN_FIELDS[-6:], at[:6], strict=True)),
     }
     plan = array("Q", [fields[name] for name in PLAN_FIELDS])
     count = load_library().kvx_plan_staged(plan.buffer_info()[0])
