@@ -84,9 +84,9 @@ class Program:
     An op is ``WORDS`` uint64 words, the op code then its arguments, as ``cuda_executor.c``
     reads them; pointers in them point into arrays ``keep`` holds."""
 
-    parts: list[np.ndarray | list[int]] = field(default_factory=list)
-    """The ops so far, in order: flat word lists (one op at a time) and ``(n, WORDS)`` arrays
-    (many at once); ``ops`` joins them."""
+    parts: list[np.ndarray | array[int]] = field(default_factory=list)
+    """The ops so far, in order: flat ``array("Q")`` words (one op at a time) and flat uint64
+    arrays (many at once); joined once the program is run."""
     keep: list[Any] = field(default_factory=list)
     """What the ops point at (copy lists, kernel parameters): alive as long as the program."""
     retired_events: list[int] = field(default_factory=list)
@@ -97,7 +97,7 @@ class Program:
     seq: int = 0
     settled: bool = False
     """The backend did its bookkeeping for the program having run."""
-    _ops: np.ndarray | None = None
+    _joined: np.ndarray | array[int] | None = None
 
     @property
     def state(self) -> ProgramState:
@@ -112,30 +112,46 @@ class Program:
     def seconds(self) -> float:
         return float(self.status[3]) * 1e-9
 
-    def word_list(self) -> list[int]:
-        """The open flat list that single ops are appended to."""
+    def word_list(self) -> array[int]:
+        """The open word array that single ops are appended to."""
+        assert self._joined is None, "the program was already run"
         parts = self.parts
-        if not parts or not isinstance(parts[-1], list):
-            parts.append([])
-        last = parts[-1]
-        assert isinstance(last, list)
+        last = parts[-1] if parts else None
+        if not isinstance(last, array):
+            last = array("Q")
+            parts.append(last)
         return last
 
     def add_rows(self, rows: np.ndarray) -> None:
         """Append ``(n, WORDS)`` uint64 ops."""
+        assert self._joined is None, "the program was already run"
         if len(rows):
             self.parts.append(np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1))
 
+    def _join(self) -> np.ndarray | array[int]:
+        """Every op's words in one buffer (fixed from the first call on)."""
+        if self._joined is None:
+            parts = self.parts
+            if len(parts) == 1:
+                self._joined = parts[0]
+            else:
+                self._joined = np.concatenate([np.asarray(p, dtype=np.uint64) for p in parts])
+            self.parts = []
+        return self._joined
+
     @property
     def ops(self) -> np.ndarray:
-        """Every op, flat (``WORDS`` uint64 per op); fixed once first read."""
-        if self._ops is None:
-            arrays = [
-                np.array(p, dtype=np.uint64) if isinstance(p, list) else p for p in self.parts
-            ]
-            self._ops = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-            self.parts = []
-        return self._ops
+        """Every op, flat: ``WORDS`` uint64 per op."""
+        return np.asarray(self._join(), dtype=np.uint64)
+
+    def buffer(self) -> tuple[int, int]:
+        """Where the encoded ops are and how many (what the executor reads)."""
+        joined = self._join()
+        if isinstance(joined, array):
+            address, words = joined.buffer_info()
+        else:
+            address, words = pointer_of(joined), len(joined)
+        return address, words // WORDS
 
     def rows(self) -> list[list[int]]:
         return self.ops.reshape(-1, WORDS).tolist()
@@ -208,9 +224,9 @@ class Recorder:
 
     def launch(self, function: int, grid: int, block: int, params: np.ndarray, stream: int) -> None:
         """``params``: the kernel's parameter bytes (a contiguous uint8 array)."""
-        slot = np.array([pointer_of(params)], dtype=np.uint64)  # kernelParams: one pointer
+        slot = array("Q", [pointer_of(params)])  # kernelParams: one pointer
         self.program.keep += (params, slot)
-        words = (OP_LAUNCH, function, grid, block, pointer_of(slot), stream, 0, 0)
+        words = (OP_LAUNCH, function, grid, block, slot.buffer_info()[0], stream, 0, 0)
         self.program.word_list().extend(words)
 
     def add_rows(self, rows: np.ndarray, *keep: Any) -> None:
@@ -308,10 +324,8 @@ class Executor:
     def push(self, program: Program) -> None:
         """Queue ``program``; sets ``program.seq``."""
         assert self._handle is not None
-        ops, status = program.ops, program.status
-        seq = self._lib.kvx_push(
-            self._handle, pointer_of(ops), len(ops) // WORDS, status.buffer_info()[0]
-        )
+        ops, count = program.buffer()
+        seq = self._lib.kvx_push(self._handle, ops, count, program.status.buffer_info()[0])
         if seq < 0:
             raise ExecutorUnavailable("the copy executor is closed or out of memory")
         program.seq = int(seq)

@@ -26,6 +26,7 @@ layouts, as ``[layers, 2, block_size, kv_heads, head_dim]``).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -208,6 +209,8 @@ def host_block_addresses(
 ) -> np.ndarray:
     """Host address of each engine block's bytes: slot by slot, ``blocks_per_slot`` per slot."""
     starts = np.uint64(pool_base + part_offset) + slots.astype(np.uint64) * np.uint64(slot_stride)
+    if blocks_per_slot == 1:
+        return starts
     within = np.arange(blocks_per_slot, dtype=np.uint64) * np.uint64(block_bytes)
     return (starts[:, None] + within[None, :]).reshape(-1)
 
@@ -314,6 +317,8 @@ def _within(values: np.ndarray, end: int) -> bool:
 KERNEL_CAPACITIES = (8, 64, 512, 2048)
 """Blocks per launch of each compiled kernel variant (its by-value parameter array size)."""
 PARAM_HEADER_BYTES = 32
+PARAM_HEADER_FORMAT = "=Qq4i"
+"""The header: region table address, piece bytes, region_begin, n_regions, n_blocks, to_host."""
 
 
 def param_bytes(capacity: int) -> int:
@@ -348,9 +353,8 @@ def pack_params(
     n = len(engine_blocks)
     if n > capacity:
         raise ValueError(f"{n} blocks exceed the launch capacity {capacity}")
-    header = buf[:PARAM_HEADER_BYTES]
-    header[:16].view(np.uint64)[:] = (region_table, piece_bytes)
-    header[16:32].view(np.int32)[:] = (region_begin, n_regions, n, 1 if to_host else 0)
+    header = (region_table, piece_bytes, region_begin, n_regions, n, 1 if to_host else 0)
+    struct.pack_into(PARAM_HEADER_FORMAT, buf.data, 0, *header)
     start = PARAM_HEADER_BYTES
     buf[start : start + 8 * n].view(np.uint64)[:] = host_addrs
     start += 8 * capacity
