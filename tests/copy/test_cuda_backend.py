@@ -248,6 +248,25 @@ def test_store_waits_for_the_kernel_writing_the_block(pool: HostPool, strategy: 
     backend.close()
 
 
+def test_store_waits_for_the_callers_current_stream(pool: HostPool) -> None:
+    """The gate is the stream current when ``submit`` is called, a side stream included."""
+    layout = KVLayout.LAYER_KV_FIRST
+    kv = make_kv(layout, torch.Generator(device="cuda").manual_seed(2))
+    backend = backend_for(pool, kv, layout, "kernel")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        assert backend._current_stream() == side.cuda_stream
+        torch.cuda._sleep(200_000_000)  # ~100 ms on the side stream only
+        write_block(kv, layout, 6, 4321)
+        backend.submit(CopyJob(1, Direction.STORE, [6], [2]))
+    assert backend._current_stream() == torch.cuda.current_stream().cuda_stream
+    backend.wait([1])
+    assert backend.poll().done == [1]
+    assert (slot_tensor(pool, 2, backend.slot_part_bytes) == 4321).all()
+    backend.close()
+
+
 @pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
 def test_load_does_not_overwrite_a_block_still_being_read(pool: HostPool, strategy: str) -> None:
     layout = KVLayout.LAYER_KV_FIRST
