@@ -13,12 +13,14 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 from emulated_cuda import COMPUTE_STREAM, EmulatedBackend, FakeRuntime, FakeTensor
 from kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
 
+from kvtier.copy import cuda_executor
 from kvtier.copy.base import CopyJob, Direction
 from kvtier.copy.cuda import CudaCopyOptions
 from kvtier.copy.cuda_executor import (
@@ -33,6 +35,7 @@ from kvtier.copy.cuda_executor import (
 )
 from kvtier.copy.cuda_plan import PARAM_HEADER_BYTES, KVLayout, pack_params, param_bytes
 from kvtier.copy.cuda_staged import StagedKernel, StagingRing, chunk_sizes, plan_staged
+from kvtier.errors import ConfigError
 from kvtier.pool import HostPool
 
 NUM_BLOCKS = 40
@@ -322,3 +325,28 @@ def test_running_out_of_events_while_planning_loses_none(pool: HostPool) -> None
     assert stats.idle and stats.events_created == 3 == stats.events_idle
     backend.close()
     assert fake.events == set()
+
+
+def test_without_the_native_planner_staged_is_not_chosen(
+    pool: HostPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the C file cannot be built, ``auto`` picks the kernel for small pieces and asking
+    for ``staged`` is a configuration error that says why."""
+    monkeypatch.setattr(cuda_executor, "_LIBRARY", None)
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    arrays = engine_arrays(logical_blocks(np.random.default_rng(4), 4), KVLayout.LAYER_KV_FIRST)
+    kv = [FakeTensor(a) for a in arrays]
+    auto = EmulatedBackend(
+        kv, KVLayout.LAYER_KV_FIRST, pool, CudaCopyOptions(max_streams=2), fake=FakeRuntime()
+    )
+    assert auto.strategy == "kernel"
+    auto.close()
+    with pytest.raises(ConfigError, match="native planner"):
+        EmulatedBackend(
+            kv,
+            KVLayout.LAYER_KV_FIRST,
+            pool,
+            CudaCopyOptions(strategy="staged", max_streams=2),
+            fake=FakeRuntime(),
+        )

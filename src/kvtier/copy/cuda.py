@@ -552,7 +552,7 @@ class CudaCopyBackend(CopyBackend):
             raise ConfigError(
                 "copy.strategy", strategy, f"the kernel cannot run here: {kernel_why}"
             )
-        staged_why = dma_why or _planner_missing() if strategy in ("auto", "staged") else ""
+        staged_why = (dma_why or _planner_missing()) if strategy in ("auto", "staged") else ""
         if strategy == "staged" and staged_why:
             raise ConfigError("copy.strategy", strategy, staged_why)
         if strategy == "auto":
