@@ -350,3 +350,28 @@ def test_without_the_native_planner_staged_is_not_chosen(
             CudaCopyOptions(strategy="staged", max_streams=2),
             fake=FakeRuntime(),
         )
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_job_failing_before_any_call_is_recorded(pool: HostPool, threaded: bool) -> None:
+    """No event for the gate (the first thing planned): an empty program, the job failed."""
+    arrays = engine_arrays(logical_blocks(np.random.default_rng(5), 4), KVLayout.LAYER_KV_FIRST)
+    fake = FakeRuntime()
+    opts = CudaCopyOptions(strategy="kernel", max_streams=2, prefill_events=0)
+    backend = EmulatedBackend(
+        [FakeTensor(a) for a in arrays],
+        KVLayout.LAYER_KV_FIRST,
+        pool,
+        opts,
+        fake=fake,
+        threaded=threaded,
+    )
+    fake.fail["event_create"] = 0
+    backend.submit(CopyJob(1, Direction.STORE, [1], [0]))
+    backend.wait([1])
+    assert backend.poll().failed == [1]
+    backend.submit(CopyJob(2, Direction.STORE, [1], [0]))
+    backend.wait([2])
+    assert backend.poll().done == [2]
+    assert backend.stats().idle and fake.callback_errors == []
+    backend.close()

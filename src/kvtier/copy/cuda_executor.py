@@ -132,8 +132,8 @@ class Program:
         """Every op's words in one buffer (fixed from the first call on)."""
         if self._joined is None:
             parts = self.parts
-            if len(parts) == 1:
-                self._joined = parts[0]
+            if len(parts) <= 1:
+                self._joined = parts[0] if parts else array("Q")
             else:
                 self._joined = np.concatenate([np.asarray(p, dtype=np.uint64) for p in parts])
             self.parts = []
