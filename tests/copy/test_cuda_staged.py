@@ -40,12 +40,13 @@ from kvtier.pool import HostPool
 
 NUM_BLOCKS = 40
 NUM_SLOTS = 40
+BLOCK = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
+"""Bytes of one engine block of the reference KV."""
 
 
 @pytest.fixture
 def pool(tmp_path: object) -> Iterator[HostPool]:
-    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
-    with HostPool.create(NUM_SLOTS, block + 64, shm_dir=str(tmp_path)) as p:
+    with HostPool.create(NUM_SLOTS, BLOCK + 64, shm_dir=str(tmp_path)) as p:
         yield p
 
 
@@ -110,28 +111,35 @@ def _ordering(programs: list[list[list[int]]]) -> tuple[list[Op], list[set[int]]
     return ops, before
 
 
+def _backend(
+    pool: HostPool,
+    opts: CudaCopyOptions,
+    fake: FakeRuntime | None = None,
+    seed: int = 1,
+    threaded: bool = False,
+) -> tuple[EmulatedBackend, np.ndarray, list[np.ndarray]]:
+    """A backend over per-layer engine tensors of random blocks: (backend, logical, arrays)."""
+    logical = logical_blocks(np.random.default_rng(seed), NUM_BLOCKS)
+    arrays = engine_arrays(logical, KVLayout.LAYER_KV_FIRST)
+    kv = [FakeTensor(a) for a in arrays]
+    fake = fake or FakeRuntime()
+    backend = EmulatedBackend(kv, KVLayout.LAYER_KV_FIRST, pool, opts, fake=fake, threaded=threaded)
+    return backend, logical, arrays
+
+
 def _run_jobs(
     pool: HostPool, jobs: list[tuple[Direction, list[int], list[int]]], **options: int
 ) -> tuple[EmulatedBackend, list[Program], np.ndarray, list[np.ndarray]]:
     """Submits and completes ``jobs``; their programs (which hold what their ops point at)."""
-    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
-    logical = logical_blocks(np.random.default_rng(1), NUM_BLOCKS)
-    arrays = engine_arrays(logical, KVLayout.LAYER_KV_FIRST)
     opts = CudaCopyOptions(
         strategy="staged",
         max_streams=8,
-        stage_bytes=3 * block,
-        stage_ramp_bytes=block,
+        stage_bytes=3 * BLOCK,
+        stage_ramp_bytes=BLOCK,
         staged_min_blocks=1,
         **options,
     )
-    backend = EmulatedBackend(
-        [FakeTensor(a) for a in arrays],
-        KVLayout.LAYER_KV_FIRST,
-        pool,
-        opts,
-        fake=FakeRuntime(deferred=True),
-    )
+    backend, logical, arrays = _backend(pool, opts, FakeRuntime(deferred=True))
     programs = []
     for job_id, (direction, blocks, slots) in enumerate(jobs, 1):
         backend.submit(CopyJob(job_id, direction, blocks, slots))
@@ -265,21 +273,11 @@ def test_a_staged_transfer_failing_midway_returns_everything(
 ) -> None:
     """The second chunk's copy fails: the transfer is reported failed once, every stream and
     event goes back, and the ring still serves the next transfers byte for byte."""
-    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
-    logical = logical_blocks(np.random.default_rng(2), NUM_BLOCKS)
-    arrays = engine_arrays(logical, KVLayout.LAYER_KV_FIRST)
     fake = FakeRuntime(fail={"memcpy": 1})
     opts = CudaCopyOptions(
-        strategy="staged", max_streams=8, stage_bytes=3 * block, staged_min_blocks=1
+        strategy="staged", max_streams=8, stage_bytes=3 * BLOCK, staged_min_blocks=1
     )
-    backend = EmulatedBackend(
-        [FakeTensor(a) for a in arrays],
-        KVLayout.LAYER_KV_FIRST,
-        pool,
-        opts,
-        fake=fake,
-        threaded=threaded,
-    )
+    backend, logical, arrays = _backend(pool, opts, fake, seed=2, threaded=threaded)
     backend.submit(CopyJob(1, Direction.STORE, list(range(9)), list(range(9))))
     backend.wait([1])
     assert backend.poll().failed == [1]
@@ -302,21 +300,15 @@ def test_a_staged_transfer_failing_midway_returns_everything(
 def test_running_out_of_events_while_planning_loses_none(pool: HostPool) -> None:
     """No events prefilled and event creation failing halfway through a staged plan's events:
     the job fails, and the events it had already taken go back to the pool."""
-    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
-    arrays = engine_arrays(
-        logical_blocks(np.random.default_rng(3), NUM_BLOCKS), KVLayout.LAYER_KV_FIRST
-    )
     fake = FakeRuntime()
     opts = CudaCopyOptions(
         strategy="staged",
         max_streams=4,
-        stage_bytes=block,
+        stage_bytes=BLOCK,
         staged_min_blocks=1,
         prefill_events=0,
     )
-    backend = EmulatedBackend(
-        [FakeTensor(a) for a in arrays], KVLayout.LAYER_KV_FIRST, pool, opts, fake=fake
-    )
+    backend, _, _ = _backend(pool, opts, fake, seed=3)
     fake.fail["event_create"] = 3  # the gate's, then two of the plan's six, then a failure
     backend.submit(CopyJob(1, Direction.STORE, [1, 2, 3], [0, 1, 2]))
     backend.wait([1])
@@ -335,37 +327,19 @@ def test_without_the_native_planner_staged_is_not_chosen(
     monkeypatch.setattr(cuda_executor, "_LIBRARY", None)
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
-    arrays = engine_arrays(logical_blocks(np.random.default_rng(4), 4), KVLayout.LAYER_KV_FIRST)
-    kv = [FakeTensor(a) for a in arrays]
-    auto = EmulatedBackend(
-        kv, KVLayout.LAYER_KV_FIRST, pool, CudaCopyOptions(max_streams=2), fake=FakeRuntime()
-    )
+    auto, _, _ = _backend(pool, CudaCopyOptions(max_streams=2), seed=4)
     assert auto.strategy == "kernel"
     auto.close()
     with pytest.raises(ConfigError, match="native planner"):
-        EmulatedBackend(
-            kv,
-            KVLayout.LAYER_KV_FIRST,
-            pool,
-            CudaCopyOptions(strategy="staged", max_streams=2),
-            fake=FakeRuntime(),
-        )
+        _backend(pool, CudaCopyOptions(strategy="staged", max_streams=2), seed=4)
 
 
 @pytest.mark.parametrize("threaded", [False, True])
 def test_a_job_failing_before_any_call_is_recorded(pool: HostPool, threaded: bool) -> None:
-    """No event for the gate (the first thing planned): an empty program, the job failed."""
-    arrays = engine_arrays(logical_blocks(np.random.default_rng(5), 4), KVLayout.LAYER_KV_FIRST)
+    """No event for the gate (the first thing planned): the job fails alone, nothing leaks."""
     fake = FakeRuntime()
     opts = CudaCopyOptions(strategy="kernel", max_streams=2, prefill_events=0)
-    backend = EmulatedBackend(
-        [FakeTensor(a) for a in arrays],
-        KVLayout.LAYER_KV_FIRST,
-        pool,
-        opts,
-        fake=fake,
-        threaded=threaded,
-    )
+    backend, _, _ = _backend(pool, opts, fake, seed=5, threaded=threaded)
     fake.fail["event_create"] = 0
     backend.submit(CopyJob(1, Direction.STORE, [1], [0]))
     backend.wait([1])
