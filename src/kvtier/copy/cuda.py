@@ -901,9 +901,8 @@ class CudaCopyBackend(CopyBackend):
         direct = self.strategy != "dma"
         if not transfer.layerwise:
             if direct:
-                self._launch(
-                    transfer.stream, plan.blocks, plan.hosts, plan.to_host, 0, len(geo.regions)
-                )
+                for function, grid, params in self._launches(plan, len(geo.regions)):
+                    self._enq.launch(function, grid, THREADS, params, transfer.stream)
             else:
                 self._dma(
                     transfer,
@@ -911,7 +910,14 @@ class CudaCopyBackend(CopyBackend):
                     plan.to_host,
                 )
             return
-        launches = self._layer_launches(plan) if direct else []
+        # The kernel's parameters are packed once and repeated per layer (only the first region
+        # differs).
+        per = len(geo.regions) // geo.num_layers
+        begins = [geo.layer_regions(layer).start for layer in range(geo.num_layers)]
+        launches = [
+            (function, grid, with_region_begins(params, begins))
+            for function, grid, params in (self._launches(plan, per) if direct else [])
+        ]
         for layer in range(geo.num_layers):
             for function, grid, rows in launches:
                 self._enq.launch(function, grid, THREADS, rows[layer], transfer.stream)
@@ -1007,12 +1013,9 @@ class CudaCopyBackend(CopyBackend):
             for lane in lanes:
                 self._hand_over(lane, transfer.stream)
 
-    def _layer_launches(self, plan: _Plan) -> list[tuple[int, int, np.ndarray]]:
-        """A layer-wise kernel copy's launches: per run of at most 2,048 blocks, the function,
-        the grid and one parameter row per layer (packed once, repeated per layer)."""
-        geo = self.geometry
-        per = len(geo.regions) // geo.num_layers
-        begins = [geo.layer_regions(layer).start for layer in range(geo.num_layers)]
+    def _launches(self, plan: _Plan, n_regions: int) -> list[tuple[int, int, np.ndarray]]:
+        """The copy kernel over the plan's blocks x regions ``[0, n_regions)``: per run of at most
+        2,048 blocks, the function, the grid and the packed parameters (read when launched)."""
         limit = KERNEL_CAPACITIES[-1]
         launches = []
         for start in range(0, len(plan.blocks), limit):
@@ -1023,52 +1026,20 @@ class CudaCopyBackend(CopyBackend):
                 params,
                 capacity,
                 self._region_table_address,
-                geo.piece_bytes,
+                self.geometry.piece_bytes,
                 0,
-                per,
+                n_regions,
                 plan.to_host,
                 part,
                 plan.hosts[start : start + limit],
             )
-            function = self._kernels.functions[capacity]
-            launches.append(
-                (function, self._grid(len(part), per), with_region_begins(params, begins))
-            )
+            grid = self._grid(len(part), n_regions)
+            launches.append((self._kernels.functions[capacity], grid, params))
         return launches
 
     def _grid(self, n_blocks: int, n_regions: int) -> int:
         """CTAs for a launch: one warp per piece, at most ``max_sms``."""
         return max(1, min(self.max_sms, -(-n_blocks * n_regions // WARPS)))
-
-    def _launch(
-        self,
-        stream: int,
-        blocks: np.ndarray,
-        hosts: np.ndarray,
-        to_host: bool,
-        region_begin: int,
-        n_regions: int,
-    ) -> None:
-        """The copy kernel over ``blocks`` x regions ``[region_begin, +n_regions)``; ``hosts``
-        are the other side's addresses (the pool, or a staging buffer)."""
-        limit = KERNEL_CAPACITIES[-1]
-        for start in range(0, len(blocks), limit):
-            part = blocks[start : start + limit]
-            capacity = pick_capacity(len(part))
-            params = np.zeros(param_bytes(capacity), dtype=np.uint8)  # read when launched
-            pack_params(
-                params,
-                capacity,
-                self._region_table_address,
-                self.geometry.piece_bytes,
-                region_begin,
-                n_regions,
-                to_host,
-                part,
-                hosts[start : start + limit],
-            )
-            grid = self._grid(len(part), n_regions)
-            self._enq.launch(self._kernels.functions[capacity], grid, THREADS, params, stream)
 
     # -- completion ----------------------------------------------------------------------------
 
@@ -1081,7 +1052,8 @@ class CudaCopyBackend(CopyBackend):
         return CopyResults(done, failed)
 
     def _collect(self) -> None:
-        """Move finished transfers to the report lists, return their resources, refill."""
+        """Move finished transfers to the report lists and return their resources (the
+        callers then refill the device from the queue)."""
         with self._lock:
             candidates = list(self._inflight.values())
         finished = [transfer for transfer in candidates if self._finished(transfer)]
@@ -1094,9 +1066,6 @@ class CudaCopyBackend(CopyBackend):
                 self._release(transfer)
                 report = self._failed_early if transfer.failed else self._done_early
                 report.append(transfer.job_id)
-            room_made = bool(self._queued)
-        if room_made:
-            self._pump()
 
     def _finished(self, transfer: _Transfer) -> bool:
         """Whether nothing of the transfer runs any more (marking it failed where it failed)."""
@@ -1154,9 +1123,13 @@ class CudaCopyBackend(CopyBackend):
         if found is None:
             return
         self._wait_ran(found)
-        if found.failed or found.program is None or found.program.state is ProgramState.FAILED:
-            return
-        if not found.done:
+        program = found.program
+        if (
+            found.failed
+            or not found.done
+            or program is None
+            or program.state is ProgramState.FAILED
+        ):
             return
         event = found.done if layer is None or not found.layer_events else found.layer_events[layer]
         # (Its events go back to the pool only when poll or wait reports it, on this thread.)

@@ -328,29 +328,11 @@ class CudaRuntime:
             "cudaMemcpyAsync", self.cudaMemcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, stream)
         )
 
-    def memcpy_batch_async(
-        self,
-        dsts: np.ndarray,
-        srcs: np.ndarray,
-        sizes: np.ndarray,
-        attrs: MemcpyAttributes,
-        stream: int,
-    ) -> None:
-        """One ``cudaMemcpyBatchAsync`` over uintp arrays of equal length (one attribute set)."""
-        self.memcpy_batch_raw(
-            dsts.ctypes.data,
-            srcs.ctypes.data,
-            sizes.ctypes.data,
-            len(sizes),
-            ctypes.addressof(attrs),
-            stream,
-        )
-
     def memcpy_batch_raw(
         self, dsts: int, srcs: int, sizes: int, count: int, attrs: int, stream: int
     ) -> None:
-        """``memcpy_batch_async`` from the addresses of the three uintp arrays and the
-        attributes (as a recorded program holds them)."""
+        """One ``cudaMemcpyBatchAsync`` of ``count`` copies (one attribute set), from the addresses
+        of the three uintp arrays and of the attributes, as a recorded program holds them."""
         batch = self._batch
         if batch is None:
             raise CudaError("cudaMemcpyBatchAsync", -1, "unavailable", "needs CUDA runtime >= 12.8")
