@@ -249,3 +249,12 @@ def test_dropped_programs_and_executor_are_run_before_their_memory_goes() -> Non
     os.close(reader)
     os.close(writer)
     del scratch
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_empty_program_runs_and_is_done(native: bool) -> None:
+    fake = FakeRuntime()
+    program = Program()
+    assert program.buffer()[1] == 0 and len(program.ops) == 0
+    _run(program, fake, native)
+    assert program.state is ProgramState.DONE and fake.calls == []
