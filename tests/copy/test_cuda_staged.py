@@ -215,6 +215,50 @@ def test_staged_transfers_move_every_byte_in_many_chunks(pool: HostPool) -> None
         backend.close()
 
 
+def test_staged_transfers_of_a_direction_share_its_staging_streams(pool: HostPool) -> None:
+    """Staged transfers run on their ring's streams (kernels and gate on ``main``, DMAs on the
+    lanes), not on the pool's; a small job still takes a pool stream; close destroys them all."""
+    opts = CudaCopyOptions(
+        strategy="staged",
+        max_streams=4,
+        stage_bytes=3 * BLOCK,
+        stage_ramp_bytes=BLOCK,
+        staged_min_blocks=2,
+    )
+    fake = FakeRuntime(deferred=True)
+    backend, _, _ = _backend(pool, opts, fake)
+    store, load = backend._rings[True], backend._rings[False]
+    jobs = [
+        (1, Direction.STORE, [0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6]),
+        (2, Direction.STORE, [7, 8], [7, 8]),
+        (3, Direction.LOAD, [9, 10, 11, 12], [0, 1, 2, 3]),
+        (4, Direction.LOAD, [13], [4]),  # below staged_min_blocks: the kernel, a pool stream
+    ]
+    for job_id, direction, blocks, slots in jobs:
+        backend.submit(CopyJob(job_id, direction, blocks, slots))
+    transfers = {job_id: backend._inflight[job_id] for job_id, *_ in jobs}
+    assert transfers[1].stream == transfers[2].stream == store.main
+    assert transfers[3].stream == load.main
+    ring_streams = {store.main, *store.lanes, load.main, *load.lanes}
+    assert len(ring_streams) == 2 * (1 + opts.stage_lanes)
+    assert transfers[4].stream not in ring_streams
+    assert backend.stats().streams_idle == backend.stats().streams_created - 1
+    for job_id, ring in ((1, store), (3, load)):
+        program = transfers[job_id].program
+        assert program is not None
+        rows = program.rows()
+        kernels = {row[STREAM_WORD[OP_LAUNCH]] for row in rows if row[0] == OP_LAUNCH}
+        dmas = {row[STREAM_WORD[row[0]]] for row in rows if row[0] in (OP_BATCH, OP_MEMCPY)}
+        assert kernels == {ring.main}
+        assert dmas == set(ring.lanes)
+    fake.run()
+    backend.wait([1, 2, 3, 4])
+    assert sorted(backend.poll().done) == [1, 2, 3, 4]
+    assert backend.stats().idle
+    backend.close()
+    assert fake.streams == set()
+
+
 def test_the_native_plan_packs_what_pack_params_packs() -> None:
     """Each chunk's kernel parameters are what ``pack_params`` writes for its blocks and
     staging addresses; its copy list joins neighbouring slots; the ring moves on and keeps the

@@ -14,7 +14,9 @@ How a transfer runs:
   streams are shared round robin), with events from an event pool. Streams and events go back to
   their pools when ``poll`` or ``wait`` sees the transfer finished, on every path: a failure while
   enqueueing keeps the transfer in flight, marked failed, until the work already enqueued has
-  drained, so a slot is never freed while a copy may still touch it.
+  drained, so a slot is never freed while a copy may still touch it. Staged transfers (below) are
+  the exception: those of one direction share that direction's staging streams, as the staging
+  buffers order them on the GPU anyway (``cuda_staged.StagingRing`` says why).
 * On the GPU it first waits for the noted point: a STORE reads blocks only after the forward pass
   that wrote them; a LOAD overwrites blocks only after the kernels queued before it, which may
   still read them.
@@ -583,9 +585,11 @@ class CudaCopyBackend(CopyBackend):
             buffer_bytes = max(1, opts.stage_bytes // block) * block
             for to_host in (True, False):
                 owner, base = self._alloc_device(buffer_bytes * opts.stage_buffers)
-                self._rings[to_host] = StagingRing(
-                    owner, base, buffer_bytes, [0] * opts.stage_buffers
-                )
+                ring = StagingRing(owner, base, buffer_bytes, [0] * opts.stage_buffers)
+                self._rings[to_host] = ring
+                ring.main = rt.stream_create(opts.stream_priority)
+                for _ in range(opts.stage_lanes):
+                    ring.lanes.append(rt.stream_create(opts.stream_priority))
 
     def _kernel_unavailable(self) -> str:
         """Why the kernel cannot run here ('' when it can)."""
@@ -826,7 +830,9 @@ class CudaCopyBackend(CopyBackend):
             return
         recorder = self._recorder = Recorder(self._rt.has_batch_memcpy)
         try:
-            transfer.stream = self._streams.acquire()
+            # (A staged transfer runs on its direction's staging streams: see StagingRing.)
+            staging = self._staging(transfer)
+            transfer.stream = self._rings[plan.to_host].main if staging else self._streams.acquire()
             gate = transfer.after
             if transfer.gate_stream is not None:
                 gate = self._events.acquire()
@@ -991,7 +997,7 @@ class CudaCopyBackend(CopyBackend):
             geo.piece_bytes,
             len(geo.regions),
         )
-        lanes = self._lanes(transfer, self.options.stage_lanes)
+        lanes = ring.lanes
         attrs = self._attrs[plan.to_host]
         staged = plan_staged(
             plan.blocks,
@@ -1150,9 +1156,9 @@ class CudaCopyBackend(CopyBackend):
         for stream in transfer.aux_streams:
             self._streams.release(stream)
         transfer.aux_streams = []
-        if transfer.stream:
+        if transfer.stream and not self._staging(transfer):
             self._streams.release(transfer.stream)
-            transfer.stream = 0
+        transfer.stream = 0
 
     def stats(self) -> ResourceStats:
         with self._lock:
@@ -1191,6 +1197,9 @@ class CudaCopyBackend(CopyBackend):
                         self._events.release(event)
             for ring in self._rings.values():
                 self._free_device(ring.owner)
+                for stream in (ring.main, *ring.lanes):
+                    if stream:
+                        self._rt.stream_destroy(stream)
             self._rings = {}
             self._streams.destroy()
             self._events.destroy()

@@ -20,7 +20,7 @@ Python they took most of a staged submit (0.3-1 ms on the H100 leases' CPUs), so
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
@@ -54,7 +54,14 @@ def chunk_sizes(n: int, per: int, ramp: int, to_host: bool) -> list[int]:
 
 @dataclass(slots=True)
 class StagingRing:
-    """Device staging buffers of one direction, used in turn by every staged transfer."""
+    """Device staging buffers of one direction, used in turn by every staged transfer, and the
+    streams every staged transfer of that direction runs on.
+
+    The buffers already order these transfers on the device, so sharing streams costs no
+    overlap; it keeps the device from holding many streams blocked on events at once (the
+    queued transfers' waits), which cost back-to-back loads 4-5% of their copy rate on an H100
+    (52.5 against 55 GB/s per chunk), while a transfer alone ran at the contiguous copy's rate.
+    """
 
     owner: Any
     base: int
@@ -63,6 +70,10 @@ class StagingRing:
     """Per buffer: an event recorded after its last use (0: never used)."""
     next: int = 0
     """The buffer the next chunk takes."""
+    main: int = 0
+    """The kernel steps' stream (and each transfer's gate wait and final event)."""
+    lanes: list[int] = field(default_factory=list)
+    """The DMA streams, taken by chunks in turn."""
 
 
 @dataclass(frozen=True, slots=True)
