@@ -14,10 +14,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 
+import numpy as np
+
 from kvtier.errors import ConfigError
 
 FORMAT_VERSION = 1
 KEY_BYTES = 16
+TOKEN_BYTES = 8
 
 BlockKey = bytes
 
@@ -83,21 +86,22 @@ def chain_keys(
 
     ``start_key`` continues an earlier chain (the key of the block before ``token_ids``).
     """
-    size = namespace.block_tokens
+    step = namespace.block_tokens * TOKEN_BYTES
+    data = memoryview(_token_bytes(token_ids))
     parent = namespace.digest if start_key is None else start_key
     keys: list[BlockKey] = []
-    for end in range(size, len(token_ids) + 1, size):
-        block = token_ids[end - size : end]
+    for end in range(step, len(data) + 1, step):
         h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
-        h.update(_token_bytes(block))
+        h.update(data[end - step : end])
         parent = h.digest()
         keys.append(parent)
     return keys
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
-    # Fixed-width little-endian so equal token lists always hash equally, whatever their type.
-    return b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)
+    """Fixed-width little-endian, so equal token lists always hash equally, whatever their type
+    (and converted in one call: per token in Python it was most of an 8k-token lookup's time)."""
+    return np.asarray(tokens, dtype="<i8").tobytes()
 
 
 def keys_from_hashes(namespace: Namespace, content_hashes: Iterable[bytes | int]) -> list[BlockKey]:

@@ -68,6 +68,10 @@ def test_keys_are_stable_across_processes_and_hash_seeds():
 def test_key_format_is_frozen():
     # Blocks persist on disk and in Redis across versions: a change here must bump FORMAT_VERSION.
     ns = Namespace(model="m", dtype="d", block_tokens=2)
+    assert [k.hex() for k in chain_keys(ns, [1, 2, -3, 2**40, 7])] == [
+        "f3566d16f0313044f913de7765998d37",
+        "ae0e5e8495e19466af820010869da642",
+    ]
     assert chain_keys(ns, [1, 2])[0].hex() == chain_keys(ns, [1, 2, 3])[0].hex()
     assert ns.hex == Namespace(model="m", dtype="d", block_tokens=2).hex
     assert len(ns.hex) == 32 and all(c in "0123456789abcdef" for c in ns.hex)
