@@ -313,6 +313,8 @@ def variant_name(options: CudaCopyOptions) -> str:
         parts.append(f"stage={options.stage_buffers}x{options.stage_bytes >> 20}M")
         parts.append(f"ramp={options.stage_ramp_bytes >> 20}M")
         parts.append(f"lanes={options.stage_lanes}")
+        if not options.stage_shared_streams:
+            parts.append("own-streams")
     else:
         parts.append(f"lanes={options.dma_lanes}")
         if not options.prefer_copy_engine:
@@ -619,16 +621,17 @@ def timeline(
     kv: list[torch.Tensor],
     layout: KVLayout,
     pool: HostPool,
+    options: CudaCopyOptions,
     direction: Direction,
     n: int,
     transfers: int,
     reference_gbps: float,
 ) -> dict[str, Any]:
-    """``transfers`` back to back with the default options: when each op ran, how busy the copy
-    engines kept PCIe, and the gaps."""
-    # The calls are made on the caller's thread here, so that they can be wrapped (the executor
-    # makes them from C).
-    backend = CudaCopyBackend(kv, layout, pool, CudaCopyOptions(issue_thread=False))
+    """``transfers`` back to back: when each op ran, how busy the copy engines kept PCIe, the
+    gaps, and each transfer's copy rate (the median of its copies of 64 MiB or more)."""
+    # The calls are made on the caller's thread here (``options.issue_thread`` off), so that they
+    # can be wrapped (the executor makes them from C).
+    backend = CudaCopyBackend(kv, layout, pool, options)
     rng = np.random.default_rng(1)
     blocks = rng.permutation(backend.geometry.num_blocks)[: 2 * n]
     slots = rng.permutation(pool.num_slots)[:n].tolist()
@@ -669,9 +672,18 @@ def timeline(
     first, last = dma[0][0], max(e for _, e in dma)
     kernels = [e - s for kind, _, _, s, e in spans if kind == "kernel"]
     moved = sum(nb for kind, _, nb, _, _ in spans if kind == "dma")
+    # Programs run in submission order, each transfer making the same number of copies.
+    copies = [(nb, s, e) for kind, _, nb, s, e in spans if kind == "dma"]
+    per = len(copies) // transfers
+    per_transfer = []
+    for job in ids:
+        mine = copies[job * per : (job + 1) * per]
+        rates = [nb / (e - s) / 1e6 for nb, s, e in mine if nb >= 64 << 20]
+        per_transfer.append(round(float(np.median(rates)), 2) if rates else 0.0)
     result = {
         "layout": layout.value,
         "strategy": strategy,
+        "shared_staging_streams": options.stage_shared_streams,
         "direction": direction.value,
         "transfers": transfers,
         "wall_ms_host": round(wall * 1e3, 2),
@@ -684,6 +696,7 @@ def timeline(
             100 * moved / (last - first) / 1e6 / reference_gbps, 2
         ),
         "largest_gaps_ms": sorted(gaps, key=lambda g: -g[1])[:8],
+        "dma_gbps_per_transfer": per_transfer,
         "kernels": len(kernels),
         "kernel_ms_total": round(sum(kernels), 3),
         "kernel_ms_max": round(max(kernels), 3) if kernels else 0.0,
@@ -746,12 +759,16 @@ def main() -> None:
     if args.timeline:
         ref = measure_reference(pool, args.blocks * BLOCK_BYTES, 3, 1, args.pipeline)
         lines = []
-        for engine in (per_layer, compact):
-            for direction in (Direction.LOAD, Direction.STORE):
-                best = ref.best("pipelined", direction.value)
-                lines.append(
-                    timeline(engine.kv, engine.layout, pool, direction, args.blocks, 4, best)
-                )
+        # (and the per-layer loads with each transfer on streams of its own, as before session 7)
+        directions = (Direction.LOAD, Direction.STORE)
+        runs = [(e, d, True) for e in (per_layer, compact) for d in directions]
+        runs.insert(1, (per_layer, Direction.LOAD, False))
+        for engine, direction, shared in runs:
+            best = ref.best("pipelined", direction.value)
+            options = CudaCopyOptions(issue_thread=False, stage_shared_streams=shared)
+            lines.append(
+                timeline(engine.kv, engine.layout, pool, options, direction, args.blocks, 6, best)
+            )
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"gpu": info, "timelines": lines}, indent=1) + "\n")
         anchor.close()
@@ -791,6 +808,7 @@ def main() -> None:
         ]
     if args.staged_sweep:
         configs = [(per_layer, CudaCopyOptions(strategy="auto"))]
+        configs.append((per_layer, CudaCopyOptions(strategy="staged", stage_shared_streams=False)))
         configs += [
             (
                 per_layer,

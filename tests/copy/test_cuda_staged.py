@@ -128,7 +128,7 @@ def _backend(
 
 
 def _run_jobs(
-    pool: HostPool, jobs: list[tuple[Direction, list[int], list[int]]], **options: int
+    pool: HostPool, jobs: list[tuple[Direction, list[int], list[int]]], **options: int | bool
 ) -> tuple[EmulatedBackend, list[Program], np.ndarray, list[np.ndarray]]:
     """Submits and completes ``jobs``; their programs (which hold what their ops point at)."""
     opts = CudaCopyOptions(
@@ -151,8 +151,11 @@ def _run_jobs(
     return backend, programs, logical, arrays
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-streams", "own-streams"])
 @pytest.mark.parametrize("buffers", [2, 3])
-def test_staged_ops_are_ordered_like_the_pipeline_needs(pool: HostPool, buffers: int) -> None:
+def test_staged_ops_are_ordered_like_the_pipeline_needs(
+    pool: HostPool, buffers: int, shared: bool
+) -> None:
     rng = np.random.default_rng(buffers)
     blocks = [rng.permutation(NUM_BLOCKS)[:n].tolist() for n in (17, 11, 1, 13)]
     slots = [rng.permutation(NUM_SLOTS)[:n].tolist() for n in (17, 11, 1, 13)]
@@ -163,7 +166,7 @@ def test_staged_ops_are_ordered_like_the_pipeline_needs(pool: HostPool, buffers:
         (Direction.LOAD, blocks[3], slots[3]),
         (Direction.STORE, blocks[3], slots[0][:13]),
     ]
-    backend, kept, _, _ = _run_jobs(pool, jobs, stage_buffers=buffers)
+    backend, kept, _, _ = _run_jobs(pool, jobs, stage_buffers=buffers, stage_shared_streams=shared)
     programs = [program.rows() for program in kept]
     ops, before = _ordering(programs)
     for op in ops:
@@ -254,6 +257,29 @@ def test_staged_transfers_of_a_direction_share_its_staging_streams(pool: HostPoo
     fake.run()
     backend.wait([1, 2, 3, 4])
     assert sorted(backend.poll().done) == [1, 2, 3, 4]
+    assert backend.stats().idle
+    backend.close()
+    assert fake.streams == set()
+
+
+def test_staged_transfers_can_run_on_streams_of_their_own(pool: HostPool) -> None:
+    opts = CudaCopyOptions(
+        strategy="staged", max_streams=8, stage_bytes=3 * BLOCK, stage_shared_streams=False
+    )
+    fake = FakeRuntime(deferred=True)
+    backend, _, _ = _backend(pool, opts, fake)
+    for job_id in (1, 2):
+        blocks = list(range(10 * job_id, 10 * job_id + 9))
+        backend.submit(CopyJob(job_id, Direction.LOAD, blocks, list(range(9))))
+    ring = backend._rings[False]
+    taken = [backend._inflight[job_id] for job_id in (1, 2)]
+    streams = [t.stream for t in taken] + [s for t in taken for s in t.aux_streams]
+    assert len(set(streams)) == 2 * (1 + opts.stage_lanes)
+    assert not set(streams) & {ring.main, *ring.lanes}
+    assert backend.stats().streams_idle == backend.stats().streams_created - len(streams)
+    fake.run()
+    backend.wait([1, 2])
+    assert sorted(backend.poll().done) == [1, 2]
     assert backend.stats().idle
     backend.close()
     assert fake.streams == set()

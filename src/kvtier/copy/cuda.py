@@ -135,6 +135,10 @@ class CudaCopyOptions:
     first gather, the last scatter) is short. ``stage_bytes`` or more: equal chunks."""
     staged_min_blocks: int = 8
     """``staged``: jobs of fewer engine blocks go straight to the pool through the kernel."""
+    stage_shared_streams: bool = True
+    """``staged``: transfers of one direction run on that direction's staging streams (see
+    ``cuda_staged.StagingRing``); False: each on streams of its own from the pool (slower back
+    to back; kept to measure that)."""
     issue_thread: bool = True
     """Make the CUDA calls that enqueue transfers on the backend's native executor thread: the
     caller's thread only plans and records them (0.1-0.5 ms for 512 scattered blocks). False, or
@@ -446,6 +450,8 @@ class _Transfer:
     layer_events: list[int] = field(default_factory=list)
     aux_streams: list[int] = field(default_factory=list)
     """DMA lanes; they join ``stream`` before ``done`` is recorded."""
+    shares_streams: bool = False
+    """It runs on its staging ring's streams, not on streams of its own from the pool."""
     ops: int = 0
     """Device operations (copies, launches) it counts against ``max_device_ops``."""
     failed: bool = False
@@ -830,9 +836,11 @@ class CudaCopyBackend(CopyBackend):
             return
         recorder = self._recorder = Recorder(self._rt.has_batch_memcpy)
         try:
-            # (A staged transfer runs on its direction's staging streams: see StagingRing.)
-            staging = self._staging(transfer)
-            transfer.stream = self._rings[plan.to_host].main if staging else self._streams.acquire()
+            if self._staging(transfer) and self.options.stage_shared_streams:
+                transfer.stream = self._rings[plan.to_host].main
+                transfer.shares_streams = True
+            else:
+                transfer.stream = self._streams.acquire()
             gate = transfer.after
             if transfer.gate_stream is not None:
                 gate = self._events.acquire()
@@ -997,7 +1005,11 @@ class CudaCopyBackend(CopyBackend):
             geo.piece_bytes,
             len(geo.regions),
         )
-        lanes = ring.lanes
+        lanes = (
+            ring.lanes
+            if transfer.shares_streams
+            else self._lanes(transfer, self.options.stage_lanes)
+        )
         attrs = self._attrs[plan.to_host]
         staged = plan_staged(
             plan.blocks,
@@ -1156,7 +1168,7 @@ class CudaCopyBackend(CopyBackend):
         for stream in transfer.aux_streams:
             self._streams.release(stream)
         transfer.aux_streams = []
-        if transfer.stream and not self._staging(transfer):
+        if transfer.stream and not transfer.shares_streams:
             self._streams.release(transfer.stream)
         transfer.stream = 0
 
