@@ -1,7 +1,8 @@
 """How fast does a host-to-device stream run when a kernel consumes what it lands?
 
-Why: the per-layer (staged) LOAD of the CUDA backend stays at 95-96% of a contiguous copy while
-its pipeline without kernels reaches 98% (docs/cuda.md). This isolates the pattern: 2 GiB of
+Why: the per-layer (staged) LOAD of the CUDA backend stayed at 95-96% of a contiguous copy while
+its pipeline without kernels reached 98%, until session 7 found the cause elsewhere (queued
+transfers' blocked streams, see docs/cuda.md). This isolates the pattern: 2 GiB of
 pinned host memory moved in chunks (``--chunk-mib``, 128 by default) through ``--buffers`` device
 staging buffers, each chunk copied on by a consumer kernel on 8 SMs into a device buffer, so a
 buffer is refilled only after the kernel read it. Variants (``--variants`` picks some):

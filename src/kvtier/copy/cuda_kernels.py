@@ -6,8 +6,8 @@ One launch copies ``n_blocks x n_regions`` pieces (a piece: one block's bytes of
 in both directions. Loads and stores are cache-streaming (``__ldcs``/``__stcs``: every byte is
 touched once): measured on an H200, a staged STORE (gather into the staging buffer while the copy
 engine drains the other one) went from 96.0% to 98.0% of a contiguous copy (presumably the copy
-engine competes less with the kernel for L2); a staged LOAD stayed at 96.3% (nothing tried moved
-it: other hints, 16-32 MiB chunks that fit in L2, discarding staging lines once read).
+engine competes less with the kernel for L2). (A staged LOAD's 96% was not the kernel's doing:
+see ``cuda_staged.StagingRing``.)
 
 The host side is addressed through unified virtual addressing: the pool's
 mmap is registered with ``cudaHostRegisterMapped``, and on 64-bit Linux the device sees it at the
