@@ -14,6 +14,7 @@ import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -127,18 +128,23 @@ def _backend(
     return backend, logical, arrays
 
 
+def _staged_options(**options: Any) -> CudaCopyOptions:
+    """``staged`` through three-block buffers with one-block ramps, unless overridden."""
+    base: dict[str, Any] = {
+        "strategy": "staged",
+        "max_streams": 8,
+        "stage_bytes": 3 * BLOCK,
+        "stage_ramp_bytes": BLOCK,
+        "staged_min_blocks": 1,
+    }
+    return CudaCopyOptions(**{**base, **options})
+
+
 def _run_jobs(
-    pool: HostPool, jobs: list[tuple[Direction, list[int], list[int]]], **options: int | bool
+    pool: HostPool, jobs: list[tuple[Direction, list[int], list[int]]], **options: Any
 ) -> tuple[EmulatedBackend, list[Program], np.ndarray, list[np.ndarray]]:
     """Submits and completes ``jobs``; their programs (which hold what their ops point at)."""
-    opts = CudaCopyOptions(
-        strategy="staged",
-        max_streams=8,
-        stage_bytes=3 * BLOCK,
-        stage_ramp_bytes=BLOCK,
-        staged_min_blocks=1,
-        **options,
-    )
+    opts = _staged_options(**options)
     backend, logical, arrays = _backend(pool, opts, FakeRuntime(deferred=True))
     programs = []
     for job_id, (direction, blocks, slots) in enumerate(jobs, 1):
@@ -221,13 +227,7 @@ def test_staged_transfers_move_every_byte_in_many_chunks(pool: HostPool) -> None
 def test_staged_transfers_of_a_direction_share_its_staging_streams(pool: HostPool) -> None:
     """Staged transfers run on their ring's streams (kernels and gate on ``main``, DMAs on the
     lanes), not on the pool's; a small job still takes a pool stream; close destroys them all."""
-    opts = CudaCopyOptions(
-        strategy="staged",
-        max_streams=4,
-        stage_bytes=3 * BLOCK,
-        stage_ramp_bytes=BLOCK,
-        staged_min_blocks=2,
-    )
+    opts = _staged_options(max_streams=4, staged_min_blocks=2)
     fake = FakeRuntime(deferred=True)
     backend, _, _ = _backend(pool, opts, fake)
     store, load = backend._rings[True], backend._rings[False]
@@ -263,9 +263,7 @@ def test_staged_transfers_of_a_direction_share_its_staging_streams(pool: HostPoo
 
 
 def test_staged_transfers_can_run_on_streams_of_their_own(pool: HostPool) -> None:
-    opts = CudaCopyOptions(
-        strategy="staged", max_streams=8, stage_bytes=3 * BLOCK, stage_shared_streams=False
-    )
+    opts = _staged_options(stage_shared_streams=False)
     fake = FakeRuntime(deferred=True)
     backend, _, _ = _backend(pool, opts, fake)
     for job_id in (1, 2):
