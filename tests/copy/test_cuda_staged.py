@@ -387,6 +387,32 @@ def test_running_out_of_events_while_planning_loses_none(pool: HostPool) -> None
     assert fake.events == set()
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-streams", "own-streams"])
+def test_a_store_failing_after_its_copies_were_recorded_drains_every_stream(
+    pool: HostPool, shared: bool
+) -> None:
+    """Event creation fails at the store's closing hand-over, after its chunks' copies were
+    recorded: the program synchronizes every stream they went to (the lanes too), so the job
+    is reported failed only once nothing can touch its slots any more."""
+    fake = FakeRuntime(deferred=True)
+    opts = _staged_options(stage_bytes=BLOCK, prefill_events=0, stage_shared_streams=shared)
+    backend, _, _ = _backend(pool, opts, fake, seed=4)
+    fake.fail["event_create"] = 7  # the gate's and the plan's six, then the hand-over's: fails
+    backend.submit(CopyJob(1, Direction.STORE, [1, 2, 3], [0, 1, 2]))
+    transfer = backend._inflight[1]
+    assert transfer.failed and transfer.program is not None
+    rows = transfer.program.rows()
+    copies = {row[STREAM_WORD[row[0]]] for row in rows if row[0] in (OP_BATCH, OP_MEMCPY)}
+    synced = {row[1] for row in rows if row[0] == OP_SYNC}
+    assert len(copies) == opts.stage_lanes and copies | {transfer.stream} <= synced
+    fake.run()
+    backend.wait([1])
+    assert backend.poll().failed == [1]
+    assert backend.stats().idle
+    backend.close()
+    assert fake.events == set() and fake.streams == set()
+
+
 def test_without_the_native_planner_staged_is_not_chosen(
     pool: HostPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -854,7 +854,8 @@ class CudaCopyBackend(CopyBackend):
         except Exception as exc:
             log.error("copy job %d failed while enqueueing: %s", job_id, exc)
             transfer.failed = True
-            for stream in (*transfer.aux_streams, transfer.stream):
+            lanes = self._rings[plan.to_host].lanes if transfer.shares_streams else []
+            for stream in (*transfer.aux_streams, *lanes, transfer.stream):
                 if stream:
                     recorder.stream_synchronize(stream)
         finally:
