@@ -759,7 +759,7 @@ def main() -> None:
     if args.timeline:
         ref = measure_reference(pool, args.blocks * BLOCK_BYTES, 3, 1, args.pipeline)
         lines = []
-        # (and the per-layer loads with each transfer on streams of its own, as before session 7)
+        # Both layouts each way, plus per-layer loads on streams of their own (as before session 7).
         directions = (Direction.LOAD, Direction.STORE)
         runs = [(e, d, True) for e in (per_layer, compact) for d in directions]
         runs.insert(1, (per_layer, Direction.LOAD, False))
