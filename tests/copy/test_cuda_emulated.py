@@ -286,13 +286,20 @@ def test_device_operation_budget(pool: HostPool) -> None:
     backend.close()
 
 
-def test_stream_creation_failure_unregisters_the_pool(pool: HostPool) -> None:
+@pytest.mark.parametrize(
+    ("layout", "strategy"),
+    [(KVLayout.BLOCK_COMPACT, "dma"), (KVLayout.LAYER_KV_FIRST, "staged")],
+)
+def test_stream_creation_failure_unregisters_the_pool(
+    pool: HostPool, layout: KVLayout, strategy: str
+) -> None:
+    """The third stream fails (the pool's, or the staging rings'): what was created is gone."""
     from kvtier.copy.cuda_runtime import CudaError
 
     fake = FakeRuntime(fail={"stream_create": 2})
     with pytest.raises(CudaError, match="injected"):
-        _backend(pool, KVLayout.BLOCK_COMPACT, "dma", fake)
-    assert fake.registered == []
+        _backend(pool, layout, strategy, fake)
+    assert fake.registered == [] and fake.streams == set() and fake.events == set()
 
 
 def test_pinning_failure_raises_unless_pageable_allowed(pool: HostPool) -> None:

@@ -233,10 +233,14 @@ class _StreamPool:
         self._idle: list[int] = []
         self._users: dict[int, int] = {}
         self._next_shared = 0
-        for _ in range(size):
-            stream = rt.stream_create(priority)
-            self._all.append(stream)
-            self._idle.append(stream)
+        try:
+            for _ in range(size):
+                stream = rt.stream_create(priority)
+                self._all.append(stream)
+                self._idle.append(stream)
+        except BaseException:
+            self.destroy()
+            raise
 
     def acquire(self) -> int:
         with self._lock:
@@ -512,9 +516,9 @@ class CudaCopyBackend(CopyBackend):
                 self._setup_strategy()
                 self._streams = _StreamPool(rt, options.max_streams, options.stream_priority)
             except BaseException:
-                for ring in self._rings.values():
-                    self._free_device(ring.owner)
-                self._rings = {}
+                self._free_rings()
+                if hasattr(self, "_events"):
+                    self._events.destroy()
                 if getattr(self, "_region_table", None) is not None:
                     self._free_device(self._region_table)
                 self._pinned.close()
@@ -596,6 +600,15 @@ class CudaCopyBackend(CopyBackend):
                 ring.main = rt.stream_create(opts.stream_priority)
                 for _ in range(opts.stage_lanes):
                     ring.lanes.append(rt.stream_create(opts.stream_priority))
+
+    def _free_rings(self) -> None:
+        """Free the staging buffers and destroy their streams."""
+        for ring in self._rings.values():
+            self._free_device(ring.owner)
+            for stream in (ring.main, *ring.lanes):
+                if stream:
+                    self._rt.stream_destroy(stream)
+        self._rings = {}
 
     def _kernel_unavailable(self) -> str:
         """Why the kernel cannot run here ('' when it can)."""
@@ -1208,12 +1221,7 @@ class CudaCopyBackend(CopyBackend):
                 for event in ring.free:
                     if event:
                         self._events.release(event)
-            for ring in self._rings.values():
-                self._free_device(ring.owner)
-                for stream in (ring.main, *ring.lanes):
-                    if stream:
-                        self._rt.stream_destroy(stream)
-            self._rings = {}
+            self._free_rings()
             self._streams.destroy()
             self._events.destroy()
             self._pinned.close()
