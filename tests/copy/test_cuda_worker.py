@@ -81,7 +81,7 @@ def test_store_fence_overwrite_then_load(pool: HostPool, strategy: str) -> None:
     slots = list(range(STORED))[::-1]
 
     worker = WorkerSide(1, 0, 1, CudaCopyOptions(strategy=strategy))
-    worker.register({f"layer.{i}": t for i, t in enumerate(kv)})
+    worker.register(kv)
     try:
         # Round 0 warms every kernel up: the first launch of a lazily loaded kernel synchronizes
         # the device, which would hide a missing fence. Round 1 is the one that could race.

@@ -66,6 +66,19 @@ TINY_LLAMA = ModelSize(
     vocab_size=512,
 )
 TINY_LLAMA_CONFIG: dict[str, Any] = {**TINY_LLAMA.config(), "max_position_embeddings": 4096}
+# On a GPU: head_dim 64, one FlashAttention 3 (vLLM's default on Hopper) compiles kernels for.
+GPU_LLAMA = ModelSize(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=512,
+)
+GPU_CUDA_GRAPH_SIZES = [1, 2, 4, 8]
+"""Batch sizes vLLM captures CUDA graphs for in the GPU tests (fewer than its default: faster
+starts, same code path)."""
 
 # vLLM's CPU attention backend only supports multiples of 32 as block size.
 DEFAULT_BLOCK_SIZE = 32
@@ -122,7 +135,11 @@ def cpu_threads_bind(ranks: int) -> str:
 
 
 def write_tiny_llama(
-    model_dir: str | os.PathLike[str], *, weights: str = "random", weights_seed: int = 0
+    model_dir: str | os.PathLike[str],
+    *,
+    weights: str = "random",
+    weights_seed: int = 0,
+    size: ModelSize = TINY_LLAMA,
 ) -> Path:
     """Write a tiny ``LlamaForCausalLM`` model directory and return its path.
 
@@ -137,13 +154,14 @@ def write_tiny_llama(
         raise ValueError(f"weights must be 'random' or 'dummy', not {weights!r}")
     path = Path(model_dir)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG, indent=2, sort_keys=True))
+    config = {**size.config(), "max_position_embeddings": 4096}
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     weights_file = path / "model.safetensors"
     if weights == "random":
         from safetensors.torch import save_file
 
         save_file(
-            llama_weights(TINY_LLAMA, weights_seed), str(weights_file), metadata={"format": "pt"}
+            llama_weights(size, weights_seed), str(weights_file), metadata={"format": "pt"}
         )
     elif weights_file.exists():
         weights_file.unlink()
@@ -190,6 +208,7 @@ def build_llm(
     enforce_eager: bool = True,
     multiprocessing: bool | None = None,
     env: Mapping[str, str] | None = None,
+    gpu: bool = False,
     **llm_kwargs: Any,
 ) -> LLM:
     """Start a ``vllm.LLM`` for a tiny local Llama (see module docstring).
@@ -205,8 +224,11 @@ def build_llm(
     ``VLLM_CPU_OMP_THREADS_BIND`` in the environment, the workers are bound
     with :func:`cpu_threads_bind` while the engine starts (the variable is not
     left set: a later single-rank engine would reject a multi-rank binding).
+
+    ``gpu=True``: a CUDA engine as users run it: bfloat16, CUDA graphs on (captured for
+    ``GPU_CUDA_GRAPH_SIZES``), vLLM's default attention backend.
     """
-    if block_size % 32:
+    if block_size % 32 and not gpu:
         raise ValueError("vLLM's CPU attention needs block_size % 32 == 0")
     prepare_env(multiprocessing=multiprocessing, extra=env)
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -225,15 +247,17 @@ def build_llm(
         "model": str(model_path),
         "load_format": load_format,
         "skip_tokenizer_init": True,
-        "dtype": "float32",
+        "dtype": "bfloat16" if gpu else "float32",
         "block_size": block_size,
         "kv_cache_memory_bytes": kv_cache_memory_bytes,
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
         "seed": seed,
-        "enforce_eager": enforce_eager,
+        "enforce_eager": enforce_eager and not gpu,
         "enable_prefix_caching": enable_prefix_caching,
     }
+    if gpu:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": GPU_CUDA_GRAPH_SIZES}
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = dict(kv_transfer_config)
     kwargs.update(llm_kwargs)

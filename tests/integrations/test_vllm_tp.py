@@ -14,9 +14,9 @@ Real vLLM objects: ``Request``, ``SamplingParams``, ``KVConnectorOutput``, ``KVO
   ``cache_config.{block_size, cache_dtype}``, ``parallel_config.{*_parallel_size,
   distributed_executor_backend}``, and one KV
   cache group with ``kv_cache_spec.page_size_bytes`` and ``layer_names``;
-* ``FakeSchedulerOutput``: ``num_scheduled_tokens`` only;
-* ``FakeBlocks`` / ``FakeKVCacheManager``: ``get_block_ids()`` / ``get_block_ids(req_id)`` and
-  ``block_pool``;
+* ``FakeSchedulerOutput``: ``num_scheduled_tokens`` and the block tables
+  (``scheduled_new_reqs[].block_ids``, ``scheduled_cached_reqs.new_block_ids``);
+* ``FakeBlocks``: ``get_block_ids()``;
 * the worker's TP rank: ``vllm.distributed.parallel_state.get_tensor_model_parallel_rank`` is
   patched per worker (no process group in one process).
 """
@@ -42,7 +42,7 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvtier.errors import ConfigError  # noqa: E402
-from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
+from kvtier.integrations.vllm import KVTierConnector, compat  # noqa: E402
 from kvtier.integrations.vllm.metadata import KVTierMetadata  # noqa: E402
 from kvtier.integrations.vllm.worker import FAULT_ENV  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402
@@ -67,8 +67,24 @@ C_BLOCKS = list(range(16, 23))
 
 
 class FakeSchedulerOutput:
-    def __init__(self, scheduled: dict[str, int]) -> None:
+    """A step's scheduled tokens, and block tables as vLLM's output carries them: a request's
+    first step brings its whole table, later steps the blocks added since."""
+
+    def __init__(
+        self, scheduled: dict[str, int], tables: dict[str, list[int]], sent: dict[str, int]
+    ) -> None:
         self.num_scheduled_tokens = scheduled
+        self.scheduled_new_reqs = []
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+        for req_id in scheduled:
+            table = tables.get(req_id, [])
+            if req_id not in sent:
+                self.scheduled_new_reqs.append(SimpleNamespace(req_id=req_id, block_ids=(table,)))
+            else:
+                cached.req_ids.append(req_id)
+                cached.new_block_ids.append((table[sent[req_id] :],))
+            sent[req_id] = len(table)
+        self.scheduled_cached_reqs = cached
 
 
 class FakeBlocks:
@@ -77,16 +93,6 @@ class FakeBlocks:
 
     def get_block_ids(self) -> tuple[list[int]]:
         return (self._ids,)
-
-
-class FakeKVCacheManager:
-    block_pool = None  # vLLM's bind_kv_cache_manager passes it on; kvtier does not use it
-
-    def __init__(self, tables: dict[str, list[int]]) -> None:
-        self._tables = tables
-
-    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
-        return (self._tables[req_id],)
 
 
 def vllm_config(
@@ -136,11 +142,11 @@ class Rig:
             "vllm": {"blocks_per_slot": BPS},
         }
         self.tables: dict[str, list[int]] = {}
+        self.sent: dict[str, int] = {}
         self.requests: dict[str, Request] = {}
         self.scheduler = KVTierConnector(
             vllm_config(extra), KVConnectorRole.SCHEDULER, kv_cache_config()
         )
-        self.scheduler.bind_kv_cache_manager(FakeKVCacheManager(self.tables))
         self.workers: list[KVTierConnector] = []
         self.kv: list[list[Any]] = []
         for rank in range(TP):
@@ -196,7 +202,8 @@ class Rig:
     # -- one engine step --------------------------------------------------------------------------
 
     def step(self, scheduled: dict[str, int]) -> tuple[KVTierMetadata, list[KVConnectorOutput]]:
-        meta = self.scheduler.build_connector_meta(FakeSchedulerOutput(scheduled))
+        output = FakeSchedulerOutput(scheduled, self.tables, self.sent)
+        meta = self.scheduler.build_connector_meta(output)
         assert isinstance(meta, KVTierMetadata)
         for req_id, n in scheduled.items():
             self.requests[req_id].num_computed_tokens += n
@@ -503,7 +510,44 @@ def test_the_namespace_names_the_page_order_on_cuda(monkeypatch: pytest.MonkeyPa
         config = vllm_config({"pool": {"size": "64MiB"}})
         config.cache_config.kv_cache_layout = name
         kvtier_config = connector_module._load_config(config)
-        return connector_module._namespace(config, kvtier_config, BS, LAYERS, PAGE).layout
+        order = compat.page_order(config, None, (0, 32, 0))
+        return connector_module._namespace(config, kvtier_config, BS, LAYERS, PAGE, order).layout
 
     assert layout_of("LBNHC") == layout_of("BLNHC") == f"vllm/cuda-NHC/engine-block-{BS}"
     assert layout_of("LBHNC") == layout_of("BLHNC") != layout_of("LBNHC")
+
+
+def test_sleep_hooks_drop_the_copy_backend_and_restore_it(make_rig: Any) -> None:
+    """vLLM 0.33's sleep mode: after ``unregister_kv_caches`` no copy touches the engine's KV
+    (a load is reported failed and recomputed, a store is dropped); after ``restore_kv_caches``
+    blocks load again, bit-exact, from the pool kept through the sleep."""
+    assert KVTierConnector.supports_sleep_mode(None)
+    rig = make_rig()
+    store_prompt(rig)
+    for worker in rig.workers:
+        worker.unregister_kv_caches()
+        worker.unregister_kv_caches()  # idempotent
+        assert worker._worker is not None and worker._worker._backend is None
+    rig.poison(B_BLOCKS)
+    rig.add("B", PROMPT)
+    assert rig.admit("B", B_BLOCKS) == 3 * BLOCK_TOKENS
+    _, merged = rig.run({"B": len(PROMPT) - 3 * BLOCK_TOKENS})
+    assert merged.invalid_block_ids == set(B_BLOCKS[:6])
+    assert torch.isnan(rig.kv[0][0][B_BLOCKS[0]]).all()  # not written while asleep
+    rig.add("C", OTHER)
+    assert rig.admit("C", C_BLOCKS) == 0
+    rig.run({"C": len(OTHER)})
+    assert rig.stats()["connector"]["store_blocks_failed"] == 3
+    rig.finish("B", "C")
+
+    for worker in rig.workers:
+        worker.restore_kv_caches()
+    rig.add("D", PROMPT)
+    assert rig.admit("D", B_BLOCKS) == 3 * BLOCK_TOKENS
+    _, merged = rig.run({"D": len(PROMPT) - 3 * BLOCK_TOKENS})
+    assert not merged.invalid_block_ids
+    for rank in range(TP):
+        t = rig.kv[rank][1]
+        assert page_bytes(t, B_BLOCKS[5]) == page_bytes(t, A_BLOCKS[5])
+    rig.finish("A", "D")
+    rig.assert_no_leaks(stored=3)

@@ -76,7 +76,7 @@ def side(
     backend = AsyncBackend()
     monkeypatch.setattr(worker_module, "make_backend", lambda *args: backend)
     worker = WorkerSide(blocks_per_slot=1, tp_rank=0, tp_size=1)
-    worker.register({"layer.0": object()})
+    worker.register([object()])
     yield worker, backend
     worker.close()
 

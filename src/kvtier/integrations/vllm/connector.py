@@ -24,9 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.events import EventKind
+from kvtier.integrations.vllm import compat
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.settings import ENGINE_LAYOUT, VllmSettings
+from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.keys import Namespace
 
@@ -59,8 +60,14 @@ def _load_config(vllm_config: Any) -> KVTierConfig:
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        self.vllm_version = compat.installed_version()
+        compat.check_version(self.vllm_version)
+        compat.check_sleep_mode(vllm_config, self.vllm_version)
         config = _load_config(vllm_config)
         self.settings = VllmSettings.parse(config.vllm)
+        self.layout_request = compat.layout_request(
+            self.settings.kv_cache_layout, self.vllm_version
+        )
         engine_block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
@@ -94,15 +101,14 @@ class KVTierConnector(KVConnectorBase_V1):
             page_bytes = int(group.kv_cache_spec.page_size_bytes)
             layers = len(group.layer_names)
             slot_bytes = self.tp_size * layers * self.settings.blocks_per_slot * page_bytes
-            namespace = _namespace(vllm_config, config, engine_block_size, layers, page_bytes)
+            page_order = compat.page_order(
+                vllm_config, self.layout_request.layout, self.vllm_version
+            )
+            namespace = _namespace(
+                vllm_config, config, engine_block_size, layers, page_bytes, page_order
+            )
             self._scheduler = SchedulerSide(
-                config,
-                self.settings,
-                namespace,
-                slot_bytes,
-                engine_block_size,
-                self.tp_size,
-                self._block_ids_of,
+                config, self.settings, namespace, slot_bytes, engine_block_size, self.tp_size
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -118,22 +124,26 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """The layout ``vllm.kv_cache_layout`` names: by default block-outermost, where a
-        block's pages of all layers are adjacent and move as one DMA copy on CUDA."""
+        """The layout ``vllm.kv_cache_layout`` names, in this release's terms: by default
+        block-outermost, where a block's pages of all layers are adjacent and move as one DMA
+        copy on CUDA."""
         layout = VllmSettings.parse(_load_config(vllm_config).vllm).kv_cache_layout
-        return None if layout == ENGINE_LAYOUT else layout
+        return compat.layout_request(layout, compat.installed_version()).layout
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """vLLM 0.25's way to a block-outermost layout (later releases ignore it)."""
+        return self.layout_request.cross_layer
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True  # unregister_kv_caches / restore_kv_caches follow the remap
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped store is just a future miss
 
     # -- scheduler side -------------------------------------------------------------------------
-
-    def _block_ids_of(self, req_id: str) -> list[int]:
-        manager = self._kv_cache_manager
-        if manager is None:
-            return []
-        return list(manager.get_block_ids(req_id)[0])
 
     def on_new_request(self, request: Any) -> None:
         assert self._scheduler is not None
@@ -204,7 +214,20 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
-        self._worker.register(kv_caches)
+        self._worker.register(list(kv_caches.values()))
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        assert self._worker is not None
+        self._worker.register(compat.cross_layer_views(kv_cache, attn_backend))
+
+    def unregister_kv_caches(self) -> None:
+        """Before a sleep (vLLM 0.33): the KV memory goes away, so the copy backend does too."""
+        if self._worker is not None:
+            self._worker.suspend()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.resume()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # Called every step before anything writes KV: blocks of stores still in flight may
@@ -260,21 +283,23 @@ def _single_group(kv_cache_config: Any) -> Any:
 
 
 def _namespace(
-    vllm_config: Any, config: KVTierConfig, block_size: int, layers: int, page_bytes: int
+    vllm_config: Any,
+    config: KVTierConfig,
+    block_size: int,
+    layers: int,
+    page_bytes: int,
+    page_order: str | None,
 ) -> Namespace:
-    """Everything that decides the bytes of a block: model, dtypes, geometry, attention packing."""
+    """Everything that decides the bytes of a block: model, dtypes, geometry, attention packing.
+    A page's bytes follow the order of its dimensions (``page_order``), not where the layers and
+    blocks are: block-outermost and layer-outermost layouts share slots."""
     from vllm.platforms import current_platform
 
     model_config = vllm_config.model_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     dtype = str(model_config.dtype) if cache_dtype == "auto" else cache_dtype
     device = str(current_platform.device_type)
-    packing = device
-    resolved = getattr(vllm_config.cache_config, "kv_cache_layout", None)
-    if resolved:
-        # A page's bytes follow the order of its dimensions (NHC or HNC), not where the layers
-        # and blocks are: block-outermost and layer-outermost layouts share slots.
-        packing = f"{device}-{resolved.replace('L', '').replace('B', '')}"
+    packing = f"{device}-{page_order}" if page_order else device
     if device == "cpu":
         with contextlib.suppress(Exception):
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa

@@ -7,21 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.compat import LAYOUT_NAMES
 from kvtier.validation import Section
 
 ENGINE_LAYOUT = "engine"
 """``vllm.kv_cache_layout``: ask vLLM for no particular KV cache layout."""
 BLOCK_OUTERMOST_LAYOUT = "BLNHC"
 """The default ``vllm.kv_cache_layout``: blocks outermost, then layers; pages as vLLM's default."""
-
-
-def _vllm_layout_names() -> list[str]:
-    """vLLM's KV cache layout names (none where vLLM is not installed: nothing to check then)."""
-    try:
-        from vllm.v1.kv_cache_layout import KVCacheLayout
-    except ImportError:
-        return []
-    return [layout.name for layout in KVCacheLayout]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +25,8 @@ class VllmSettings:
     stats_path: str | None = None
     """Write the scheduler's kvtier stats as JSON to this file (each second and at shutdown)."""
     kv_cache_layout: str = BLOCK_OUTERMOST_LAYOUT
-    """The KV cache layout asked of vLLM (a ``KVCacheLayout`` name), or ``engine`` to ask for none.
+    """The KV cache layout asked of vLLM (a 0.32 ``KVCacheLayout`` name, translated for older
+    releases by ``compat.layout_request``), or ``engine`` to ask for none.
     The default keeps a block's pages of all layers next to each other, so that a block moves as
     one copy; vLLM uses it where every attention backend allows it and its own choice otherwise."""
 
@@ -46,16 +39,11 @@ class VllmSettings:
             stats_path=s.optional_string("stats_path"),
             kv_cache_layout=s.string("kv_cache_layout", BLOCK_OUTERMOST_LAYOUT),
         )
-        known = _vllm_layout_names()
-        if (
-            settings.kv_cache_layout != ENGINE_LAYOUT
-            and known
-            and settings.kv_cache_layout not in known
-        ):
+        if settings.kv_cache_layout not in (ENGINE_LAYOUT, *LAYOUT_NAMES):
             raise ConfigError(
                 "vllm.kv_cache_layout",
                 settings.kv_cache_layout,
-                f"{ENGINE_LAYOUT!r} or one of vLLM's layouts: {', '.join(known)}",
+                f"{ENGINE_LAYOUT!r} or one of vLLM 0.32's layout names: {', '.join(LAYOUT_NAMES)}",
             )
         s.done()
         return settings

@@ -44,6 +44,7 @@ class WorkerSide:
         self._pool: HostPool | None = None
         self._backend: CopyBackend | None = None
         self._broken: str | None = None
+        self._suspended = False
         self._done: dict[int, int] = {}
         self._failed: dict[int, int] = {}
         self._stores_in_flight: dict[int, frozenset[int]] = {}
@@ -52,14 +53,30 @@ class WorkerSide:
         self._fault_rate = float(os.environ.get(FAULT_ENV, "0") or 0)
         self._faults = random.Random(1234 + tp_rank)
 
-    def register(self, kv_caches: dict[str, Any]) -> None:
-        self._kv = list(kv_caches.values())
+    def register(self, kv_caches: Sequence[Any]) -> None:
+        """The engine's per-layer KV tensors, in layer order."""
+        self._kv = list(kv_caches)
+
+    def suspend(self) -> None:
+        """The engine's KV memory is about to be released (vLLM's sleep mode): finish every copy
+        that touches it and drop the backend, which holds its addresses. Until ``resume``, loads
+        fail (vLLM recomputes) and stores are dropped. Idempotent."""
+        self._suspended = True
+        self._drop_backend()
+
+    def resume(self) -> None:
+        """The KV memory is back (maybe at other physical pages): the next copy builds a new
+        backend over the same tensors. Idempotent."""
+        self._suspended = False
 
     def _ensure_backend(self, handle: PoolHandle) -> CopyBackend | None:
+        if self._suspended:
+            return None
         if self._backend is not None or self._broken is not None:
             return self._backend
         try:
-            self._pool = HostPool.attach(handle)
+            if self._pool is None:
+                self._pool = HostPool.attach(handle)
             self._backend = make_backend(
                 self._kv,
                 self._pool,
@@ -157,12 +174,17 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def _drop_backend(self) -> None:
+        if self._backend is None:
+            return
+        # Stores in flight read engine memory: let them finish before it goes away.
+        self._backend.wait(sorted(self._stores_in_flight))
+        self._collect()
+        self._backend.close()
+        self._backend = None
+
     def close(self) -> None:
-        if self._backend is not None:
-            # Stores in flight read engine memory: let them finish before it goes away.
-            self._backend.wait(sorted(self._stores_in_flight))
-            self._backend.close()
-            self._backend = None
+        self._drop_backend()
         if self._pool is not None:
             self._pool.close()
             self._pool = None

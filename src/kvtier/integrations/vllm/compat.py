@@ -1,0 +1,161 @@
+"""What differs between the vLLM releases the connector supports, in one place.
+
+Tested: 0.25.1 (the release built for PyTorch 2.11 + CUDA 13, run on an H100), 0.32 (the CPU build
+CI runs) and 0.33 (API only: its hooks are unit-tested against its connector base class). The
+connector refuses to start on a release outside ``[MIN_VERSION, END_VERSION)`` unless
+``KVTIER_ALLOW_UNTESTED_VLLM=1``.
+
+Where they differ:
+
+* **KV cache layout.** 0.32 and later name physical layouts with ``KVCacheLayout`` (``BLNHC``:
+  blocks outermost, ...) and let a connector ask for one. 0.25.1 only knows the page orders
+  ``NHD`` / ``HND``; a block-outermost tensor (one allocation, a block's pages of all layers
+  adjacent) is what it calls a cross-layer KV cache, asked for with ``prefer_cross_layer_blocks``
+  and handed over with ``register_cross_layers_kv_cache``. ``vllm.kv_cache_layout`` keeps the
+  0.32 names in every release; ``layout_request`` translates them.
+* **Page bytes.** A 0.32 page is ``[tokens, heads, K+V]`` (or ``[heads, tokens, K+V]``); a 0.25.1
+  FlashAttention page is ``[2, tokens, heads, head_size]`` (``HND``: heads before tokens). Both go
+  into the namespace, so releases whose pages differ never share blocks.
+* **Sleep mode** (0.33): ``unregister_kv_caches`` / ``restore_kv_caches`` around a sleep, which
+  drain kvtier's copies before the KV memory is unmapped. Older releases release it without a
+  word to connectors while copies may still be queued, so there kvtier refuses
+  ``enable_sleep_mode`` at start.
+* Request block tables come from each step's scheduler output in every release (0.25.1 gives
+  connectors no ``KVCacheManager``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+MIN_VERSION = (0, 25, 1)
+END_VERSION = (0, 34)
+"""First release not supported (exclusive)."""
+ALLOW_UNTESTED_ENV = "KVTIER_ALLOW_UNTESTED_VLLM"
+SLEEP_HOOKS_VERSION = (0, 33)
+
+LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+"""``vllm.kv_cache_layout`` values besides ``engine``: vLLM 0.32's ``KVCacheLayout`` names."""
+_PAGE_ORDER_0_25 = {"LBNHC": "NHD", "LBHNC": "HND", "BLNHC": "NHD", "BLHNC": "HND"}
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """``0.25.1`` / ``0.33.0+cu130`` / ``0.33.1.dev4+g1a2b`` -> ``(0, 25, 1)`` / ``(0, 33, 0)``."""
+    numbers: list[int] = []
+    for part in text.split("+", 1)[0].split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) != len(part):
+            break
+    if not numbers:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(numbers)
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+def supported_range() -> str:
+    return f">= {_dotted(MIN_VERSION)} and < {_dotted(END_VERSION)}"
+
+
+def installed_version() -> tuple[int, ...]:
+    import vllm
+
+    return parse_version(str(vllm.__version__))
+
+
+def check_version(version: tuple[int, ...]) -> None:
+    """Refuse a release outside the tested range (``ConfigError`` naming it)."""
+    if MIN_VERSION <= version < END_VERSION:
+        return
+    if os.environ.get(ALLOW_UNTESTED_ENV, "") == "1":
+        return
+    raise ConfigError(
+        "vllm version",
+        _dotted(version),
+        f"a release {supported_range()} (tested: 0.25.1, 0.32, 0.33); "
+        f"{ALLOW_UNTESTED_ENV}=1 starts anyway",
+    )
+
+
+def has_layout_names(version: tuple[int, ...]) -> bool:
+    """Whether this release names layouts as ``KVCacheLayout`` (0.32 and later)."""
+    return version >= (0, 32)
+
+
+def check_sleep_mode(vllm_config: Any, version: tuple[int, ...]) -> None:
+    """Sleep mode only where vLLM tells connectors before it releases the KV memory (0.33)."""
+    enabled = bool(getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False))
+    if enabled and version < SLEEP_HOOKS_VERSION:
+        raise ConfigError(
+            "enable_sleep_mode",
+            True,
+            f"False with vLLM {_dotted(version)}: kvtier follows a sleep from vLLM "
+            f"{_dotted(SLEEP_HOOKS_VERSION)} on (earlier releases unmap the KV cache while its "
+            "copies may still be queued)",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutRequest:
+    """What the connector asks of a vLLM release for one ``vllm.kv_cache_layout`` value."""
+
+    layout: str | None
+    """The value of ``get_required_kvcache_layout`` (None: no request)."""
+    cross_layer: bool
+    """Ask for one block-outermost tensor (0.25.1's ``prefer_cross_layer_blocks``)."""
+
+
+def layout_request(setting: str, version: tuple[int, ...]) -> LayoutRequest:
+    if setting == "engine":
+        return LayoutRequest(None, False)
+    if has_layout_names(version):
+        return LayoutRequest(setting, False)
+    order = _PAGE_ORDER_0_25.get(setting)
+    if order is None:
+        raise ConfigError(
+            "vllm.kv_cache_layout",
+            setting,
+            f"'engine' or one of {', '.join(sorted(_PAGE_ORDER_0_25))} on vLLM "
+            f"{_dotted(version)} (it has no heads-outermost layout)",
+        )
+    return LayoutRequest(order, setting.startswith("B"))
+
+
+def page_order(vllm_config: Any, asked: str | None, version: tuple[int, ...]) -> str | None:
+    """The order of a page's dimensions as the engine will lay them out, for the namespace:
+    ``NHC``/``HNC`` on 0.32+ (from the resolved ``KVCacheLayout``), ``2NHD``/``2HND`` on 0.25
+    (K and V outermost). None where the release does not say (then the device alone names it)."""
+    if has_layout_names(version):
+        resolved = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+        if not resolved:
+            return None
+        return str(resolved).replace("L", "").replace("B", "")
+    # 0.25: VLLM_KV_CACHE_LAYOUT wins over a connector's request; NHD is vLLM's default.
+    return "2" + (os.environ.get("VLLM_KV_CACHE_LAYOUT") or asked or "NHD")
+
+
+def cross_layer_views(kv_cache: Any, attn_backend: Any) -> list[Any]:
+    """Per-layer views of 0.25.1's cross-layer KV tensor, in layer order: each is the layer's
+    ``get_kv_cache_shape`` view (``[num_blocks, 2, ...]`` for FlashAttention) whose block stride
+    spans all layers, as vLLM hands them to its attention layers."""
+    try:
+        order = tuple(attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
+    except (AttributeError, NotImplementedError):
+        order = tuple(range(kv_cache.dim()))
+    if sorted(order) != list(range(kv_cache.dim())):
+        raise ValueError(f"stride order {order} does not permute a {kv_cache.dim()}-D KV tensor")
+    logical = kv_cache.permute(*[order.index(i) for i in range(len(order))])
+    return [logical[i] for i in range(logical.shape[0])]
