@@ -6,7 +6,7 @@ backend (FlashAttention on Hopper), CUDA graphs on, vLLM's GPU prefix cache on, 
 Numerics: outputs are compared token for token with an engine without kvtier. A prefix hit
 changes how many tokens a prefill computes (and which requests share a batch), and vLLM's
 default kernels pick different reductions for different shapes, so these engines run in vLLM's
-batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, set before vLLM is imported): a token's
+batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, set for this module's engines only): a token's
 logits then do not depend on the batch or on where the prefill starts. The checks of hits,
 loads and failures come from kvtier's stats file. Skipped without a CUDA device or vLLM.
 """
@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
-os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is optional
+GPU_ENV = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+"""For this module's engines only (the CPU build has no batch-invariant kernels): FlashInfer is
+optional and absent from the offline wheelhouse."""
 
 
 def _cuda() -> bool:
@@ -49,6 +50,12 @@ Ref = dict[str, list[list[int]]]
 KV_CACHE_BYTES = 64 << 20
 """vLLM's GPU KV cache: 512 engine blocks of 32 tokens (4 layers x 2 KV heads x 64 x bf16)."""
 GPU_BLOCK_BYTES = 4 * 2 * 32 * 2 * 64 * 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_env() -> Iterator[None]:
+    with h.scoped_env(GPU_ENV):
+        yield
 
 
 @pytest.fixture(scope="module")
