@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvtier.copy.base import CopyJob, Direction  # noqa: E402
-from kvtier.copy.cpu import SKIP, CpuCopyBackend  # noqa: E402
+from kvtier.copy.base import SKIP, CopyJob, Direction  # noqa: E402
+from kvtier.copy.cpu import CpuCopyBackend  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402
 
 LAYERS, BLOCKS, HEADS, BS, HD = 3, 10, 2, 4, 8
@@ -64,8 +64,10 @@ def test_load_skips_blocks_the_engine_already_has_and_bad_jobs_fail():
         loader.submit(CopyJob(1, Direction.LOAD, [SKIP, 6], [0]))
         loader.submit(CopyJob(2, Direction.LOAD, [1, 2], [7]))  # slot out of range
         loader.submit(CopyJob(3, Direction.LOAD, [1], [0]))  # wrong block count
+        loader.submit(CopyJob(4, Direction.LOAD, [SKIP, SKIP], [0]))  # nothing to copy
+        loader.submit(CopyJob(5, Direction.STORE, [SKIP, 6], [1]))  # SKIP only in a LOAD
         results = loader.poll()
-        assert results.done == [1] and results.failed == [2, 3]
+        assert results.done == [1, 4] and results.failed == [2, 3, 5]
         for layer in range(LAYERS):
             assert torch.equal(dst[layer][6], src[layer][2])
             assert torch.equal(dst[layer][5], before[layer])

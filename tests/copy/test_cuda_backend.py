@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.copy.base import CopyJob, Direction
+from kvtier.copy.base import SKIP, CopyJob, Direction
 from kvtier.copy.cuda_plan import KVLayout
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
@@ -424,3 +424,43 @@ def test_pool_is_registered_and_unregistered(pool: HostPool) -> None:
     size = pool.num_slots * pool.slot_stride
     assert rt.host_register(base, size) == 0  # it was unregistered: registering again works
     rt.host_unregister(base)
+
+
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
+@pytest.mark.parametrize("blocks_per_slot", [2, 4])
+def test_a_load_skips_the_positions_the_engine_holds(strategy: str, blocks_per_slot: int) -> None:
+    """The copy contract's ``SKIP`` on the GPU: the skipped engine blocks keep their bytes, the
+    other positions of the slot land in their own engine blocks, an all-``SKIP`` load is done
+    and ``SKIP`` in a STORE fails."""
+    bps = blocks_per_slot
+    layout = KVLayout.LAYER_BLOCKS_FIRST
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    kv = make_kv(layout, gen)
+    pool = HostPool.create(8, bps * LAYERS * 2 * TOKENS * HEADS * HEAD_DIM * 2)
+    backend = CudaCopyBackend(
+        kv, layout, pool, CudaCopyOptions(strategy=strategy), blocks_per_slot=bps
+    )
+    _OPEN.append(backend)
+    stored = list(range(2 * bps))
+    backend.submit(CopyJob(1, Direction.STORE, stored, [3, 6]))
+    backend.wait([1])
+    assert backend.poll().done == [1]
+    want = logical(kv, layout)
+    for t in kv:
+        t.fill_(POISON)
+    targets = [SKIP] * (bps - 1) + list(range(20, 20 + bps + 1))
+    backend.submit(CopyJob(2, Direction.LOAD, targets, [3, 6]))
+    backend.submit(CopyJob(3, Direction.LOAD, [SKIP] * bps, [3]))
+    backend.submit(CopyJob(4, Direction.STORE, [SKIP, *range(1, bps)], [5]))
+    backend.wait([2, 3, 4])
+    results = backend.poll()
+    assert sorted(results.done) == [2, 3] and results.failed == [4]
+    got = logical(kv, layout)
+    for position, target in enumerate(targets):
+        if target != SKIP:
+            assert torch.equal(got[target], want[stored[position]]), position
+    others = sorted(set(range(NUM_BLOCKS)) - set(targets))
+    assert (got[others] == POISON).all()
+    _OPEN.remove(backend)
+    backend.close()
+    pool.close()

@@ -15,7 +15,7 @@ import pytest
 from emulated_cuda import COMPUTE_STREAM, EmulatedBackend, FakeRuntime, FakeTensor
 from kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
 
-from kvtier.copy.base import CopyJob, Direction
+from kvtier.copy.base import SKIP, CopyJob, Direction
 from kvtier.copy.cuda import CudaCopyOptions
 from kvtier.copy.cuda_executor import ExecutorUnavailable
 from kvtier.copy.cuda_plan import KVLayout
@@ -725,3 +725,46 @@ def test_an_executor_that_stops_taking_work_hands_over_to_the_callers_thread(
         assert _slot_part(pool, slot, 0, logical[block].nbytes) == block_bytes(logical, block)
     backend.close()
     assert fake.streams == set() and fake.events == set() and fake.callback_errors == []
+
+
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
+@pytest.mark.parametrize("blocks_per_slot", [2, 4])
+def test_a_load_skips_the_positions_the_engine_holds(
+    pool: HostPool, strategy: str, blocks_per_slot: int
+) -> None:
+    """``SKIP`` (vLLM's own cache holds the start of the first kvtier block): the skipped
+    engine blocks stay as they are, every other position lands in its own engine block."""
+    bps = blocks_per_slot
+    fake = FakeRuntime(deferred=True)
+    block = logical_blocks(np.random.default_rng(0), 1)[0].nbytes
+    opts = CudaCopyOptions(
+        strategy=strategy, max_streams=4, stage_bytes=2 * block + 5, staged_min_blocks=1
+    )
+    backend, logical, arrays = _backend(
+        pool, KVLayout.LAYER_KV_FIRST, strategy, fake, options=opts, blocks_per_slot=bps
+    )
+    stored = list(range(2 * bps))  # two slots
+    backend.submit(CopyJob(1, Direction.STORE, stored, [3, 6]))
+    fake.run()
+    assert backend.poll().done == [1]
+    for a in arrays:
+        a.fill(0xDEAD)
+    targets = [SKIP] * (bps - 1) + list(range(10, 10 + bps + 1))
+    backend.submit(CopyJob(2, Direction.LOAD, targets, [3, 6]))
+    backend.wait([2])
+    assert backend.poll().done == [2]
+    got = to_logical(arrays, KVLayout.LAYER_KV_FIRST)
+    for position, target in enumerate(targets):
+        if target != SKIP:
+            assert got[target].tobytes() == block_bytes(logical, stored[position]), position
+    for b in set(range(NUM_BLOCKS)) - set(targets):
+        assert (got[b] == 0xDEAD).all(), b
+    # Nothing to copy: done at once. SKIP in a STORE: failed, never raised.
+    backend.submit(CopyJob(3, Direction.LOAD, [SKIP] * bps, [3]))
+    backend.submit(CopyJob(4, Direction.STORE, [SKIP, *range(1, bps)], [5]))
+    backend.wait([3, 4])
+    results = backend.poll()
+    assert results.done == [3] and results.failed == [4]
+    assert _idle(backend)
+    backend.close()
+    assert fake.streams == set() and fake.events == set()

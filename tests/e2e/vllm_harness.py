@@ -160,9 +160,7 @@ def write_tiny_llama(
     if weights == "random":
         from safetensors.torch import save_file
 
-        save_file(
-            llama_weights(size, weights_seed), str(weights_file), metadata={"format": "pt"}
-        )
+        save_file(llama_weights(size, weights_seed), str(weights_file), metadata={"format": "pt"})
     elif weights_file.exists():
         weights_file.unlink()
     return path

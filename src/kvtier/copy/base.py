@@ -7,6 +7,12 @@ Slot layout: a slot holds one kvtier block, i.e. ``blocks_per_slot`` consecutive
 every layer. With tensor parallelism the slot is split into ``tp_size`` equal parts and rank ``r``
 owns part ``r``; within its part a backend chooses the arrangement (recorded in the namespace's
 ``layout``), so two backends with different arrangements never share blocks.
+
+Skipped positions: in a LOAD, an engine block id ``SKIP`` means the engine already holds that
+position's tokens (vLLM's own prefix cache covers the start of the first kvtier block): that
+position of its slot is not copied, the slot's other positions are, each into its own engine
+block, exactly as without the skip. A LOAD whose every position is ``SKIP`` is done without a
+copy. ``SKIP`` in a STORE is an invalid job (reported failed). Every backend honours this.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+
+SKIP = -1
+"""A LOAD's engine block id for a position the engine already holds (see the module docstring)."""
 
 
 class Direction(Enum):
@@ -29,7 +38,8 @@ class CopyJob:
     job_id: int
     direction: Direction
     engine_blocks: Sequence[int]
-    """``len(slots) * blocks_per_slot`` engine block ids, slot by slot."""
+    """``len(slots) * blocks_per_slot`` engine block ids, slot by slot (``SKIP``: not copied,
+    LOAD only)."""
     slots: Sequence[int]
 
 

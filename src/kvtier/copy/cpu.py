@@ -11,11 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.copy.base import CopyBackend, CopyJob, CopyResults, Direction
+from kvtier.copy.base import SKIP, CopyBackend, CopyJob, CopyResults, Direction
 from kvtier.pool import HostPool
-
-SKIP = -1
-"""An engine block id of a LOAD that is already in the engine (a locally cached block)."""
 
 
 class CpuCopyBackend(CopyBackend):

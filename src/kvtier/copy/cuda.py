@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvtier.copy.base import CopyBackend, CopyJob, CopyResults, Direction
+from kvtier.copy.base import SKIP, CopyBackend, CopyJob, CopyResults, Direction
 from kvtier.copy.cuda_executor import (
     Executor,
     ExecutorUnavailable,
@@ -747,12 +747,14 @@ class CudaCopyBackend(CopyBackend):
     def _plan(self, job: CopyJob) -> _Plan:
         if job.direction not in (Direction.STORE, Direction.LOAD):
             raise ValueError(f"unknown direction {job.direction!r}")
+        load = job.direction is Direction.LOAD
         blocks, slots = check_job(
             job.engine_blocks,
             job.slots,
             self.blocks_per_slot,
             self.geometry.num_blocks,
             self._num_slots,
+            skips=load,
         )
         hosts = host_block_addresses(
             self._pinned.base,
@@ -762,7 +764,12 @@ class CudaCopyBackend(CopyBackend):
             self.blocks_per_slot,
             self.geometry.block_bytes,
         )
-        return _Plan(job.direction is Direction.STORE, blocks, hosts)
+        if load:
+            # Positions the engine holds already: each kept block keeps its place in its slot.
+            keep = blocks != SKIP
+            if not keep.all():
+                blocks, hosts = blocks[keep], hosts[keep]
+        return _Plan(not load, blocks, hosts)
 
     def _pump(self) -> None:
         """Plan and enqueue queued transfers, oldest first, while the device queues have room (at

@@ -34,6 +34,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvtier.copy.base import SKIP
+
 
 class KVLayout(Enum):
     LAYER_KV_FIRST = "layer_kv_first"
@@ -290,15 +292,17 @@ def check_job(
     blocks_per_slot: int,
     num_engine_blocks: int,
     num_slots: int,
+    skips: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The job's block ids and slots as int64 arrays; ``ValueError`` saying what is wrong."""
+    """The job's block ids and slots as int64 arrays; ``ValueError`` saying what is wrong.
+    ``skips``: ``SKIP`` ids are allowed (a LOAD's positions the engine already holds)."""
     blocks = np.asarray(engine_blocks, dtype=np.int64).reshape(-1)
     slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)
     if len(blocks) != len(slot_arr) * blocks_per_slot:
         raise ValueError(
             f"{len(blocks)} engine blocks for {len(slot_arr)} slots of {blocks_per_slot} blocks"
         )
-    if not _within(blocks, num_engine_blocks):
+    if not _within(blocks[blocks != SKIP] if skips else blocks, num_engine_blocks):
         raise ValueError(f"engine block id outside 0..{num_engine_blocks - 1}")
     if not _within(slot_arr, num_slots):
         raise ValueError(f"slot outside 0..{num_slots - 1}")
@@ -307,6 +311,8 @@ def check_job(
 
 def _within(values: np.ndarray, end: int) -> bool:
     """All of ``values`` in ``[0, end)`` (a few: in Python, cheaper than two reductions)."""
+    if not len(values):
+        return True
     if len(values) <= 8:
         return all(0 <= v < end for v in values.tolist())
     return bool(values.min() >= 0 and values.max() < end)

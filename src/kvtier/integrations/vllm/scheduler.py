@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import KVTierConfig
-from kvtier.copy.cpu import SKIP
+from kvtier.copy.base import SKIP
 from kvtier.events import CacheEvent
 from kvtier.factory import build_cache
 from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata, KVTierWorkerMetadata

@@ -20,8 +20,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.copy.base import CopyBackend, CopyJob, Direction
-from kvtier.copy.cpu import SKIP
+from kvtier.copy.base import SKIP, CopyBackend, CopyJob, Direction
 from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.pool import HostPool, PoolHandle
 
