@@ -28,6 +28,7 @@ warm, keeping its files, for about 30 s after a run):
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import re
@@ -55,7 +56,6 @@ EXCLUDED: dict[str, str] = {
     "flashinfer-python": "FlashInfer backend/sampler (set VLLM_USE_FLASHINFER_SAMPLER=0)",
     "flashinfer-cubin": "FlashInfer's prebuilt kernels",
     "flashinfer-jit-cache": "FlashInfer's prebuilt kernels",
-    "apache-tvm-ffi": "FlashInfer/TileLang runtime",
     "tilelang": "TileLang kernels (sparse attention models)",
     "nvidia-cutlass-dsl": "CuTe DSL kernels (Blackwell paths)",
     "nvidia-cutlass-dsl-libs-base": "CuTe DSL kernels",
@@ -136,6 +136,7 @@ def _wheel_fits(filename: str, python: str) -> bool:
     return plat_ok and any(tag_ok(t) for t in py.split("."))
 
 
+@functools.cache
 def _requires_dist(wheel_url: str) -> list[str]:
     """A wheel's ``Requires-Dist`` lines, from its PEP 658 metadata file (the wheel itself where
     the index serves none)."""
@@ -157,14 +158,44 @@ def _requires_dist(wheel_url: str) -> list[str]:
     ]
 
 
+@functools.cache
 def _pypi(name: str) -> dict[str, object]:
     with urllib.request.urlopen(PYPI_JSON.format(name=name), timeout=60) as reply:
         data: dict[str, object] = json.load(reply)
     return data
 
 
+class _Conflict(Exception):
+    def __init__(self, parent: str, message: str) -> None:
+        super().__init__(message)
+        self.parent = parent
+
+
 def resolve(
     roots: Iterable[str], python: str, installed: set[str], excluded: set[str]
+) -> tuple[list[Pick], dict[str, str]]:
+    """Newest versions first; where a package's requirement contradicts an earlier pick (vLLM
+    pins ``apache-tvm-ffi``, the newest ``xgrammar`` wants a later one), that package's version
+    is ruled out and the resolution starts again."""
+    constraints: list[str] = []
+    for _ in range(50):
+        try:
+            return _resolve_once(roots, constraints, python, installed, excluded)
+        except _Conflict as conflict:
+            name, _, version = conflict.parent.partition("==")
+            if not version:
+                raise SystemExit(str(conflict)) from None
+            print(f"{conflict}: trying {name} != {version}", file=sys.stderr)
+            constraints.append(f"{name}!={version}")
+    raise SystemExit("no consistent set of versions after 50 tries")
+
+
+def _resolve_once(
+    roots: Iterable[str],
+    constraints: Iterable[str],
+    python: str,
+    installed: set[str],
+    excluded: set[str],
 ) -> tuple[list[Pick], dict[str, str]]:
     """Breadth-first over requirements; returns the picks and the names left out (and why)."""
     from packaging.markers import default_environment
@@ -191,6 +222,10 @@ def resolve(
             return True
 
     specs: dict[str, SpecifierSet] = {}
+    for text in constraints:
+        ruled_out = Requirement(text)
+        name = normalize(ruled_out.name)
+        specs[name] = specs.get(name, SpecifierSet()) & ruled_out.specifier
     picks: dict[str, Pick] = {}
     skipped: dict[str, str] = {}
     queue: list[tuple[str, str]] = [(r, "requested") for r in roots]
@@ -213,7 +248,7 @@ def resolve(
             known.why.append(parent)
             if Version(known.version) in merged:
                 continue
-            raise SystemExit(f"{name} {known.version} picked, but {parent} wants {req}")
+            raise _Conflict(parent, f"{name} {known.version} picked, but {parent} wants {req}")
         data = _pypi(name)
         releases = data["releases"]
         assert isinstance(releases, dict)
