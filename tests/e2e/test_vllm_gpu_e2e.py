@@ -14,7 +14,6 @@ loads and failures come from kvtier's stats file. Skipped without a CUDA device 
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -187,15 +186,13 @@ def test_c_partial_local_hits_load(
     assert conn["hit_tokens"] >= first_load + (k - 1) * jobs.BLOCK_TOKENS, conn
 
 
-def test_d_tier_and_copy_failures(
-    gpu_model: Path, gpu_reference: Ref, tmp_path: Path, fs_tier: dict[str, Any]
-) -> None:
-    # 1. A flaky memory tier (writes and reads fail or come back corrupt) behind a small pool.
+def test_d_tier_failures(gpu_model: Path, gpu_reference: Ref, tmp_path: Path) -> None:
+    """A flaky memory tier (writes and reads fail or come back corrupt) behind a small pool."""
     flaky = {"kind": "memory", "failure_rate": 0.3, "corrupt_rate": 0.4, "seed": 7}
-    stats1 = tmp_path / "stats1.json"
+    stats_path = tmp_path / "stats.json"
     llm = _engine(
         gpu_model,
-        jobs.kvtier_config(stats1, tiers=[flaky], pool_size=4 * GPU_BLOCK_BYTES),
+        jobs.kvtier_config(stats_path, tiers=[flaky], pool_size=4 * GPU_BLOCK_BYTES),
     )
     try:
         rounds = [_gen(llm, "basic")]
@@ -206,28 +203,49 @@ def test_d_tier_and_copy_failures(
     finally:
         h.shutdown_llm(llm)
     assert all(r == gpu_reference["basic"] for r in rounds)
-    stats = jobs.read_stats(stats1)
+    stats = jobs.read_stats(stats_path)
     tier = stats["tiers"]["memory"]
     assert tier["errors"] + tier["corrupt"] > 0, tier
     assert stats["cache"]["cascade_failures"] + stats["cache"]["promotion_failures"] > 0
 
-    # 2. Every worker-side load fails: vLLM recomputes (kv_load_failure_policy=recompute).
-    stats2 = tmp_path / "stats2.json"
-    os.environ["KVTIER_TEST_FAIL_LOADS"] = "1.0"
-    try:
-        llm = _engine(gpu_model, jobs.kvtier_config(stats2, tiers=[fs_tier]))
-    finally:
-        del os.environ["KVTIER_TEST_FAIL_LOADS"]
-    try:
-        first = _gen(llm, "basic")
-        h.reset_prefix_cache(llm)
-        second = _gen(llm, "basic")
-        jobs.flush_stats(llm)
-    finally:
-        h.shutdown_llm(llm)
-    assert first == gpu_reference["basic"] and second == gpu_reference["basic"]
-    stats = jobs.read_stats(stats2)
+
+V2_RECOVERY_BUG = (
+    "vLLM's V2 model runner recomputes a request whose synchronous KV load failed into wrong "
+    "tokens (vllm-project/vllm issue 49250, open for 0.25-0.27); kvtier reports the blocks as "
+    "the connector API asks"
+)
+
+
+@pytest.mark.parametrize(
+    "runner",
+    [
+        "v1",
+        pytest.param("v2", marks=pytest.mark.xfail(reason=V2_RECOVERY_BUG, strict=True)),
+    ],
+)
+def test_d_copy_failures_are_recomputed(
+    gpu_model: Path, gpu_reference: Ref, tmp_path: Path, fs_tier: dict[str, Any], runner: str
+) -> None:
+    """Every worker-side load fails: kvtier reports the engine blocks, vLLM recomputes them
+    (``kv_load_failure_policy=recompute``) and the outputs stay those of vLLM alone."""
+    stats_path = tmp_path / "stats.json"
+    env = {
+        "KVTIER_TEST_FAIL_LOADS": "1.0",
+        "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
+    }
+    with h.scoped_env(env):
+        llm = _engine(gpu_model, jobs.kvtier_config(stats_path, tiers=[fs_tier]))
+        try:
+            first = _gen(llm, "basic")
+            h.reset_prefix_cache(llm)
+            second = _gen(llm, "basic")
+            jobs.flush_stats(llm)
+        finally:
+            h.shutdown_llm(llm)
+    stats = jobs.read_stats(stats_path)
     assert stats["connector"]["load_blocks_failed"] >= 27, stats["connector"]
+    assert first == gpu_reference["basic"]
+    assert second == gpu_reference["basic"]
 
 
 def test_f_sleep_and_wake(gpu_model: Path, gpu_reference: Ref, tmp_path: Path) -> None:

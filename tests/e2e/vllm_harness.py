@@ -241,6 +241,7 @@ def build_llm(
 
     from vllm import LLM
 
+    _forget_cached_env()
     kwargs: dict[str, Any] = {
         "model": str(model_path),
         "load_format": load_format,
@@ -265,6 +266,16 @@ def build_llm(
         bind["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(ranks)
     with scoped_env(bind):
         return LLM(**kwargs)
+
+
+def _forget_cached_env() -> None:
+    """vLLM caches its environment variables once an engine started (``enable_envs_cache``);
+    a later engine in this process must see the variables as they are now."""
+    import vllm.envs
+
+    clear = getattr(getattr(vllm.envs, "__getattr__", None), "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def greedy_params(max_tokens: int = 8, **kwargs: Any) -> Any:
