@@ -138,3 +138,13 @@ def test_sleep_mode_is_refused_where_vllm_does_not_tell_connectors() -> None:
         compat.check_sleep_mode(sleepy, (0, 32, 0))
     compat.check_sleep_mode(awake, (0, 25, 1))
     compat.check_sleep_mode(sleepy, (0, 33, 0))
+
+
+def test_a_recovery_warning_where_vllm_recomputes_failed_loads_wrongly() -> None:
+    def config(policy: str) -> SimpleNamespace:
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy))
+
+    warning = compat.warn_recovery(config("recompute"), (0, 25, 1))
+    assert warning is not None and "49250" in warning
+    assert compat.warn_recovery(config("fail"), (0, 25, 1)) is None
+    assert compat.warn_recovery(config("recompute"), (0, 32, 0)) is None

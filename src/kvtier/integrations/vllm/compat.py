@@ -37,6 +37,10 @@ END_VERSION = (0, 34)
 """First release not supported (exclusive)."""
 ALLOW_UNTESTED_ENV = "KVTIER_ALLOW_UNTESTED_VLLM"
 SLEEP_HOOKS_VERSION = (0, 33)
+RELIABLE_RECOVERY_VERSION = (0, 32)
+"""The first supported release where kvtier's tests saw vLLM recompute a failed load correctly
+(0.32's CPU build). 0.25.1 on an H100 recomputed it into wrong tokens with both of its model
+runners (vllm-project/vllm issue 49250)."""
 
 LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 """``vllm.kv_cache_layout`` values besides ``engine``: vLLM 0.32's ``KVCacheLayout`` names."""
@@ -106,6 +110,21 @@ def check_sleep_mode(vllm_config: Any, version: tuple[int, ...]) -> None:
             f"{_dotted(SLEEP_HOOKS_VERSION)} on (earlier releases unmap the KV cache while its "
             "copies may still be queued)",
         )
+
+
+def warn_recovery(vllm_config: Any, version: tuple[int, ...]) -> str | None:
+    """The warning to log where vLLM's recompute of a failed load is not trustworthy."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    policy = getattr(transfer, "kv_load_failure_policy", None)
+    if policy != "recompute" or version >= RELIABLE_RECOVERY_VERSION:
+        return None
+    return (
+        f"vLLM {_dotted(version)} can recompute a request whose KV load failed into wrong "
+        "tokens (vllm-project/vllm issue 49250): with kv_load_failure_policy 'recompute', a "
+        "kvtier copy failure (rare: a CUDA error) may change that request's output; 'fail' "
+        f"fails the request instead. kvtier's tests see vLLM "
+        f"{_dotted(RELIABLE_RECOVERY_VERSION)} (CPU build) recover correctly."
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self.vllm_version = compat.installed_version()
         compat.check_version(self.vllm_version)
         compat.check_sleep_mode(vllm_config, self.vllm_version)
+        if role == KVConnectorRole.SCHEDULER and (
+            warning := compat.warn_recovery(vllm_config, self.vllm_version)
+        ):
+            log.warning(warning)
         config = _load_config(vllm_config)
         self.settings = VllmSettings.parse(config.vllm)
         self.layout_request = compat.layout_request(
