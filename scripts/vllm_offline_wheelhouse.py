@@ -203,7 +203,7 @@ def _resolve_once(
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
-    env = default_environment()
+    env: dict[str, str] = {k: str(v) for k, v in default_environment().items()}
     env.update(
         python_version=python,
         python_full_version=f"{python}.0",
@@ -332,9 +332,11 @@ def join_parts(folder: Path, target: Path) -> None:
     sums_file = folder / SUMS_NAME
     if not sums_file.exists():
         raise SystemExit(f"{sums_file} missing: stage it with the last part (--sums)")
-    expected = dict(
-        reversed(line.split(None, 1)) for line in sums_file.read_text().splitlines() if line.strip()
-    )
+    expected: dict[str, str] = {}
+    for line in sums_file.read_text().splitlines():
+        if line.strip():
+            digest, name = line.split(None, 1)
+            expected[name.strip()] = digest
     names = sorted(expected)
     present = sorted(p.name for p in folder.glob(PART_NAME + "*"))
     if present != names:
@@ -346,7 +348,7 @@ def join_parts(folder: Path, target: Path) -> None:
     with target.open("wb") as out:
         for name in names:
             part = folder / name
-            if sha256(part) != expected[name].strip():
+            if sha256(part) != expected[name]:
                 raise SystemExit(f"{part}: SHA-256 mismatch (a broken transfer); send it again")
             with part.open("rb") as f:
                 shutil.copyfileobj(f, out)
