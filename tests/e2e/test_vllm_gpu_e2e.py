@@ -211,8 +211,9 @@ def test_d_tier_failures(gpu_model: Path, gpu_reference: Ref, tmp_path: Path) ->
 
 RECOVERY_BUG = (
     "vLLM before 0.32 recomputes a request whose synchronous KV load failed into wrong tokens "
-    "(vllm-project/vllm issue 49250; on 0.25.1 with both model runners); kvtier reports the "
-    "failed blocks as the connector API asks. The same test passes on vLLM 0.32 (CPU build)."
+    "(vllm-project/vllm issue 49250; on 0.25.1 with both model runners, with and without async "
+    "scheduling); kvtier reports the failed blocks as the connector API asks. The same test "
+    "passes on vLLM 0.32 (CPU build)."
 )
 
 
@@ -222,17 +223,26 @@ def _recovery_broken() -> bool:
     return compat.installed_version() < compat.RELIABLE_RECOVERY_VERSION
 
 
+@pytest.mark.parametrize("async_scheduling", [None, False], ids=["vllm-default", "sync"])
 @pytest.mark.xfail(
     condition=not GPU_MISSING and _recovery_broken(), reason=RECOVERY_BUG, strict=True
 )
 def test_d_copy_failures_are_recomputed(
-    gpu_model: Path, gpu_reference: Ref, tmp_path: Path, fs_tier: dict[str, Any]
+    gpu_model: Path,
+    gpu_reference: Ref,
+    tmp_path: Path,
+    fs_tier: dict[str, Any],
+    async_scheduling: bool | None,
 ) -> None:
     """Every worker-side load fails: kvtier reports the engine blocks, vLLM recomputes them
     (``kv_load_failure_policy=recompute``) and the outputs stay those of vLLM alone."""
     stats_path = tmp_path / "stats.json"
     with h.scoped_env({"KVTIER_TEST_FAIL_LOADS": "1.0"}):
-        llm = _engine(gpu_model, jobs.kvtier_config(stats_path, tiers=[fs_tier]))
+        llm = _engine(
+            gpu_model,
+            jobs.kvtier_config(stats_path, tiers=[fs_tier]),
+            async_scheduling=async_scheduling,
+        )
     try:
         first = _gen(llm, "basic")
         h.reset_prefix_cache(llm)

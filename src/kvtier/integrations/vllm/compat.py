@@ -40,7 +40,7 @@ SLEEP_HOOKS_VERSION = (0, 33)
 RELIABLE_RECOVERY_VERSION = (0, 32)
 """The first supported release where kvtier's tests saw vLLM recompute a failed load correctly
 (0.32's CPU build). 0.25.1 on an H100 recomputed it into wrong tokens with both of its model
-runners (vllm-project/vllm issue 49250)."""
+runners and with async scheduling on and off (vllm-project/vllm issue 49250)."""
 
 LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 """``vllm.kv_cache_layout`` values besides ``engine``: vLLM 0.32's ``KVCacheLayout`` names."""
