@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.integrations.vllm.scheduler import fresh_blocks
+from kvtier.integrations.vllm.scheduler import BlockTables, fresh_blocks
 
 
 def test_fresh_blocks_are_every_block_handed_out_this_step() -> None:
@@ -45,3 +45,37 @@ def test_fresh_blocks_of_a_real_vllm_scheduler_output() -> None:
     output.scheduled_new_reqs.append(new)
     output.scheduled_cached_reqs = cached
     assert fresh_blocks(output) == [5, 6, 8]
+
+
+def test_block_tables_follow_vllms_scheduler_outputs() -> None:
+    """New requests bring their table, running ones append, resumed ones replace theirs; built
+    from vLLM's own output classes, so the attribute names are the real ones."""
+    import dataclasses
+
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    def step(new: dict[str, list[int]], cached: dict[str, list[int] | None], resumed=()):
+        output = SchedulerOutput.make_empty()
+        for req_id, ids in new.items():
+            output.scheduled_new_reqs.append(
+                NewRequestData(
+                    **{f.name: None for f in dataclasses.fields(NewRequestData)}
+                    | {"req_id": req_id, "prompt_token_ids": [1], "block_ids": (ids,)}
+                )
+            )
+        data = CachedRequestData.make_empty()
+        for req_id, ids in cached.items():
+            data.req_ids.append(req_id)
+            data.new_block_ids.append((ids,) if ids is not None else None)
+        data.resumed_req_ids = set(resumed)
+        output.scheduled_cached_reqs = data
+        return output
+
+    tables = BlockTables()
+    tables.update(step({"a": [4, 5], "b": [7]}, {}))
+    tables.update(step({}, {"a": [6], "b": None}))
+    assert tables.get("a") == [4, 5, 6] and tables.get("b") == [7]
+    tables.update(step({}, {"b": [9, 10]}, resumed={"b"}))  # preempted, then resumed
+    assert tables.get("b") == [9, 10]
+    tables.drop("a")
+    assert tables.get("a") == [] and tables.get("unknown") == []

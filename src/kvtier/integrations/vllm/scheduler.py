@@ -91,6 +91,34 @@ def fresh_blocks(scheduler_output: Any) -> list[int] | None:
     return out
 
 
+class BlockTables:
+    """Each request's engine block ids, followed from the scheduler outputs the way vLLM's
+    workers follow them (every supported release carries them there): a new request brings its
+    whole table, a running one appends its new blocks, a resumed one brings a new table."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def update(self, scheduler_output: Any) -> None:
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
+            self._tables[new.req_id] = list(new.block_ids[0])  # one KV cache group
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is None:
+            return
+        resumed = getattr(cached, "resumed_req_ids", ())
+        for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            if req_id in resumed:
+                self._tables[req_id] = list(ids[0]) if ids else []
+            elif ids:
+                self._tables.setdefault(req_id, []).extend(ids[0])
+
+    def get(self, req_id: str) -> list[int]:
+        return self._tables.get(req_id, [])
+
+    def drop(self, req_id: str) -> None:
+        self._tables.pop(req_id, None)
+
+
 class SchedulerSide:
     def __init__(
         self,
@@ -113,8 +141,7 @@ class SchedulerSide:
         self._plans: dict[str, _LoadPlan] = {}
         self._offered: dict[str, int] = {}
         self._requests: dict[str, Any] = {}
-        self._tables: dict[str, list[int]] = {}
-        """Each running request's engine block ids, as this step's scheduler output left them."""
+        self._tables = BlockTables()
         self._loads: list[CopyOrder] = []
         self._jobs: dict[int, _Job] = {}
         self._next_job = 0
@@ -209,7 +236,7 @@ class SchedulerSide:
         else:
             self.cache.step()
         self._deferred = False
-        self._track_blocks(scheduler_output)
+        self._tables.update(scheduler_output)
         stores: list[CopyOrder] = []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             order = self._store_order(req_id, num_scheduled)
@@ -218,21 +245,6 @@ class SchedulerSide:
         loads, self._loads = self._loads, []
         self._maybe_write_stats()
         return KVTierMetadata(self.pool.handle, loads, stores, fresh_blocks(scheduler_output))
-
-    def _track_blocks(self, scheduler_output: Any) -> None:
-        """Follow the requests' block tables the way vLLM's workers do: a new request brings its
-        whole table, a running one appends its new blocks, a resumed one brings a new table."""
-        for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
-            self._tables[new.req_id] = list(new.block_ids[0])
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        if cached is None:
-            return
-        resumed = getattr(cached, "resumed_req_ids", ())
-        for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
-            if req_id in resumed:
-                self._tables[req_id] = list(ids[0]) if ids else []
-            elif ids:
-                self._tables.setdefault(req_id, []).extend(ids[0])
 
     def _store_order(self, req_id: str, num_scheduled: int) -> CopyOrder | None:
         request = self._requests.get(req_id)
@@ -254,7 +266,7 @@ class SchedulerSide:
         reservation = self.cache.prepare_store(wanted)
         if not reservation.keys:
             return None
-        block_ids = self._tables.get(req_id, [])
+        block_ids = self._tables.get(req_id)
         position = {key: offered + i for i, key in enumerate(wanted)}
         bps = self.blocks_per_slot
         engine_blocks: list[int] = []
@@ -311,7 +323,7 @@ class SchedulerSide:
         self._keys.pop(req_id, None)
         self._offered.pop(req_id, None)
         self._requests.pop(req_id, None)
-        self._tables.pop(req_id, None)
+        self._tables.drop(req_id)
 
     # -- keys -----------------------------------------------------------------------------------
 
