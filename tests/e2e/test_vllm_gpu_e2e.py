@@ -96,10 +96,9 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         seen = seen.__cause__ or seen.__context__
 
 
-def _backend_kind(llm: Any) -> str:
+def _backend_kind() -> str:
     """The copy backend kvtier's worker built (its class name), to prove the CUDA path ran
     (single-process engine: the worker's connector lives in this process)."""
-    del llm
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     backend = get_kv_transfer_group()._worker._backend
@@ -113,7 +112,7 @@ def test_a_identical_outputs_with_hits(gpu_model: Path, gpu_reference: Ref, tmp_
         first = _gen(llm, "basic")
         assert h.reset_prefix_cache(llm)
         second = _gen(llm, "basic")
-        backend = _backend_kind(llm)
+        backend = _backend_kind()
         jobs.flush_stats(llm)
     finally:
         h.shutdown_llm(llm)
