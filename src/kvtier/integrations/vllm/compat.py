@@ -148,7 +148,7 @@ def layout_request(setting: str, version: tuple[int, ...]) -> LayoutRequest:
             "vllm.kv_cache_layout",
             setting,
             f"'engine' or one of {', '.join(sorted(_PAGE_ORDER_0_25))} on vLLM "
-            f"{_dotted(version)} (it has no heads-outermost layout)",
+            f"{_dotted(version)} (its pages keep the heads inside; no layout puts them outside)",
         )
     return LayoutRequest(order, setting.startswith("B"))
 
