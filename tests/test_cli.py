@@ -248,3 +248,45 @@ def test_python_dash_m_and_console_script() -> None:
     done = run_command(script, "simulate", "--limit", "5", "--json", "--no-progress")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["requests"] == 5
+
+
+def test_stats_prints_a_snapshot_written_by_the_connector(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A real snapshot: what the connector wrote on the H100 run committed with the bench."""
+    results = Path(__file__).resolve().parents[1] / "docs" / "results" / "vllm_gpu_bench.json"
+    snapshot = json.loads(results.read_text())["configs"]["kvtier_fs"]["kvtier_stats"]
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(snapshot))
+    assert main(["stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    cache = snapshot["cache"]
+    assert f"{snapshot['pool_used']} of {snapshot['pool_slots']} slots used" in out
+    ratio = 100 * cache["hit_blocks"] / cache["lookup_blocks"]
+    assert f"{cache['hit_blocks']} hit ({ratio:.1f}%)" in out
+    assert f"{cache['promoted_blocks']} promoted from tiers" in out
+    fs_row = next(line for line in out.splitlines() if line.startswith("fs "))
+    assert str(snapshot["tiers"]["fs"]["lookups"]) in fs_row
+    assert f"hit_tokens {snapshot['connector']['hit_tokens']}" in out
+
+
+def test_stats_refuses_what_is_not_a_snapshot(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["stats", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert main(["stats", str(tmp_path / "list.json")]) == 2
+    assert "not a kvtier stats snapshot" in capsys.readouterr().err
+    (tmp_path / "torn.json").write_text('{"cache": {')
+    assert main(["stats", str(tmp_path / "torn.json")]) == 2
+    assert "not a JSON stats snapshot" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvtier {version('kvtier')}"

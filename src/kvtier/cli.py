@@ -2,6 +2,8 @@
 
     kvtier simulate [--trace FILE] [--config FILE] [--pool-blocks N | --pool-size SIZE] ...
     kvtier check-config FILE
+    kvtier stats FILE
+    kvtier --version
 
 Options given on the command line override the config file (or the embedded default); the merged
 mapping is validated like any config, so a bad option gets the same field-named error.
@@ -30,6 +32,7 @@ from kvtier.errors import ConfigError, KVTierError
 from kvtier.sim.replay import ReplayResult
 from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate
 from kvtier.sim.trace import bundled_trace_path
+from kvtier.stats_report import format_snapshot, read_snapshot
 from kvtier.validation import format_size, parse_size
 
 EXIT_OK = 0
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier", description="kvtier: a multi-tier KV cache for LLM inference engines."
     )
+    parser.add_argument("--version", action="version", version=f"kvtier {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sim = commands.add_parser(
@@ -132,7 +136,27 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a config file and print it")
     check.add_argument("config", type=Path)
     check.set_defaults(func=cmd_check_config)
+
+    stats = commands.add_parser(
+        "stats", help="print a stats snapshot (the vLLM connector's vllm.stats_path file)"
+    )
+    stats.add_argument("file", type=Path)
+    stats.set_defaults(func=cmd_stats)
     return parser
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvtier")
+    except PackageNotFoundError:  # run from a checkout without installing
+        return "(not installed)"
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    print(format_snapshot(read_snapshot(args.file)))
+    return EXIT_OK
 
 
 def _positive_int(text: str) -> int:

@@ -1,0 +1,83 @@
+"""A stats snapshot (the vLLM connector's ``vllm.stats_path`` file) as a short text report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import KVTierError
+from kvtier.validation import format_size
+
+
+class StatsFileError(KVTierError):
+    """The file is missing, not JSON, or not a kvtier stats snapshot."""
+
+
+def read_snapshot(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StatsFileError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StatsFileError(f"{path}: not a JSON stats snapshot ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("cache"), dict):
+        raise StatsFileError(f"{path}: not a kvtier stats snapshot (no 'cache' section)")
+    return data
+
+
+def _int(section: dict[str, Any], key: str) -> int:
+    value = section.get(key, 0)
+    return int(value) if isinstance(value, int | float) else 0
+
+
+def _ratio(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def format_snapshot(data: dict[str, Any]) -> str:
+    cache: dict[str, Any] = data["cache"]
+    looked = _int(cache, "lookup_blocks")
+    hits = _int(cache, "hit_blocks")
+    promoted = _int(cache, "promoted_blocks")
+    lines = [
+        f"pool      {_int(data, 'pool_used')} of {_int(data, 'pool_slots')} slots used, "
+        f"{_int(data, 'pool_pinned')} pinned; {_int(cache, 'pool_evictions')} evictions",
+        f"lookups   {_int(cache, 'lookups')} ({looked} blocks): {hits} hit "
+        f"({_ratio(hits, looked)}), {hits - promoted} from the pool, {promoted} promoted "
+        f"from tiers; {_int(cache, 'pending_lookups')} answered pending",
+        f"loads     {_int(cache, 'loaded_blocks')} blocks copied to the engine, "
+        f"{_int(cache, 'load_failed')} failed",
+        f"stores    {_int(cache, 'stored_blocks')} blocks; skipped: "
+        f"{_int(cache, 'store_skipped_present')} present, "
+        f"{_int(cache, 'store_skipped_admission')} admission, "
+        f"{_int(cache, 'store_skipped_full')} pool full; {_int(cache, 'store_failed')} failed",
+    ]
+    tiers = data.get("tiers")
+    if isinstance(tiers, dict) and tiers:
+        lines.append(
+            f"{'tier':<10} {'lookups':>9} {'hits':>7} {'read':>10} {'written':>10} "
+            f"{'evictions':>9} {'errors':>6} {'corrupt':>7} {'timeouts':>8}"
+        )
+        for name, tier in tiers.items():
+            if not isinstance(tier, dict):
+                continue
+            lines.append(
+                f"{name:<10} {_int(tier, 'lookups'):>9} {_int(tier, 'lookup_hits'):>7} "
+                f"{format_size(_int(tier, 'read_bytes')):>10} "
+                f"{format_size(_int(tier, 'write_bytes')):>10} {_int(tier, 'evictions'):>9} "
+                f"{_int(tier, 'errors'):>6} {_int(tier, 'corrupt'):>7} {_int(tier, 'timeouts'):>8}"
+            )
+    connector = data.get("connector")
+    if isinstance(connector, dict):
+        lines.append(
+            "connector "
+            + ", ".join(
+                f"{key} {value}" for key, value in connector.items() if value or key == "hit_tokens"
+            )
+        )
+    lines.append(
+        f"in flight {_int(data, 'jobs_in_flight')} copy jobs, {_int(data, 'pinned_plans')} plans "
+        "waiting for vLLM's allocation"
+    )
+    return "\n".join(lines)
