@@ -1,7 +1,7 @@
 """How fast does a host-to-device stream run when a kernel consumes what it lands?
 
 Why: the per-layer (staged) LOAD of the CUDA backend stayed at 95-96% of a contiguous copy while
-its pipeline without kernels reached 98%, until session 7 found the cause elsewhere (queued
+its pipeline without kernels reached 98%; the cause turned out to lie elsewhere (queued
 transfers' blocked streams, see docs/cuda.md). This isolates the pattern: 2 GiB of
 pinned host memory moved in chunks (``--chunk-mib``, 128 by default) through ``--buffers`` device
 staging buffers, each chunk copied on by a consumer kernel on 8 SMs into a device buffer, so a
