@@ -759,7 +759,8 @@ def main() -> None:
     if args.timeline:
         ref = measure_reference(pool, args.blocks * BLOCK_BYTES, 3, 1, args.pipeline)
         lines = []
-        # Both layouts each way, plus per-layer loads on streams of their own (as before staged transfers shared their ring's streams).
+        # Both layouts each way, plus per-layer loads on streams of their own (as before staged
+        # transfers shared their ring's streams).
         directions = (Direction.LOAD, Direction.STORE)
         runs = [(e, d, True) for e in (per_layer, compact) for d in directions]
         runs.insert(1, (per_layer, Direction.LOAD, False))
