@@ -41,6 +41,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -118,17 +119,15 @@ def widen(tokens: tuple[int, ...], factor: int, vocab: int) -> list[int]:
     return out
 
 
-@dataclass(slots=True)
-class Conversation:
-    turns: deque[list[int]]
+Conversation = deque[list[int]]
+"""A conversation's turns not sent yet, each a prompt."""
 
 
 def conversations(workload: Workload, factor: int, vocab: int) -> list[Conversation]:
     """The workload's turns grouped by conversation, conversations in the order they start."""
     by_session: dict[int, Conversation] = {}
     for turn in workload.turns:
-        conv = by_session.setdefault(turn.session, Conversation(deque()))
-        conv.turns.append(widen(turn.tokens, factor, vocab))
+        by_session.setdefault(turn.session, deque()).append(widen(turn.tokens, factor, vocab))
     return list(by_session.values())
 
 
@@ -260,12 +259,12 @@ def drive(
     active: dict[str, tuple[Conversation, float, int]] = {}
     first_token: dict[str, float] = {}
     done: list[Timed] = []
-    total = sum(len(c.turns) for c in convs)
+    total = sum(len(c) for c in convs)
     counter = 0
 
     def submit(conv: Conversation) -> None:
         nonlocal counter
-        tokens = conv.turns.popleft()
+        tokens = conv.popleft()
         req_id = f"{label}-{counter}"
         counter += 1
         active[req_id] = (conv, time.perf_counter(), len(tokens))
@@ -296,7 +295,7 @@ def drive(
                     )
                 )
                 bar.update(1)
-                if conv.turns:
+                if conv:
                     submit(conv)
                 elif pending:
                     submit(pending.popleft())
@@ -344,7 +343,7 @@ def run_config(
     llm = LLM(**engine_kwargs(config, args, model, kv_bytes))
     start_s = time.perf_counter() - started
     try:
-        lengths = sorted(len(t) for c in convs for t in c.turns)
+        lengths = sorted(len(t) for c in convs for t in c)
         warmup(llm, model, [lengths[len(lengths) // 4], lengths[len(lengths) // 2], lengths[-1]])
         connector = connector_of(llm)
         timer = HookTimer(connector) if connector is not None else None
@@ -552,8 +551,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload  {data['workload']}", file=sys.stderr)
     for config in configs:
         if config.startswith("kvtier") and (workdir / "fs").exists():
-            import shutil
-
             shutil.rmtree(workdir / "fs")
         try:
             row = run_config(config, args, model, workload, kv_bytes)

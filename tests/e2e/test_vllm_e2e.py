@@ -265,14 +265,7 @@ def test_sensitivity_poisoned_pool_changes_outputs(
     llm = _engine(model_dir, jobs.kvtier_config(stats_path))
     try:
         assert _gen(llm, "basic") == reference["basic"]
-        pool = _core(llm).scheduler.connector._scheduler.pool
-        from kvtier.pool import HostPool
-
-        other = HostPool.attach(pool.handle)
-        try:
-            other.array()[:] = 0
-        finally:
-            other.close()
+        jobs.zero_the_pool(llm)
         assert h.reset_prefix_cache(llm)
         poisoned = _gen(llm, "basic")
     finally:

@@ -294,14 +294,7 @@ def test_sensitivity_poisoned_pool_changes_outputs(
     llm = _engine(gpu_model, jobs.kvtier_config(stats_path))
     try:
         assert _gen(llm, "basic") == gpu_reference["basic"]
-        pool = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.pool
-        from kvtier.pool import HostPool
-
-        other = HostPool.attach(pool.handle)
-        try:
-            other.array()[:] = 0
-        finally:
-            other.close()
+        jobs.zero_the_pool(llm)
         assert h.reset_prefix_cache(llm)
         poisoned = _gen(llm, "basic")
     finally:

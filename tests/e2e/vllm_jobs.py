@@ -62,6 +62,19 @@ def flush_stats(llm: Any) -> None:
     h.generate_ids(llm, [[5, 6, 7]], max_tokens=1)
 
 
+def zero_the_pool(llm: Any) -> None:
+    """Overwrite every slot of the engine's kvtier host pool with zeros, through a second
+    mapping of it (single-process engine: the scheduler lives in this process)."""
+    from kvtier.pool import HostPool
+
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.pool
+    other = HostPool.attach(pool.handle)
+    try:
+        other.array()[:] = 0
+    finally:
+        other.close()
+
+
 def run_rounds(
     model_dir: str,
     extra: dict[str, Any],
