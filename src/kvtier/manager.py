@@ -117,6 +117,9 @@ class TieredCache:
         self._events: list[CacheEvent] = []
         self._counters = CacheCounters()
         self._promoted = {t.name: 0 for t in self._tiers}
+        self._origin: dict[BlockKey, int] = {}
+        """Pool keys promoted from a secondary tier -> its index, while they stay in the pool (an
+        engine's hit metrics name the tier a hit came from)."""
         self._closed = False
 
     # -- lookups and loads ----------------------------------------------------------------------
@@ -322,9 +325,51 @@ class TieredCache:
             promoted=dict(self._promoted),
         )
 
+    def origins(self, keys: Sequence[BlockKey]) -> list[str]:
+        """For each key in the pool: the secondary tier it was promoted from, or ``pool`` when
+        the engine stored it (or it is not in the pool)."""
+        origin, tiers = self._origin, self._tiers
+        if not origin:
+            return [POOL_TIER] * len(keys)
+        out: list[str] = []
+        for key in keys:
+            index = origin.get(key)
+            out.append(POOL_TIER if index is None else tiers[index].name)
+        return out
+
     @property
     def jobs_in_flight(self) -> int:
         return len(self._jobs)
+
+    def check_invariants(self, settled: bool = False) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant (for tests and soaks; it
+        walks every slot, so not for the hot path).
+
+        Every slot is in exactly one place (visible, being written, held by a job, free); the
+        policy tracks exactly the visible keys; every pin is on a visible key. ``settled``: no job
+        runs any more, so no pin, load or held slot may be left.
+        """
+        index = set(self._index.values())
+        inflight = set(self._inflight.values())
+        held = set(self._held)
+        free_list = self._pool.free_slots()
+        free = set(free_list)
+        _require(len(free_list) == len(free), "a slot was freed twice")
+        _require(len(index) == len(self._index), "two visible keys share a slot")
+        places = (index, inflight, held, free)
+        for i, a in enumerate(places):
+            for b in places[i + 1 :]:
+                _require(not a & b, f"slots in two places at once: {sorted(a & b)[:5]}")
+        _require(
+            index | inflight | held | free == set(range(self._pool.num_slots)), "a slot leaked"
+        )
+        _require(len(self._policy) == len(self._index), "the policy tracks other keys")
+        _require(all(key in self._index for key in self._pins), "a pinned key is not visible")
+        _require(self._loading.keys() <= self._pins.keys(), "a load without a pin")
+        if settled:
+            _require(not self._jobs, f"{len(self._jobs)} jobs still running")
+            _require(not self._pins, f"{len(self._pins)} pins left")
+            _require(not self._held, f"{len(self._held)} slots still held")
 
     def close(self) -> None:
         """Close the secondary tiers (they finish running jobs) and settle what they report.
@@ -365,6 +410,9 @@ class TieredCache:
     def _evict(self, victims: list[BlockKey]) -> None:
         index = self._index
         slots = [index.pop(key) for key in victims]
+        if self._origin:
+            for key in victims:
+                self._origin.pop(key, None)
         self._counters.pool_evictions += len(victims)
         if self._record:
             self._events.extend(CacheEvent(EventKind.EVICTED, key, POOL_TIER) for key in victims)
@@ -542,6 +590,7 @@ class TieredCache:
             if good:
                 index[key] = slot
                 insert(key)
+                self._origin[key] = job.tier_index
                 if self._record:
                     self._events.append(CacheEvent(EventKind.STORED, key, POOL_TIER))
             else:
@@ -626,3 +675,8 @@ class TieredCache:
             if until > now:
                 break
             del failed[key]
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise AssertionError(f"TieredCache invariant broken: {what}")
