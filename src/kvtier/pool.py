@@ -136,6 +136,10 @@ class HostPool:
     def free(self, slots: list[int]) -> None:
         self._free.extend(slots)
 
+    def free_slots(self) -> list[int]:
+        """A copy of the free list (for invariant checks; a slot freed twice appears twice)."""
+        return list(self._free)
+
     def view(self, slot: int) -> memoryview:
         """Writable view of one slot's ``slot_bytes`` bytes."""
         start = slot * self.slot_stride
