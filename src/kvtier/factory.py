@@ -12,7 +12,7 @@ from kvtier.keys import Namespace
 from kvtier.manager import SecondaryTier, TieredCache
 from kvtier.policies import make_policy
 from kvtier.policies.admission import AdmissionFilter
-from kvtier.pool import HostPool
+from kvtier.pool import HostPool, ShmDirError
 from kvtier.tiers import tier_class
 from kvtier.validation import format_size
 
@@ -39,10 +39,14 @@ def build_cache(
 
     The caller owns both: ``cache.close()`` closes the tiers, ``pool.close()`` the pool. When a
     step fails, everything built before it is closed and the error propagates (``ConfigError`` for
-    a bad value, ``PoolError`` when the shared memory cannot be created).
+    a bad value, ``pool.shm_dir`` included when that directory is unusable, ``PoolError`` when
+    the shared memory cannot be created).
     """
     num_slots = pool_slots(config, slot_bytes)
-    pool = HostPool.create(num_slots, slot_bytes, config.pool.shm_dir)
+    try:
+        pool = HostPool.create(num_slots, slot_bytes, config.pool.shm_dir)
+    except ShmDirError as exc:
+        raise ConfigError("pool.shm_dir", config.pool.shm_dir, str(exc)) from exc
     tiers: list[Any] = []
     try:
         secondary: list[SecondaryTier] = []

@@ -7,6 +7,15 @@ The region is a file in ``/dev/shm`` mapped with ``mmap`` (not ``multiprocessing
 whose resource tracker in Python 3.11 unlinks a region when any attaching process exits). The owner
 holds an exclusive ``flock`` on the file for its lifetime, so a later process can tell a region left
 by a crashed owner (lock free) from a live one (lock held) and remove only the former.
+
+The shm directory is writable by every local user, so nothing found there is trusted:
+
+* a new region is created unnamed (``O_TMPFILE``), locked, and only then linked under its name, so
+  no other process ever sees a pool file whose lock is not held yet (a sweep running at that moment
+  would take the lock and delete a live pool);
+* the sweep of stale regions looks only at regular files owned by this user, opens them with
+  ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO or symlink planted under a pool name is never opened), and
+  never fails pool creation: whatever it cannot inspect or remove it leaves alone.
 """
 
 from __future__ import annotations
@@ -14,9 +23,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +36,16 @@ import numpy as np
 
 from kvtier.errors import PoolError
 
+log = logging.getLogger(__name__)
+
 DEFAULT_SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvtier-pool-"
 SLOT_ALIGN = 256
+
+
+class ShmDirError(PoolError):
+    """The shared-memory directory itself is unusable (missing, not a directory, not writable):
+    a configuration problem, reported by the factory as a ``ConfigError`` on ``pool.shm_dir``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,40 +98,38 @@ class HostPool:
 
     @classmethod
     def create(cls, num_slots: int, slot_bytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> HostPool:
+        """A new pool in ``shm_dir``; ``ShmDirError`` when that directory is unusable."""
         if num_slots <= 0 or slot_bytes <= 0:
             raise PoolError(f"pool needs slots and slot bytes > 0, got {num_slots} x {slot_bytes}")
-        cleanup_stale_pools(shm_dir)
         stride = -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
-        size = stride * num_slots
-        directory = Path(shm_dir)
+        dir_fd = _open_dir(shm_dir)
         try:
-            free_bytes = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
-        except OSError as exc:
-            raise PoolError(f"shared-memory directory {shm_dir!r} is not usable: {exc}") from exc
-        if size > free_bytes:
-            raise PoolError(
-                f"host pool of {size} bytes does not fit in {shm_dir} ({free_bytes} bytes free); "
-                "lower pool.size or enlarge the tmpfs"
-            )
-        path = directory / f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            cleanup_stale_pools(shm_dir)
+            _check_room(dir_fd, stride * num_slots, shm_dir)
+            name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+            fd = _new_locked_region(dir_fd, name, stride * num_slots, shm_dir)
+        finally:
+            os.close(dir_fd)
+        path = str(Path(shm_dir) / name)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(fd, size)
-            _reserve(fd, size, shm_dir)
-            return cls(PoolHandle(str(path), num_slots, slot_bytes, stride), fd, owner=True)
+            return cls(PoolHandle(path, num_slots, slot_bytes, stride), fd, owner=True)
         except BaseException:
             os.close(fd)
-            path.unlink(missing_ok=True)
+            Path(path).unlink(missing_ok=True)
             raise
 
     @classmethod
     def attach(cls, handle: PoolHandle) -> HostPool:
         try:
-            fd = os.open(handle.path, os.O_RDWR)
+            # Never blocks or follows a link: whatever sits under that name now is checked first.
+            fd = os.open(handle.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise PoolError(f"cannot attach host pool {handle.path!r}: {exc}") from exc
-        if os.fstat(fd).st_size < handle.slot_stride * handle.num_slots:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise PoolError(f"host pool {handle.path!r} is not a regular file")
+        if st.st_size < handle.slot_stride * handle.num_slots:
             os.close(fd)
             raise PoolError(f"host pool {handle.path!r} is smaller than its handle says")
         return cls(handle, fd, owner=False)
@@ -171,26 +188,136 @@ class HostPool:
         self.close()
 
 
+def _open_dir(shm_dir: str) -> int:
+    try:
+        return os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        reason = "not a directory" if exc.errno == errno.ENOTDIR else exc.strerror
+        raise ShmDirError(f"shared-memory directory {shm_dir!r} is not usable: {reason}") from exc
+
+
+def _new_region(
+    dir_fd: int, name: str, shm_dir: str
+) -> tuple[int, Callable[[int], None], Callable[[], None]]:
+    """An open, still invisible file for a region, the function that gives it ``name`` and the
+    one that removes what is left when the region is not made after all.
+
+    ``O_TMPFILE`` (tmpfs and most local filesystems): the file has no name until linked. Without
+    it, a hidden scratch name the sweep never touches, hard-linked to ``name`` once locked (the
+    lock belongs to the inode, so it holds under the new name)."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    try:
+        fd = os.open(".", flags | os.O_TMPFILE, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+            raise _unusable(shm_dir, exc) from exc
+    else:
+
+        def link_unnamed(fd: int) -> None:
+            # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names an O_TMPFILE file; EEXIST if
+            # the name is taken (it never replaces anything).
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+
+        return fd, link_unnamed, lambda: None
+    scratch = f".{name}.new"
+    try:
+        fd = os.open(scratch, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _unusable(shm_dir, exc) from exc
+
+    def link_scratch(fd: int) -> None:
+        try:
+            os.link(scratch, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        finally:
+            os.unlink(scratch, dir_fd=dir_fd)
+
+    def discard() -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(scratch, dir_fd=dir_fd)
+
+    return fd, link_scratch, discard
+
+
+def _check_room(dir_fd: int, size: int, shm_dir: str) -> None:
+    try:
+        st = os.fstatvfs(dir_fd)
+    except OSError as exc:
+        raise ShmDirError(f"shared-memory directory {shm_dir!r} is not usable: {exc}") from exc
+    free_bytes = st.f_bavail * st.f_frsize
+    if size > free_bytes:
+        raise PoolError(
+            f"host pool of {size} bytes does not fit in {shm_dir} ({free_bytes} bytes free); "
+            "lower pool.size or enlarge the tmpfs"
+        )
+
+
+def _new_locked_region(dir_fd: int, name: str, size: int, shm_dir: str) -> int:
+    """The open file of a new region, locked and sized before it gets ``name``."""
+    fd, publish, discard = _new_region(dir_fd, name, shm_dir)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, size)
+        _reserve(fd, size, shm_dir)
+        publish(fd)
+    except BaseException:
+        os.close(fd)
+        discard()
+        raise
+    return fd
+
+
+def _unusable(shm_dir: str, exc: OSError) -> PoolError:
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ShmDirError(f"cannot create the host pool in {shm_dir!r}: {exc.strerror}")
+    return PoolError(f"cannot create the host pool in {shm_dir!r}: {exc}")
+
+
 def cleanup_stale_pools(shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
-    """Remove pool files whose owner died without cleaning up; returns the removed paths."""
+    """Remove pool files whose owner died without cleaning up; returns the removed paths.
+
+    Never raises and never blocks: only regular files owned by this user whose lock can be taken
+    at once are removed (see the module docstring); everything else is left alone."""
     removed: list[str] = []
     try:
-        entries = list(Path(shm_dir).glob(f"{NAME_PREFIX}*"))
+        dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return removed
-    for path in entries:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
+    try:
+        names = [n for n in os.listdir(dir_fd) if n.startswith(NAME_PREFIX)]
+        for name in names:
+            try:
+                if _remove_if_stale(dir_fd, name):
+                    removed.append(str(Path(shm_dir) / name))
+            except OSError as exc:  # e.g. a file another user planted: not ours to remove
+                log.debug("left %s in %s alone: %s", name, shm_dir, exc)
+    except OSError as exc:
+        log.debug("cannot sweep %s for stale pools: %s", shm_dir, exc)
+    finally:
+        os.close(dir_fd)
+    return removed
+
+
+def _owned_regular(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _remove_if_stale(dir_fd: int, name: str) -> bool:
+    if not _owned_regular(os.lstat(name, dir_fd=dir_fd)):
+        return False  # FIFOs, symlinks, directories, other users' files: never opened
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not _owned_regular(st):
+            return False  # swapped between lstat and open
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            os.close(fd)  # a live owner holds the lock
-            continue
-        try:
-            path.unlink(missing_ok=True)
-            removed.append(str(path))
-        finally:
-            os.close(fd)
-    return removed
+            return False  # a live owner holds the lock
+        now = os.lstat(name, dir_fd=dir_fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False  # the name points elsewhere now
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    finally:
+        os.close(fd)

@@ -3,8 +3,11 @@ from __future__ import annotations
 import errno
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +127,167 @@ def test_pool_on_a_filesystem_without_fallocate_is_created(tmp_path, monkeypatch
     monkeypatch.setattr(os, "posix_fallocate", unsupported)
     with HostPool.create(4, 4096, shm_dir=str(tmp_path)) as pool:
         assert pool.num_slots == 4  # its pages come on first touch instead
+
+
+# -- hostile shm directories (issue 15, findings 1, 2 and 8) ------------------------------------
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A sticky world-writable directory like /dev/shm that other users can reach (pytest's
+    tmp_path sits below a directory only root may enter)."""
+    path = Path(tempfile.mkdtemp(prefix="kvtier-shm-test-", dir="/tmp"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path)
+
+
+def _create_in_child(shm_dir: Path, as_user: int | None = None, timeout: float = 20) -> str:
+    """Create and close a pool in a fresh process (optionally after dropping to ``as_user``);
+    returns what it printed: ``ok``, or the exception's type and message."""
+    drop = f"os.setgid({as_user}); os.setuid({as_user}); " if as_user is not None else ""
+    code = (
+        "import os\n"
+        "from kvtier.pool import HostPool\n"
+        f"{drop}\n"
+        "try:\n"
+        f"    HostPool.create(2, 64, shm_dir={str(shm_dir)!r}).close()\n"
+        "    print('ok')\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_fifo_or_a_link_to_one_under_a_pool_name_does_not_block_creation(tmp_path):
+    """Before: the sweep opened the FIFO and waited forever for a writer."""
+    fifo = tmp_path / f"{NAME_PREFIX}planted"
+    os.mkfifo(fifo)
+    elsewhere = tmp_path / "fifo-elsewhere"
+    os.mkfifo(elsewhere)
+    link = tmp_path / f"{NAME_PREFIX}link"
+    link.symlink_to(elsewhere)
+    assert _create_in_child(tmp_path, timeout=20) == "ok"
+    assert cleanup_stale_pools(str(tmp_path)) == []
+    assert fifo.exists() and link.is_symlink()  # not ours to judge: left alone
+
+
+def test_another_users_file_under_a_pool_name_is_left_alone(shared_dir):
+    """Root could remove it (it did); a plain user got a raw PermissionError at start-up."""
+    sticky = shared_dir
+    foreign = sticky / f"{NAME_PREFIX}1-foreign"
+    foreign.write_bytes(b"x")
+    foreign.chmod(0o644)
+    os.chown(foreign, NOBODY, NOBODY)
+    assert cleanup_stale_pools(str(sticky)) == []
+    assert foreign.exists()
+    os.chown(foreign, 0, 0)  # now root's, seen by a plain user
+    assert _create_in_child(sticky, as_user=NOBODY) == "ok"
+    assert foreign.exists()
+
+
+def test_the_sweep_removes_only_unlocked_pools_of_this_user(tmp_path):
+    with HostPool.create(1, 64, shm_dir=str(tmp_path)) as live:
+        stale = tmp_path / f"{NAME_PREFIX}1-stale"
+        stale.write_bytes(b"")
+        assert cleanup_stale_pools(str(tmp_path)) == [str(stale)]
+        assert Path(live.handle.path).exists()
+    assert cleanup_stale_pools(str(tmp_path / "missing")) == []  # never raises
+
+
+def _create_and_check(shm_dir: str, seconds: float, queue: object) -> None:
+    import time
+
+    lost = created = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            pool = HostPool.create(1, 64, shm_dir=shm_dir)
+        except Exception:
+            lost += 1  # a sweep held the new file's lock before its creator did
+            continue
+        created += 1
+        try:
+            HostPool.attach(pool.handle).close()
+        except PoolError:
+            lost += 1  # another process's sweep deleted this live pool
+        pool.close()
+    queue.put((created, lost))  # type: ignore[attr-defined]
+
+
+def _sweep(shm_dir: str, seconds: float, queue: object) -> None:
+    import time
+
+    end = time.monotonic() + seconds
+    sweeps = 0
+    while time.monotonic() < end:
+        cleanup_stale_pools(shm_dir)
+        sweeps += 1
+    queue.put((sweeps, 0))  # type: ignore[attr-defined]
+
+
+def test_concurrent_creators_never_delete_each_others_pools(tmp_path):
+    """Before: a sweep between another process's create and its lock deleted a live pool (11 of
+    8,000 creates); here two creators and two sweepers race for 4 s."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_create_and_check, args=(str(tmp_path), 4.0, queue))]
+    procs += [ctx.Process(target=_sweep, args=(str(tmp_path), 4.0, queue)) for _ in range(2)]
+    procs.append(ctx.Process(target=_create_and_check, args=(str(tmp_path), 4.0, queue)))
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+    assert sum(lost for _, lost in results) == 0
+    assert sum(created for created, _ in results) > 500  # creates and sweeps really raced
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_o_tmpfile_the_pool_is_locked_before_it_gets_its_name(tmp_path, monkeypatch):
+    real_open = os.open
+    seen: list[str] = []
+
+    def no_tmpfile(path, flags, *args, **kwargs):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        seen.append(str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    with HostPool.create(2, 64, shm_dir=str(tmp_path)) as pool:
+        assert any(name.startswith(f".{NAME_PREFIX}") for name in seen)  # the scratch name
+        assert [p.name for p in tmp_path.iterdir()] == [Path(pool.handle.path).name]
+        assert cleanup_stale_pools(str(tmp_path)) == []  # its lock came with it
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unusable_shm_dir_is_a_config_error_naming_it(tmp_path, shared_dir):
+    from kvtier.config import load_config
+    from kvtier.errors import ConfigError
+    from kvtier.factory import build_cache
+    from kvtier.keys import Namespace
+    from kvtier.pool import ShmDirError
+
+    ns = Namespace(model="m", dtype="float16", block_tokens=4)
+    a_file = tmp_path / "file"
+    a_file.write_bytes(b"")
+    for bad in (a_file, tmp_path / "missing"):
+        config = load_config({"pool": {"size": "64KiB", "shm_dir": str(bad)}})
+        with pytest.raises(ConfigError, match=r"pool\.shm_dir") as err:
+            build_cache(config, ns, 4096)
+        assert err.value.field == "pool.shm_dir"
+    read_only = shared_dir / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    # root writes anywhere: a plain user sees the read-only directory
+    out = _create_in_child(read_only, as_user=NOBODY)
+    assert out.startswith(ShmDirError.__name__) and "Permission denied" in out
+    assert list(read_only.iterdir()) == []
