@@ -136,11 +136,17 @@ class Rig:
         *,
         fail_loads_rank: int | None = None,
         rank_blocks: dict[int, int] | None = None,
+        pool_slots: int = POOL_SLOTS,
+        tiers: list[dict[str, Any]] | None = None,
+        vllm: dict[str, Any] | None = None,
     ) -> None:
         extra = {
-            "pool": {"size": POOL_SLOTS * TP * PART, "shm_dir": str(shm_dir)},
-            "vllm": {"blocks_per_slot": BPS},
+            "pool": {"size": pool_slots * TP * PART, "shm_dir": str(shm_dir)},
+            "tiers": tiers or [],
+            "vllm": {"blocks_per_slot": BPS, **(vllm or {})},
         }
+        self.step_stats: list[Any] = []
+        """Per step: the merged ``KVConnectorStats`` vLLM's scheduler would hand its loggers."""
         self.tables: dict[str, list[int]] = {}
         self.sent: dict[str, int] = {}
         self.requests: dict[str, Request] = {}
@@ -216,6 +222,7 @@ class Rig:
             out = KVConnectorOutput(
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
                 invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_stats=worker.get_kv_connector_stats(),
             )
             worker.clear_connector_metadata()
             outputs.append(pickle.loads(pickle.dumps(out)))
@@ -228,6 +235,12 @@ class Rig:
         assert merged is not None
         kv_out: KVConnectorOutput = merged.kv_connector_output
         self.scheduler.update_connector_output(kv_out)
+        # As vLLM's scheduler: the workers' merged stats, then the scheduler half's.
+        stats = kv_out.kv_connector_stats
+        own = self.scheduler.get_kv_connector_stats()
+        if own is not None and not own.is_empty():
+            stats = stats.aggregate(own) if stats is not None else own
+        self.step_stats.append(stats)
         return kv_out
 
     def run(self, scheduled: dict[str, int]) -> tuple[KVTierMetadata, KVConnectorOutput]:
@@ -237,10 +250,7 @@ class Rig:
     # -- inspection -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        stats = self.scheduler.get_kv_connector_stats()
-        assert stats is not None
-        data: dict[str, Any] = stats.data
-        return data
+        return self.scheduler.stats_snapshot()
 
     def poison(self, block_ids: Sequence[int]) -> None:
         for kv in self.kv:

@@ -22,11 +22,15 @@ Where they differ:
   ``enable_sleep_mode`` at start.
 * Request block tables come from each step's scheduler output in every release (0.25.1 gives
   connectors no ``KVCacheManager``).
+* **Prefix-cache hits by source** (``vllm:prompt_tokens_cached_by_source``): releases with
+  ``vllm.v1.metrics.cache_hit_source`` ask the connector where its hits came from
+  (``get_external_cache_hit_sources``); older ones never call it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,3 +182,32 @@ def cross_layer_views(kv_cache: Any, attn_backend: Any) -> list[Any]:
         raise ValueError(f"stride order {order} does not permute a {kv_cache.dim()}-D KV tensor")
     logical = kv_cache.permute(*[order.index(i) for i in range(len(order))])
     return [logical[i] for i in range(logical.shape[0])]
+
+
+_SOURCE_OF_KIND = {"memory": "HOST", "fs": "DISK", "redis": "EXTERNAL_UNSPECIFIED"}
+"""vLLM's ``CacheHitSource`` member for each tier kind: host memory, a disk, a remote store."""
+
+
+def _hit_source_enum() -> Any:
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:  # before hits by source existed
+        return None
+    return CacheHitSource
+
+
+def hit_source_map(tiers: Sequence[Any]) -> dict[str, Any]:
+    """kvtier tier name (``pool`` and each configured tier's ``name``) -> vLLM's
+    ``CacheHitSource``; empty where this release has none."""
+    enum = _hit_source_enum()
+    if enum is None:
+        return {}
+    out = {"pool": enum.HOST}
+    for tier in tiers:
+        out[tier.name] = getattr(enum, _SOURCE_OF_KIND.get(tier.kind, "EXTERNAL_UNSPECIFIED"))
+    return out
+
+
+def unspecified_hit_source(tokens: int) -> dict[Any, int]:
+    enum = _hit_source_enum()
+    return {} if enum is None else {enum.EXTERNAL_UNSPECIFIED: tokens}

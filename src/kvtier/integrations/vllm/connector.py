@@ -19,7 +19,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ConfigError
@@ -28,27 +31,11 @@ from kvtier.integrations.vllm import compat
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import VllmSettings
+from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.keys import Namespace
 
 log = logging.getLogger(__name__)
-
-
-class KVTierStats(KVConnectorStats):
-    """The scheduler's latest kvtier stats snapshot, for vLLM's stats loggers."""
-
-    def reset(self) -> None:
-        self.data: dict[str, Any] = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        return other if other.data else self
-
-    def reduce(self) -> dict[str, int | float]:
-        cache = self.data.get("cache", {})
-        return {k: v for k, v in cache.items() if isinstance(v, int | float)}
-
-    def is_empty(self) -> bool:
-        return not self.data
 
 
 def _load_config(vllm_config: Any) -> KVTierConfig:
@@ -100,6 +87,7 @@ class KVTierConnector(KVConnectorBase_V1):
             )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._hit_source: dict[str, Any] = {}
         if role == KVConnectorRole.SCHEDULER:
             group = _single_group(kv_cache_config)
             page_bytes = int(group.kv_cache_spec.page_size_bytes)
@@ -114,6 +102,13 @@ class KVTierConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 config, self.settings, namespace, slot_bytes, engine_block_size, self.tp_size
             )
+            self._hit_source = compat.hit_source_map(config.tiers)
+            if self.settings.trace_path is not None:
+                from kvtier.recorder import TraceRecorder
+
+                self._scheduler.recorder = TraceRecorder(
+                    self.settings.trace_path, self._scheduler.block_tokens
+                )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -210,9 +205,52 @@ class KVTierConnector(KVConnectorBase_V1):
         return out
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._scheduler is None:
+        """This step's stats: the scheduler half's counter increments, gauges and promotion
+        waits, or a worker's copy stats (vLLM merges the ranks and both halves)."""
+        if self._scheduler is not None:
+            payload = self._scheduler.take_stats()
+        elif self._worker is not None:
+            payload = self._worker.take_stats()
+        else:
             return None
-        return KVTierStats(data=self._scheduler.stats())
+        return None if payload is None else KVTierStats(data=payload)
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The scheduler half's cumulative stats (what ``vllm.stats_path`` holds)."""
+        assert self._scheduler is not None
+        return self._scheduler.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVTierStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """vLLM's prefix-cache hits by source (0.32+): the host pool (and memory tiers) as
+        ``host``, fs tiers as ``disk``, Redis as ``external_unspecified``."""
+        if self._scheduler is None or not num_external_tokens:
+            return {}
+        split = self._scheduler.take_hit_sources(request.request_id)
+        out: dict[Any, int] = {}
+        for tier, tokens in split.items():
+            source = self._hit_source.get(tier)
+            if source is not None and tokens:
+                out[source] = out.get(source, 0) + tokens
+        if sum(out.values()) != num_external_tokens:
+            # vLLM counts what it allocated; kvtier planned otherwise (a stale plan): say so.
+            return compat.unspecified_hit_source(num_external_tokens)
+        return out
 
     # -- worker side ----------------------------------------------------------------------------
 

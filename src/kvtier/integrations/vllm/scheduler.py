@@ -15,9 +15,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from kvtier import series
 from kvtier.config import KVTierConfig
 from kvtier.copy.base import SKIP
-from kvtier.events import CacheEvent
+from kvtier.events import POOL_TIER, CacheEvent
 from kvtier.factory import build_cache
 from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.settings import VllmSettings
@@ -50,6 +51,8 @@ class _LoadPlan:
     num_computed: int
     """Tokens vLLM already has (its own prefix cache): engine blocks before this are skipped."""
     external_tokens: int
+    origins: list[str]
+    """Per slot, the tier its block came from (``pool`` or a secondary tier's name)."""
 
 
 @dataclass(slots=True)
@@ -147,6 +150,18 @@ class SchedulerSide:
         self._next_job = 0
         self._stats_written = 0.0
         self._deferred = False
+        self.hits_by_tier: dict[str, int] = {POOL_TIER: 0, **{t.name: 0 for t in config.tiers}}
+        """Hit blocks of final lookups by the tier that held them (``TieredCache.origins``)."""
+        self._deferred_since: dict[str, float] = {}
+        """Requests waiting for a promotion -> when their first deferred lookup was."""
+        self._hit_sources: dict[str, dict[str, int]] = {}
+        """Requests with a load order -> tokens by the tier they come from, for vLLM's prefix
+        cache hit metrics (``take_hit_sources``)."""
+        self._delta = series.DeltaTracker()
+        self._waits: list[float] = []
+        self._last_gauges: series.Values = {}
+        self.recorder: Any = None
+        """A ``TraceRecorder`` (``vllm.trace_path``) told of every request looked up."""
 
     # -- lookups and loads ----------------------------------------------------------------------
 
@@ -171,13 +186,21 @@ class SchedulerSide:
         start = num_computed // bt
         if start >= limit:
             return 0, False
-        self.counters.requests_looked_up += 1
+        if req_id not in self._deferred_since:
+            self.counters.requests_looked_up += 1
+        if self.recorder is not None:
+            self.recorder.record(request, keys)  # once per request
         result = self.cache.lookup(keys[start:limit])
         if not result.final:
             self.counters.deferred_lookups += 1
             self._deferred = True
+            self._deferred_since.setdefault(req_id, time.monotonic())
             return None, False
+        self._end_wait(req_id)
         hit_keys = keys[start : start + result.hits]
+        origins = self.cache.origins(hit_keys) if hit_keys else []
+        for origin in origins:
+            self.hits_by_tier[origin] = self.hits_by_tier.get(origin, 0) + 1
         slots = self.cache.prepare_load(hit_keys) if hit_keys else []
         external = (start + len(slots)) * bt - num_computed
         if external <= 0:
@@ -185,9 +208,19 @@ class SchedulerSide:
                 self.cache.release_load(hit_keys[: len(slots)])
             return 0, False
         self._plans[req_id] = _LoadPlan(
-            hit_keys[: len(slots)], slots, start * bt, num_computed, external
+            hit_keys[: len(slots)],
+            slots,
+            start * bt,
+            num_computed,
+            external,
+            origins[: len(slots)],
         )
         return external, False
+
+    def _end_wait(self, req_id: str) -> None:
+        since = self._deferred_since.pop(req_id, None)
+        if since is not None:
+            self._waits.append(time.monotonic() - since)
 
     def after_alloc(self, request: Any, block_ids: Sequence[int], external_tokens: int) -> None:
         """vLLM's ``update_state_after_alloc``: turn the request's plan into a load order."""
@@ -218,6 +251,19 @@ class SchedulerSide:
         self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, fail=stale))
         self.counters.loads_ordered += 1
         self.counters.hit_tokens += 0 if stale else external_tokens
+        if not stale:
+            # The first block's tokens that vLLM already holds are not loaded.
+            split: dict[str, int] = {}
+            for i, origin in enumerate(plan.origins):
+                tokens = self.block_tokens
+                if i == 0:
+                    tokens -= plan.num_computed - plan.first_token
+                split[origin] = split.get(origin, 0) + tokens
+            self._hit_sources[request.request_id] = split
+
+    def take_hit_sources(self, req_id: str) -> dict[str, int]:
+        """Tokens of the request's load by the tier they come from (empty: no load planned)."""
+        return self._hit_sources.pop(req_id, {})
 
     def _release_plan(self, req_id: str) -> None:
         plan = self._plans.pop(req_id, None)
@@ -320,6 +366,10 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> None:
         req_id = request.request_id
         self._release_plan(req_id)
+        self._end_wait(req_id)
+        self._hit_sources.pop(req_id, None)
+        if self.recorder is not None:
+            self.recorder.forget(req_id)
         self._keys.pop(req_id, None)
         self._offered.pop(req_id, None)
         self._requests.pop(req_id, None)
@@ -371,9 +421,30 @@ class SchedulerSide:
         out["connector"] = {
             name: getattr(self.counters, name) for name in ConnectorCounters.__slots__
         }
+        out["hits_by_tier"] = dict(self.hits_by_tier)
         out["jobs_in_flight"] = len(self._jobs)
         out["pinned_plans"] = len(self._plans)
         return out
+
+    def take_stats(self) -> series.Payload | None:
+        """What changed since the last call, as a :mod:`kvtier.series` payload (None: nothing).
+        vLLM asks once per engine step."""
+        snapshot = self.cache.stats()
+        cumulative = series.cache_counters(snapshot, self.hits_by_tier)
+        c = self.counters
+        cumulative["kvtier_requests_looked_up"] = {"": c.requests_looked_up}
+        cumulative["kvtier_deferred_lookups"] = {"": c.deferred_lookups}
+        cumulative["kvtier_hit_tokens"] = {"": c.hit_tokens}
+        payload = series.empty_payload()
+        payload["counters"] = self._delta.delta(cumulative)
+        gauges = series.pool_gauges(snapshot)
+        gauges["kvtier_jobs_in_flight"] = {"": len(self._jobs)}
+        if gauges != self._last_gauges:
+            payload["gauges"] = self._last_gauges = gauges
+        if self._waits:
+            payload["histograms"]["kvtier_promotion_wait_seconds"] = {"": self._waits}
+            self._waits = []
+        return None if series.is_empty(payload) else payload
 
     def _maybe_write_stats(self, force: bool = False) -> None:
         path = self.settings.stats_path
@@ -394,6 +465,8 @@ class SchedulerSide:
     def close(self) -> None:
         for req_id in list(self._plans):
             self._release_plan(req_id)
+        if self.recorder is not None:
+            self.recorder.close()
         self.cache.close()
         self._maybe_write_stats(force=True)
         self.pool.close()

@@ -24,6 +24,9 @@ class VllmSettings:
     """Also store blocks filled by generated tokens (not only prompt tokens)."""
     stats_path: str | None = None
     """Write the scheduler's kvtier stats as JSON to this file (each second and at shutdown)."""
+    trace_path: str | None = None
+    """Append every request looked up to this Mooncake-format trace (``kvtier simulate --trace``
+    replays it); block ids are salted digests of kvtier keys (the salt in ``<path>.salt``)."""
     kv_cache_layout: str = BLOCK_OUTERMOST_LAYOUT
     """The KV cache layout asked of vLLM (a 0.32 ``KVCacheLayout`` name, translated for older
     releases by ``compat.layout_request``), or ``engine`` to ask for none.
@@ -38,6 +41,7 @@ class VllmSettings:
             store_generated=s.boolean("store_generated", False),
             stats_path=s.optional_string("stats_path"),
             kv_cache_layout=s.string("kv_cache_layout", BLOCK_OUTERMOST_LAYOUT),
+            trace_path=s.optional_string("trace_path"),
         )
         if settings.kv_cache_layout not in (ENGINE_LAYOUT, *LAYOUT_NAMES):
             raise ConfigError(

@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier import series
 from kvtier.copy.base import SKIP, CopyBackend, CopyJob, Direction
 from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.pool import HostPool, PoolHandle
@@ -48,6 +50,10 @@ class WorkerSide:
         self._failed: dict[int, int] = {}
         self._stores_in_flight: dict[int, frozenset[int]] = {}
         """Store job -> the engine blocks it reads."""
+        self._store_started: dict[int, tuple[float, int]] = {}
+        """Store job -> (submit time, bytes), for the copy stats."""
+        self._stats = series.empty_payload()
+        """Copy bytes, seconds and jobs per direction since the last ``take_stats``."""
         self._load_errors: set[int] = set()
         self._fault_rate = float(os.environ.get(FAULT_ENV, "0") or 0)
         self._faults = random.Random(1234 + tp_rank)
@@ -114,6 +120,7 @@ class WorkerSide:
         backend = self._ensure_backend(meta.pool)
         self.fence(meta)  # in case the engine did not call handle_preemptions this step
         submitted: list[CopyOrder] = []
+        start = time.perf_counter()
         for order in meta.loads:
             if backend is None or order.fail or self._inject_fault():
                 self._fail_load(order)
@@ -122,10 +129,25 @@ class WorkerSide:
             submitted.append(order)
         if backend is not None and submitted:
             backend.wait([o.job_id for o in submitted])
+            seconds = time.perf_counter() - start
             failed = self._collect()
+            copied = 0
             for order in submitted:
                 if order.job_id in failed:
                     self._fail_load(order)
+                else:
+                    copied += self._order_bytes(backend, order)
+            done = len(submitted) - len(failed & {o.job_id for o in submitted})
+            stats = self._stats
+            series.add_counter(stats, "kvtier_copy_bytes", copied, "load")
+            series.add_counter(stats, "kvtier_copy_seconds", seconds, "load")
+            series.add_counter(stats, "kvtier_copy_jobs", done, "load")
+            series.add_sample(stats, "kvtier_load_seconds", seconds)
+
+    def _order_bytes(self, backend: CopyBackend, order: CopyOrder) -> int:
+        """Bytes an order moves on this rank (a skipped position moves none)."""
+        positions = sum(1 for b in order.engine_blocks if b != SKIP)
+        return positions * backend.slot_part_bytes // self.blocks_per_slot
 
     def save(self, meta: KVTierMetadata) -> None:
         if not meta.stores:
@@ -136,6 +158,10 @@ class WorkerSide:
                 self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
                 continue
             self._stores_in_flight[order.job_id] = frozenset(order.engine_blocks)
+            self._store_started[order.job_id] = (
+                time.perf_counter(),
+                self._order_bytes(backend, order),
+            )
             backend.submit(CopyJob(order.job_id, Direction.STORE, order.engine_blocks, order.slots))
         if backend is not None:
             self._collect()
@@ -145,17 +171,28 @@ class WorkerSide:
         (load failures are the caller's to report)."""
         assert self._backend is not None
         results = self._backend.poll()
+        now = time.perf_counter()
+        stats, started = self._stats, self._store_started
         for job_id in results.done:
             self._done[job_id] = self._done.get(job_id, 0) + 1
             self._stores_in_flight.pop(job_id, None)
+            if (store := started.pop(job_id, None)) is not None:
+                # Submit to the poll that saw it end: an asynchronous (CUDA) store's end is seen
+                # at the worker's next poll, so its seconds are an upper bound.
+                series.add_counter(stats, "kvtier_copy_bytes", store[1], "store")
+                series.add_counter(stats, "kvtier_copy_seconds", now - store[0], "store")
+                series.add_counter(stats, "kvtier_copy_jobs", 1, "store")
         for job_id in results.failed:
             if self._stores_in_flight.pop(job_id, None) is not None:
                 self._failed[job_id] = self._failed.get(job_id, 0) + 1
+                started.pop(job_id, None)
+                series.add_counter(stats, "kvtier_copy_failed_jobs", 1, "store")
         return set(results.failed)
 
     def _fail_load(self, order: CopyOrder) -> None:
         self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
         self._load_errors.update(b for b in order.engine_blocks if b != SKIP)
+        series.add_counter(self._stats, "kvtier_copy_failed_jobs", 1, "load")
 
     def _inject_fault(self) -> bool:
         return self._fault_rate > 0 and self._faults.random() < self._fault_rate
@@ -168,6 +205,15 @@ class WorkerSide:
         meta = KVTierWorkerMetadata(self._done, self._failed)
         self._done, self._failed = {}, {}
         return meta
+
+    def take_stats(self) -> series.Payload | None:
+        """This rank's copy stats since the last call (None: nothing happened)."""
+        if self._backend is not None and self._stores_in_flight:
+            self._collect()
+        if series.is_empty(self._stats):
+            return None
+        stats, self._stats = self._stats, series.empty_payload()
+        return stats
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
