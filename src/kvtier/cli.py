@@ -130,6 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="requests")
     sim.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    sim.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve kvtier's Prometheus series on http://0.0.0.0:PORT/metrics during the replay "
+        "(0: a free port; needs kvtier[prometheus])",
+    )
+    sim.add_argument(
+        "--metrics-hold",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep serving the final metrics this long after the replay (default 0)",
+    )
     sim.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sim.set_defaults(func=cmd_simulate)
 
@@ -159,6 +174,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535: {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -177,6 +202,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = parse_config(apply_overrides(raw, args))
     pool_blocks = simulate_pool_blocks(config, args.pool_blocks, args.pool_size)
     trace = args.trace if args.trace is not None else bundled_trace_path()
+    metrics = _metrics_server(args.metrics_port) if args.metrics_port is not None else None
     result = simulate(
         config,
         trace,
@@ -185,13 +211,60 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         limit=args.limit,
         overlap=args.overlap,
         progress=not args.no_progress,
+        on_request=metrics.after_request if metrics is not None else None,
     )
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_result(result))
+    if metrics is not None:
+        sys.stdout.flush()
+        metrics.hold(args.metrics_hold)
     return EXIT_MISMATCH if result.mismatched_blocks else EXIT_OK
+
+
+class _SimulateMetrics:
+    """``--metrics-port``: the replay's cache stats in a registry served over HTTP."""
+
+    EVERY = 20
+    """Requests between two updates (and one after the last)."""
+
+    def __init__(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from kvtier.prometheus import PrometheusExporter, serve
+
+        self.registry = CollectorRegistry()
+        self.exporter = PrometheusExporter(self.registry)
+        self.server = serve(port, self.registry)
+        self.requests = 0
+        self.cache: Any = None
+        print(
+            f"metrics     http://0.0.0.0:{self.server.server_port}/metrics", file=sys.stderr
+        )
+
+    def after_request(self, cache: Any) -> None:
+        self.cache = cache
+        self.requests += 1
+        if self.requests % self.EVERY == 0:
+            self.exporter.update(cache.stats())
+
+    def hold(self, seconds: float) -> None:
+        import time
+
+        if self.cache is not None:
+            self.exporter.update(self.cache.stats())
+        if seconds > 0:
+            time.sleep(seconds)
+        self.server.shutdown()
+
+
+def _metrics_server(port: int) -> _SimulateMetrics:
+    from kvtier.prometheus import _client
+
+    _client()  # a clear error without prometheus-client
+    return _SimulateMetrics(port)
 
 
 def apply_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -11,6 +12,7 @@ from tqdm import tqdm
 from kvtier.config import KVTierConfig
 from kvtier.factory import build_cache
 from kvtier.keys import Namespace
+from kvtier.manager import TieredCache
 from kvtier.sim.replay import Replayer, ReplayResult
 from kvtier.sim.trace import read_trace
 
@@ -38,10 +40,11 @@ def simulate(
     limit: int | None = None,
     overlap: bool = False,
     progress: bool = False,
+    on_request: Callable[[TieredCache], object] | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through a ``TieredCache`` built from ``config`` with ``pool_blocks`` slots
     of ``payload_bytes`` real bytes each (``config.block.bytes`` counts as each block's logical
-    size for bytes moved)."""
+    size for bytes moved). ``on_request`` sees the cache after each request (metrics)."""
     requests = read_trace(trace, limit)
     # The pool really allocates payload_bytes per block: a simulated 64 MiB block costs 4 KiB.
     sized = dataclasses.replace(
@@ -69,7 +72,13 @@ def simulate(
             desc="simulate",
             dynamic_ncols=True,
         ) as bar:
-            return replayer.run(requests, on_request=lambda: bar.update(1))
+
+            def after_request() -> None:
+                bar.update(1)
+                if on_request is not None:
+                    on_request(cache)
+
+            return replayer.run(requests, on_request=after_request)
     finally:
         cache.close()
         pool.close()
