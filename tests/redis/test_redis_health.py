@@ -151,3 +151,32 @@ def test_kept_connections_closed_by_the_server_are_replaced(
         assert tier.counters.errors == tier.counters.timeouts == tier.counters.rejected == 0
     finally:
         tier.close()
+
+
+def test_close_is_bounded_with_commands_stuck_on_a_frozen_server(
+    server: RedisServer, pool: HostPool, namespace: Namespace
+) -> None:
+    """SIGSTOP with reads, writes and lookups in flight: close() returns within its documented
+    bound and reports every job once, failed."""
+    from kvtier.tiers.redis import CLOSE_ABORT_S
+
+    timeout_s = 1.0
+    tier = make_tier(
+        pool, namespace, url=server.url(), timeout_s=timeout_s, io_threads=2, pipeline_blocks=1
+    )
+    drv = Driver(tier)
+    keys = make_keys(12, "stuck")
+    try:
+        assert drv.store(keys[:4]) == [True] * 4
+        server.pause()
+        ids = [drv.submit(JobKind.READ, [k], [20 + i]) for i, k in enumerate(keys[:4])]
+        ids += [drv.submit(JobKind.WRITE, [k], [30 + i]) for i, k in enumerate(keys[4:])]
+        assert tier.lookup(keys[4:]) == [None] * 8  # EXISTS asked on the lookup thread
+        started = time.monotonic()
+        tier.close()
+        assert time.monotonic() - started < timeout_s + CLOSE_ABORT_S + 1.0
+        results = [drv.wait(i, deadline_s=0.1) for i in ids]
+        assert all(not any(ok) for ok in results)
+        assert tier.poll() == []
+    finally:
+        server.resume()

@@ -353,3 +353,33 @@ def test_numpy_slot_numbers_are_accepted(
         assert drv.wait(drv.submit(JobKind.WRITE, key, slots)) == [True]
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("kind", ["list", "hash"])
+def test_key_of_the_wrong_type_is_deleted_as_corrupt(
+    server: RedisServer, pool: HostPool, namespace: Namespace, kind: str
+) -> None:
+    """Finding 13c: someone made a kvtier key a list or a hash. Reads got WRONGTYPE forever;
+    now the key is corrupt: counted, deleted and reported, and the block is stored again."""
+    tier = make_tier(pool, namespace, url=server.url())
+    try:
+        key, other = make_keys(2, f"wrongtype-{kind}")
+        rkey = tier.redis_key(key).decode()
+        foreign = "someone:else:" + key.hex()  # not kvtier's: never touched
+        for name in (rkey, foreign):
+            if kind == "list":
+                server.cli("rpush", name, "x")
+            else:
+                server.cli("hset", name, "f", "x")
+        drv = Driver(tier)
+        assert drv.load_exact([key, other], first_slot=3) == [False, False]
+        assert tier.counters.corrupt == 1
+        assert tier.counters.errors == 0
+        assert key in tier.take_evicted()
+        wait_for(lambda: server.cli("exists", rkey) == "0", what="the wrong-type key deleted")
+        assert server.cli("type", foreign) == kind
+        assert tier.lookup([key]) == [False]
+        assert drv.store([key]) == [True]
+        assert drv.load_exact([key], first_slot=5) == [True]
+    finally:
+        tier.close()

@@ -19,13 +19,25 @@ What callers may rely on (besides the ``Tier`` contract):
   landed in the slot matched. A mismatch is a miss: ``counters.corrupt`` is bumped, the remote
   copy deleted and the key reported by ``take_evicted``. A key the server no longer holds (TTL,
   ``maxmemory`` eviction) is a miss reported the same way and counted in ``evictions``.
-* Connection errors and timeouts mark the tier unhealthy: ``lookup`` answers ``False`` at once,
-  new jobs fail at once (counted in ``rejected`` for writes, ``errors`` for reads), and a
-  background probe (``PING`` with capped exponential backoff) marks it healthy again by itself.
-  The presence cache is dropped then (the server may have restarted empty).
-* Every call on the network has ``timeout_s`` socket timeouts; nothing retries in a loop but the
-  probe. Wrong credentials, ACL denials and TLS failures at start raise ``ConfigError`` (password
-  masked); an unreachable server at start only starts the tier unhealthy.
+* A value of the wrong Redis type at a key of ours (``WRONGTYPE``) is corrupt too: counted,
+  deleted and reported. Only keys under this tier's ``<key_prefix>:<namespace>:`` are ever
+  deleted.
+* Connection errors and timeouts mark the tier unhealthy, and so do ``PROTOCOL_ERRORS_UNHEALTHY``
+  replies in a row that are no valid RESP (another program on the port, a broken or hostile
+  server): ``lookup`` answers ``False`` at once, new jobs fail at once (counted in ``rejected``
+  for writes, ``errors`` for reads), and a background probe (``PING``, which must answer
+  ``PONG``, with capped exponential backoff) marks it healthy again by itself. The presence
+  cache is dropped then (the server may have restarted empty).
+* Every command on the network (a pipelined batch counts as one: connect, send, every reply)
+  has one total deadline of ``timeout_s``, enforced by ``redis_deadline``: a server that
+  trickles its replies fails the command at its deadline, and the job is reported. Nothing
+  read is allocated from a length the server sent (``redis_wire``). Nothing retries in a loop
+  but the probe. Wrong credentials, ACL denials and TLS failures at start raise ``ConfigError``
+  (password masked); an unreachable server (or another program on the port) at start only
+  starts the tier unhealthy.
+* ``close`` returns within ``timeout_s + CLOSE_ABORT_S`` whatever the server does: queued jobs
+  run until ``timeout_s`` after the call, then every command still running is cut off, and
+  every job is reported (failed if not done).
 * Capacity is the server's: configure ``maxmemory`` and ``maxmemory-policy allkeys-lru`` there
   (see docs/redis.md).
 """
@@ -46,10 +58,12 @@ from enum import Enum
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers import redis_wire
+from kvtier.tiers import redis_deadline, redis_wire
 from kvtier.tiers.base import JobKind, Tier, TierJob
 from kvtier.tiers.payload import HEADER_BYTES, encode_header, header_matches, payload_matches
 from kvtier.tiers.redis_client import (
@@ -59,6 +73,7 @@ from kvtier.tiers.redis_client import (
     close_client,
     config_error,
     describe,
+    is_protocol_error,
     is_timeout,
     is_unreachable,
 )
@@ -74,6 +89,14 @@ ERROR_LOG_INTERVAL_S = 10.0
 """At most one warning this often for refused commands (each is counted in ``errors``)."""
 POSITIVE_TTL_MARGIN = 0.9
 """With a TTL, a key written (or read) is believed present for this fraction of the TTL."""
+CLOSE_ABORT_S = 1.0
+"""``close`` waits this long for threads after cutting off their commands."""
+PROTOCOL_ERRORS_UNHEALTHY = 3
+_REFUSALS = ("NOAUTH", "NOPERM", "WRONGPASS")
+"""Error replies to PING that mean "not allowed" (a config error at start), not "not Redis"."""
+"""Failed commands in a row whose replies were no valid RESP: the tier turns unhealthy."""
+INFO_MAX_BYTES = 256 * 1024
+"""Largest INFO or CONFIG reply read (INFO server is ~2 KiB)."""
 _READ_FIRST, _WRITE, _STOP = 0, 1, 2
 """Data queue priorities: promotions are on a request's critical path, cascades are not."""
 
@@ -91,12 +114,14 @@ class _JobState:
     """Batches not finished yet (guarded by the tier's ``_lock``)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Batch:
     state: _JobState
     start: int
     stop: int
     """Positions ``[start, stop)`` of the job's keys."""
+    reported: bool = False
+    """Its result was handed over (once: by its I/O thread or, for a stuck one, by close)."""
 
 
 class _Presence:
@@ -215,8 +240,20 @@ class RedisTier(Tier):
         pipelines, which route each key to its node."""
         self._server_ids: frozenset[str] | None = None
         self._last_error_log = -math.inf
+        self._protocol_errors = 0
+        """Commands in a row answered with no valid RESP (guarded by ``_lock``)."""
+        self._running: set[_Batch] = set()
+        """Batches an I/O thread is working on (guarded by ``_lock``)."""
+        self._aborting = False
+        """``close`` gave up waiting: batches still queued fail without being sent."""
+        self._health_lane = redis_wire.Lane()
+        self._watchdog = redis_deadline.Watchdog(f"kvtier-redis-{name}-watchdog")
 
-        self._connect_at_start()
+        try:
+            self._connect_at_start()
+        except BaseException:
+            self._watchdog.stop()
+            raise
         self._threads = [
             threading.Thread(target=self._data_loop, name=f"kvtier-redis-{name}-io{i}", daemon=True)
             for i in range(opts.io_threads)
@@ -278,22 +315,27 @@ class RedisTier(Tier):
             self._finish(job.job_id, [False] * n)
 
     def close(self) -> None:
-        """Finish queued jobs (failing fast if the server is gone), stop threads, disconnect."""
+        """Finish queued jobs for up to ``timeout_s``, then cut off what still runs; every job
+        is reported (failed if not done). Returns within ``timeout_s + CLOSE_ABORT_S``."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        started = time.monotonic()
         for _ in range(self.options.io_threads):
             self._data_q.put((_STOP, next(self._order), None))
         self._meta_q.put(None)
         self._stop.set()
         self._probe_needed.set()
-        deadline = time.monotonic() + max(10.0, 4 * self.options.timeout_s)
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                log.warning("redis tier %s: thread %s did not stop", self.name, thread.name)
-        # Jobs still queued (threads gone or stuck) are reported as failed, never dropped.
+        if not self._join(started + self.options.timeout_s):
+            # Queued batches fail unsent, running commands are cut off now.
+            self._aborting = True
+            self._watchdog.abort_all()
+            if not self._join(time.monotonic() + CLOSE_ABORT_S):
+                for thread in self._threads:
+                    if thread.is_alive():
+                        log.warning("redis tier %s: thread %s did not stop", self.name, thread.name)
+        # Jobs still queued or held by a stuck thread are reported as failed, never dropped.
         while True:
             try:
                 _, _, batch = self._data_q.get_nowait()
@@ -301,8 +343,19 @@ class RedisTier(Tier):
                 break
             if batch is not None:
                 self._batch_done(batch, [False] * (batch.stop - batch.start))
+        with self._lock:
+            stuck = list(self._running)
+        for batch in stuck:
+            self._batch_done(batch, [False] * (batch.stop - batch.start))
+        self._watchdog.stop()
         if self._client is not None:
             close_client(self._client)
+
+    def _join(self, until: float) -> bool:
+        """Wait for every thread until ``until``; True when all stopped."""
+        for thread in self._threads:
+            thread.join(max(0.0, until - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
 
     # -- extras ---------------------------------------------------------------------------------
 
@@ -318,17 +371,21 @@ class RedisTier(Tier):
     # -- start and health -----------------------------------------------------------------------
 
     def _connect_at_start(self) -> None:
+        lane = redis_wire.Lane()
         try:
-            self._client = build_client(self.options)
-            self._probe(self._client, at_start=True)
+            with self._watchdog.command(self.options.timeout_s):
+                self._client = build_client(self.options)
+            self._probe(self._client, lane, at_start=True)
         except Exception as exc:
+            lane.close()
             error = config_error(self.options, exc)
             if error is not None:
                 if self._client is not None:
                     close_client(self._client)
                 raise error from None
             log.warning(
-                "redis tier %s: %s unreachable at start (%s); going on without it until it answers",
+                "redis tier %s: %s unreachable or not a working Redis server at start (%s); "
+                "going on without it until it answers",
                 self.name,
                 masked_url(self.options.url),
                 describe(exc, self.options),
@@ -336,40 +393,82 @@ class RedisTier(Tier):
             self._probe_needed.set()
             return
         self._healthy = True
-        self._server_ids = self._run_ids(self._client)
-        self._check_eviction_policy()
+        self._server_ids = self._run_ids(self._client, lane)
+        self._check_eviction_policy(self._client, lane)
+        lane.close()
 
-    def _probe(self, client: Client, at_start: bool = False, refresh: bool = True) -> None:
-        """Raise unless the server answers; at start, also check our commands are allowed;
-        ``refresh`` re-reads a cluster's topology first."""
-        if self.options.cluster:
-            if refresh and not at_start:
-                client.nodes_manager.initialize()
-            info = client.cluster_info()
-            state = info.get("cluster_state") if isinstance(info, dict) else None
-            if state not in (None, "ok", b"ok"):
-                raise ConnectionRefusedError(f"cluster_state is {state!r}")
-            client.ping(target_nodes=client.PRIMARIES)
-        else:
-            client.ping()
+    def _probe(
+        self, client: Client, lane: redis_wire.Lane, at_start: bool = False, refresh: bool = True
+    ) -> None:
+        """Raise unless the server answers PING with PONG (anything else, an error reply
+        included, is a ``ProtocolError``: whoever listens is not a working Redis server); at
+        start, also check our commands are allowed; ``refresh`` re-reads a cluster's topology
+        first. One command deadline for all of it."""
+        probe = self._prefix + b"probe"
+        with self._watchdog.command(self.options.timeout_s):
+            if self.options.cluster:
+                if refresh and not at_start:
+                    client.nodes_manager.initialize()
+                info = client.cluster_info()
+                state = info.get("cluster_state") if isinstance(info, dict) else None
+                if state not in (None, "ok", b"ok"):
+                    raise ConnectionRefusedError(f"cluster_state is {state!r}")
+                if client.ping(target_nodes=client.PRIMARIES) is not True:
+                    raise redis_wire.ProtocolError("PING did not answer PONG")
+                if at_start:
+                    pipe = client.pipeline(transaction=False)
+                    pipe.execute_command("EXISTS", probe)
+                    pipe.execute_command("GET", probe)
+                    pipe.execute_command("DEL", probe)
+                    replies = pipe.execute(raise_on_error=False)
+            else:
+                commands: list[tuple[bytes, ...]] = [(b"PING",)]
+                if at_start:
+                    commands += [(b"EXISTS", probe), (b"GET", probe), (b"DEL", probe)]
+                replies = self._ask(client, lane, commands)
+                pong = replies.pop(0)
+                if pong != b"PONG":
+                    if isinstance(pong, ResponseError) and str(pong).startswith(_REFUSALS):
+                        raise pong  # credentials or ACL: a ConfigError at start
+                    raise redis_wire.ProtocolError(f"PING answered {str(pong)[:60]!r}")
         if at_start:
-            probe = self._prefix + b"probe"
-            pipe = client.pipeline(transaction=False)
-            pipe.execute_command("EXISTS", probe)
-            pipe.execute_command("GET", probe)
-            pipe.execute_command("DEL", probe)
-            for reply in pipe.execute(raise_on_error=False):
+            for reply in replies:
                 if isinstance(reply, Exception):
                     raise reply
 
-    def _check_eviction_policy(self) -> None:
+    def _ask(
+        self, client: Client, lane: redis_wire.Lane, commands: Sequence[tuple[bytes, ...]]
+    ) -> list[Any]:
+        """Standalone: ``commands`` in one round trip on ``lane``, their replies (errors as
+        ``ResponseError`` values), within the command deadline of the caller. Like a batch, it
+        runs once more on a fresh connection when a kept one was closed while idle (the
+        commands sent here are all idempotent)."""
+        data = b"".join(redis_wire.command(*args) for args in commands)
+        limit = max(INFO_MAX_BYTES, self._value_bytes)
+        for attempt in (1, 2):
+            try:
+                with lane.on(client) as wire:
+                    wire.send([data])
+                    return [wire.reply(limit) for _ in commands]
+            except RedisConnectionError:
+                deadline = redis_deadline.current()
+                if attempt == 2 or not lane.reused or (deadline is not None and deadline.fired):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_eviction_policy(self, client: Client, lane: redis_wire.Lane) -> None:
         """Warn if the server would refuse writes once full (best effort: CONFIG may be denied)."""
         try:
-            assert self._client is not None
-            config = self._client.config_get("maxmemory*")
-            if self.options.cluster and isinstance(config, dict) and config:
-                first = next(iter(config.values()))
-                config = first if isinstance(first, dict) else config
+            with self._watchdog.command(self.options.timeout_s):
+                if self.options.cluster:
+                    config = client.config_get("maxmemory*")
+                    if isinstance(config, dict) and config:
+                        first = next(iter(config.values()))
+                        config = first if isinstance(first, dict) else config
+                else:
+                    (pairs,) = self._ask(client, lane, [(b"CONFIG", b"GET", b"maxmemory*")])
+                    items = [str(v, errors="replace") for v in pairs]
+                    config = dict(zip(items[::2], items[1::2], strict=True))
             policy = str(config.get("maxmemory-policy", ""))
             maxmemory = int(config.get("maxmemory", 0) or 0)
         except Exception:
@@ -398,48 +497,59 @@ class RedisTier(Tier):
 
     def _health_loop(self) -> None:
         opts = self.options
-        while not self._stop.is_set():
-            if not self._probe_needed.wait(opts.health_interval_s):
-                self._check_alive()
-                continue
-            delay = opts.reconnect_initial_s
+        try:
             while not self._stop.is_set():
-                # Jitter keeps many engines from probing a restarted server in lockstep.
-                if self._stop.wait(delay * random.uniform(0.5, 1.0)):
-                    return
-                if self._try_recover():
-                    break
-                delay = min(delay * 2, opts.reconnect_max_s)
+                if not self._probe_needed.wait(opts.health_interval_s):
+                    self._check_alive()
+                    continue
+                delay = opts.reconnect_initial_s
+                while not self._stop.is_set():
+                    # Jitter keeps many engines from probing a restarted server in lockstep.
+                    if self._stop.wait(delay * random.uniform(0.5, 1.0)):
+                        return
+                    if self._try_recover():
+                        break
+                    delay = min(delay * 2, opts.reconnect_max_s)
+        finally:
+            self._health_lane.close()
 
     def _check_alive(self) -> None:
-        """Periodic probe while healthy: an idle tier notices a lost server too, and a server
-        that restarted (new run id, nothing persisted) invalidates what we believed it held."""
+        """Periodic probe while healthy: an idle tier notices a lost (or replaced) server too,
+        and a server that restarted (new run id, nothing persisted) invalidates what we
+        believed it held."""
         client = self._client
         if client is None or self._closed or not self._healthy:
             return
         try:
-            self._probe(client, refresh=False)
+            self._probe(client, self._health_lane, refresh=False)
         except Exception as exc:
             self._io_failed(exc, 0)
+            self._mark_unhealthy(exc)  # no PONG: whatever answered, it is no working Redis
             return
-        run_ids = self._run_ids(client)
+        run_ids = self._run_ids(client, self._health_lane)
         if run_ids is not None:
             if self._server_ids is not None and run_ids != self._server_ids:
                 log.warning("redis tier %s: server restarted; forgetting what it held", self.name)
                 self._presence.clear()
             self._server_ids = run_ids
 
-    def _run_ids(self, client: Client) -> frozenset[str] | None:
+    def _run_ids(self, client: Client, lane: redis_wire.Lane) -> frozenset[str] | None:
         """The servers' run ids (best effort: INFO may be denied by an ACL)."""
         try:
-            if self.options.cluster:
-                info = client.info("server", target_nodes=client.PRIMARIES)
-                values = info.values() if isinstance(info, dict) else []
-                ids = [v.get("run_id") for v in values if isinstance(v, dict)]
-                if not ids and isinstance(info, dict):
-                    ids = [info.get("run_id")]
-            else:
-                ids = [client.info("server").get("run_id")]
+            with self._watchdog.command(self.options.timeout_s):
+                if self.options.cluster:
+                    info = client.info("server", target_nodes=client.PRIMARIES)
+                    values = info.values() if isinstance(info, dict) else []
+                    ids = [v.get("run_id") for v in values if isinstance(v, dict)]
+                    if not ids and isinstance(info, dict):
+                        ids = [info.get("run_id")]
+                else:
+                    (text,) = self._ask(client, lane, [(b"INFO", b"server")])
+                    ids = [
+                        line[7:].decode(errors="replace")
+                        for line in text.split(b"\r\n")
+                        if line.startswith(b"run_id:")
+                    ]
         except Exception:
             return None
         if not ids or not all(isinstance(i, str) for i in ids):
@@ -447,20 +557,23 @@ class RedisTier(Tier):
         return frozenset(str(i) for i in ids)
 
     def _try_recover(self) -> bool:
+        lane = self._health_lane
         try:
             if self._client is None:
-                self._client = build_client(self.options)
-                self._probe(self._client, at_start=True)
+                with self._watchdog.command(self.options.timeout_s):
+                    self._client = build_client(self.options)
+                self._probe(self._client, lane, at_start=True)
             else:
-                self._probe(self._client)
+                self._probe(self._client, lane)
         except Exception as exc:
             log.debug("redis tier %s: probe failed: %s", self.name, describe(exc, self.options))
             return False
         # The server may have restarted empty, or others changed it meanwhile.
         self._presence.clear()
-        self._server_ids = self._run_ids(self._client)
+        self._server_ids = self._run_ids(self._client, lane)
         with self._lock:
             self._probe_needed.clear()
+            self._protocol_errors = 0
             self._healthy = True
         log.warning("redis tier %s: %s healthy again", self.name, masked_url(self.options.url))
         return True
@@ -475,6 +588,8 @@ class RedisTier(Tier):
                 lane.close()
                 return
             ok = [False] * (batch.stop - batch.start)
+            with self._lock:
+                self._running.add(batch)
             try:
                 ok = self._run_batch(lane, batch)
             except Exception:  # pragma: no cover - defensive: the batch is still reported
@@ -489,24 +604,32 @@ class RedisTier(Tier):
         slots = job.slots[batch.start : batch.stop]
         reading = job.kind is JobKind.READ
         client = self._client
-        if not self._healthy or client is None:
+        if not self._healthy or client is None or self._aborting:
             self._bump(**{"errors" if reading else "rejected": len(keys)})
             return [False] * len(keys)
         run = self._read if reading else self._write
-        try:
+        with self._watchdog.command(self.options.timeout_s) as deadline:
             try:
-                return run(client, lane, keys, slots)
-            except RedisConnectionError:
-                # A kept connection the server closed while it sat idle (its ``timeout``):
-                # SET and GET are idempotent, so the batch runs once more on a fresh one.
-                if not lane.reused:
-                    raise
-                return run(client, lane, keys, slots)
-        except Exception as exc:
-            self._io_failed(exc, len(keys))
-            if not reading:
-                self._presence.forget(keys)
-            return [False] * len(keys)
+                try:
+                    ok = run(client, lane, keys, slots)
+                except RedisConnectionError:
+                    # A kept connection the server closed while it sat idle (its ``timeout``):
+                    # SET and GET are idempotent, so the batch runs once more on a fresh one
+                    # (within the same deadline).
+                    if not lane.reused or deadline.fired:
+                        raise
+                    ok = run(client, lane, keys, slots)
+            except Exception as exc:
+                if deadline.fired and not is_timeout(exc):
+                    # The watchdog cut the socket: the reason is the deadline, not the server.
+                    exc = RedisTimeoutError(f"command deadline passed ({exc})")
+                self._io_failed(exc, len(keys))
+                if not reading:
+                    self._presence.forget(keys)
+                return [False] * len(keys)
+        with self._lock:
+            self._protocol_errors = 0  # every reply of the batch was valid RESP
+        return ok
 
     def _write(
         self, client: Client, lane: redis_wire.Lane, keys: list[BlockKey], slots: list[int]
@@ -541,9 +664,8 @@ class RedisTier(Tier):
                 self._presence.set(key, True, until)
                 ok.append(True)
             else:
-                self._bump(errors=1)
-                self._presence.forget([key])
-                ok.append(False)
+                # SET answers OK or an error, nothing else: the batch fails as a protocol error.
+                raise redis_wire.ProtocolError(f"SET answered {str(reply)[:60]!r}")
         written = sum(ok)
         self._bump(write_blocks=written, write_bytes=written * self.pool.slot_bytes)
         return ok
@@ -565,6 +687,12 @@ class RedisTier(Tier):
                         ok.append(self._verify(key, header, target))
                     else:
                         ok.append(self._not_read(key, got))
+                    if got is redis_wire.Got.TOO_BIG:
+                        # Its bytes were not read: the replies after it cannot be either.
+                        unread = len(keys) - len(ok)
+                        self._bump(errors=unread)
+                        ok += [False] * unread
+                        break
         else:
             pipe = client.pipeline(transaction=False)
             for rkey in rkeys:
@@ -605,7 +733,12 @@ class RedisTier(Tier):
             self._presence.set(key, False, _now() + self.options.negative_cache_s)
             self._report_evicted(key)
             self._bump(evictions=1)
-        elif outcome is redis_wire.Got.WRONG_SIZE or not isinstance(outcome, BaseException):
+        elif (
+            outcome in (redis_wire.Got.WRONG_SIZE, redis_wire.Got.TOO_BIG)
+            or not isinstance(outcome, BaseException)
+            or (isinstance(outcome, ResponseError) and str(outcome).startswith("WRONGTYPE"))
+        ):
+            # Not a block of ours: another size, or a list, hash, set... at a kvtier key.
             self._corrupt(key)
         else:
             self._io_failed(outcome, 1)
@@ -621,42 +754,66 @@ class RedisTier(Tier):
         return False
 
     def _meta_loop(self) -> None:
+        lane = redis_wire.Lane()
         while True:
             item = self._meta_q.get()
             if item is None:
+                lane.close()
                 return
             op, keys = item
             client = self._client
-            if not self._healthy or client is None:
+            if not self._healthy or client is None or self._aborting:
                 if op is _MetaOp.EXISTS:
                     self._presence.forget(keys)
                 continue
-            try:
-                if op is _MetaOp.EXISTS:
-                    self._exists(client, keys)
-                else:
-                    pipe = client.pipeline(transaction=False)
-                    for key in keys:
-                        pipe.execute_command("DEL", self.redis_key(key))
-                    pipe.execute(raise_on_error=False)
-            except Exception as exc:
-                self._io_failed(exc, 0)
-                if op is _MetaOp.EXISTS:
-                    self._presence.forget(keys)
+            with self._watchdog.command(self.options.timeout_s) as deadline:
+                try:
+                    if op is _MetaOp.EXISTS:
+                        self._exists(client, lane, keys)
+                    else:
+                        self._delete(client, lane, keys)
+                except Exception as exc:
+                    if deadline.fired and not is_timeout(exc):
+                        exc = RedisTimeoutError(f"command deadline passed ({exc})")
+                    self._io_failed(exc, 0)
+                    if op is _MetaOp.EXISTS:
+                        self._presence.forget(keys)
 
-    def _exists(self, client: Client, keys: list[BlockKey]) -> None:
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.execute_command("EXISTS", self.redis_key(key))
-        replies = pipe.execute(raise_on_error=False)
+    def _meta_replies(
+        self, client: Client, lane: redis_wire.Lane, command: bytes, keys: list[BlockKey]
+    ) -> list[Any]:
+        """``command <redis key>`` for each key in one round trip; each reply must be an
+        integer or an error reply (anything else is a ``ProtocolError``)."""
+        rkeys = [self.redis_key(key) for key in keys]
+        if self._wire:
+            replies = self._ask(client, lane, [(command, rkey) for rkey in rkeys])
+        else:
+            pipe = client.pipeline(transaction=False)
+            for rkey in rkeys:
+                pipe.execute_command(command.decode(), rkey)
+            replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if not isinstance(reply, int | Exception) or isinstance(reply, bool):
+                raise redis_wire.ProtocolError(f"{command.decode()} answered {str(reply)[:60]!r}")
+        with self._lock:
+            self._protocol_errors = 0
+        return replies
+
+    def _delete(self, client: Client, lane: redis_wire.Lane, keys: list[BlockKey]) -> None:
+        # Only keys of this tier's namespace: redis_key() puts every one under self._prefix.
+        for reply in self._meta_replies(client, lane, b"DEL", keys):
+            if isinstance(reply, Exception):
+                self._io_failed(reply, 0)
+
+    def _exists(self, client: Client, lane: redis_wire.Lane, keys: list[BlockKey]) -> None:
+        replies = self._meta_replies(client, lane, b"EXISTS", keys)
         known: list[BlockKey] = []
         present: list[bool] = []
         failed: list[BlockKey] = []
         for key, reply in zip(keys, replies, strict=True):
-            if isinstance(reply, Exception) or not isinstance(reply, int):
+            if isinstance(reply, Exception):
                 failed.append(key)
-                if isinstance(reply, Exception):
-                    self._io_failed(reply, 0)
+                self._io_failed(reply, 0)
             else:
                 known.append(key)
                 present.append(reply > 0)
@@ -684,6 +841,15 @@ class RedisTier(Tier):
         if is_unreachable(exc):
             self._mark_unhealthy(exc)
             return
+        if is_protocol_error(exc):
+            # One garbled reply may be a fluke; several in a row mean the server (or whatever
+            # took its port) cannot answer: stop sending it work until the probe sees PONG.
+            with self._lock:
+                self._protocol_errors += 1
+                streak = self._protocol_errors
+            if streak >= PROTOCOL_ERRORS_UNHEALTHY:
+                self._mark_unhealthy(exc)
+                return
         # Server refusals (OOM under noeviction, ACL, WRONGTYPE) repeat per block: log a few.
         now = time.monotonic()
         if now - self._last_error_log >= ERROR_LOG_INTERVAL_S:
@@ -693,6 +859,10 @@ class RedisTier(Tier):
     def _batch_done(self, batch: _Batch, ok: list[bool]) -> None:
         state = batch.state
         with self._lock:
+            if batch.reported:  # close() reported it for a thread that was stuck
+                return
+            batch.reported = True
+            self._running.discard(batch)
             state.ok[batch.start : batch.stop] = ok
             state.remaining -= 1
             done = state.remaining == 0

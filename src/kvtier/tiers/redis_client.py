@@ -22,6 +22,7 @@ from redis.exceptions import (
     AuthenticationWrongNumberOfArgsError,
     ClusterDownError,
     DataError,
+    InvalidResponse,
     NoPermissionError,
     RedisClusterException,
     ResponseError,
@@ -35,7 +36,9 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError
+from kvtier.tiers import redis_deadline
 from kvtier.tiers.redis_options import Options, masked_url
+from kvtier.tiers.redis_wire import ProtocolError
 
 log = logging.getLogger("kvtier.tiers.redis")
 
@@ -123,6 +126,19 @@ class _Pool(BlockingConnectionPool):  # type: ignore[misc]
         kwargs["command_packer"] = _PACKER
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
 
+    # Every connection handed out (or made: connecting, TLS and AUTH happen in redis-py) joins
+    # the deadline of the command running on this thread, so the watchdog can cut it off.
+
+    def make_connection(self) -> Any:
+        conn = super().make_connection()  # type: ignore[no-untyped-call]
+        redis_deadline.watch(conn)
+        return conn
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        conn = super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        redis_deadline.watch(conn)
+        return conn
+
 
 def _no_retry() -> Retry:
     # Fail fast: the tier's health loop reconnects, with backoff, instead of each command.
@@ -195,6 +211,12 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, RedisTimeoutError | TimeoutError)
 
 
+def is_protocol_error(exc: BaseException) -> bool:
+    """A reply that is no valid RESP (or not what the command answers): whoever listens on the
+    port is not a working Redis server (another program, a hostile or broken server)."""
+    return isinstance(exc, ProtocolError | InvalidResponse)
+
+
 _AUTH_TEXT = (
     "WRONGPASS",
     "NOAUTH",
@@ -246,7 +268,9 @@ def config_error(options: Options, exc: BaseException) -> ConfigError | None:
         isinstance(e, ssl.SSLError) or "SSL" in str(e) for e in chain
     ):
         return ConfigError(field, url, f"a TLS handshake that succeeds; it failed: {reason}")
-    if isinstance(exc, UNREACHABLE):
+    if isinstance(exc, UNREACHABLE) or is_protocol_error(exc):
+        # Not a Redis server there now (down, or another program on the port): the tier starts
+        # unhealthy and joins when a real server answers.
         return None
     if isinstance(exc, ResponseError):
         return ConfigError(

@@ -8,12 +8,18 @@ scatter-gather ``sendmsg`` of header and slot views. Connections, authentication
 timeouts stay redis-py's: a connection is taken from the client's pool and kept by one I/O thread
 between batches while clean (every reply read); on any error it is disconnected.
 
-Only RESP2 replies to SET, GET and GETEX are parsed here (the client is built with
-``protocol=2``); anything unexpected is a protocol error and the connection is dropped.
+Only RESP2 replies are parsed here (the client is built with ``protocol=2``); anything
+unexpected is a ``ProtocolError`` and the connection is dropped. The server is not trusted:
+every wait is bounded by the deadline of the command running on the thread (``redis_deadline``:
+a total for connect, send and every reply, not a timeout that restarts with each byte), a bulk
+length is checked before anything is read (a GET value longer than a block is refused at its
+length line; other bulk replies have a cap given by the caller), lines are at most 64 KiB and
+arrays at most ``MAX_ARRAY`` entries. Nothing is ever allocated from a length the server sent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 from collections.abc import Sequence
@@ -21,15 +27,19 @@ from enum import Enum
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvtier.tiers import redis_deadline
 from kvtier.tiers.iovec import advance
 
 _BUFFER = 64 * 1024
 _MAX_LINE = 64 * 1024
 _IOV_MAX = 512
 """Buffers per sendmsg call (Linux allows 1024)."""
+MAX_ARRAY = 1024
+"""Entries of an array reply (CONFIG GET answers a few)."""
+_MAX_DEPTH = 2
 
 
 class Got(Enum):
@@ -39,11 +49,18 @@ class Got(Enum):
     """A value of the expected size: header in the header buffer, payload in the slot."""
     MISSING = "missing"
     WRONG_SIZE = "wrong_size"
-    """A value of another size (read and discarded): not a block of ours."""
+    """A shorter value (read and discarded): not a block of ours."""
+    TOO_BIG = "too_big"
+    """A value longer than a block: not read (the connection is dropped after the batch)."""
 
 
 class WireError(RedisConnectionError):  # type: ignore[misc]
-    """The connection is unusable (protocol desync, closed by the server)."""
+    """The connection is unusable (closed by the server)."""
+
+
+class ProtocolError(RedisError):  # type: ignore[misc]
+    """A reply that is no RESP2, or not one the command can answer: whoever answers is not a
+    working Redis server. The connection is dropped; the tier counts these in a row."""
 
 
 def supported(client: Any) -> bool:
@@ -73,12 +90,19 @@ class Lane:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._broken = False
+        """A reply was left unread on purpose (a value too big): drop the connection."""
+        self._deadline: redis_deadline.Deadline | None = None
         self.reused = False
 
     def on(self, client: Any) -> Lane:
+        """The lane's connection to ``client``, for one batch within the deadline of the command
+        running on this thread (``redis_deadline.Watchdog.command``)."""
+        self._deadline = redis_deadline.current()
         pool = client.connection_pool
         if self._conn is not None and pool is self._pool and self._conn._sock is self._sock:
             self.reused = True
+            redis_deadline.watch(self._conn)
             return self
         self.close()
         try:
@@ -97,20 +121,35 @@ class Lane:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc is not None or self._start != self._end:
+        if exc is not None or self._start != self._end or self._broken:
             self._drop()
 
     def close(self) -> None:
         """Give the kept connection back to its pool (clean: every reply was read)."""
         if self._conn is not None:
+            if self._sock is not None:
+                # redis-py's own timeout again (the lane set per-call ones).
+                with contextlib.suppress(OSError):
+                    self._sock.settimeout(self._conn.socket_timeout)
             self._pool.release(self._conn)
         self._pool = self._conn = self._sock = None
 
     def _drop(self) -> None:
         self._start = self._end = 0
+        self._broken = False
         if self._conn is not None:
             self._conn.disconnect()
         self.close()
+
+    def _timeout(self, sock: socket.socket, doing: str) -> None:
+        """Give the next socket call what is left of the deadline (a total, not per call)."""
+        deadline = self._deadline
+        if deadline is None:
+            return
+        left = deadline.remaining()
+        if left <= 0 or deadline.fired:
+            raise RedisTimeoutError(f"command deadline passed while {doing}")
+        sock.settimeout(left)
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -118,13 +157,13 @@ class Lane:
         sock = self._sock
         assert sock is not None
         try:
-            if isinstance(sock, ssl.SSLSocket):
-                for chunk in chunks:
-                    sock.sendall(chunk)
-                return
             pending = [memoryview(chunk).cast("B") for chunk in chunks]
             while pending:
-                advance(pending, sock.sendmsg(pending[:_IOV_MAX]))
+                self._timeout(sock, "writing")
+                if isinstance(sock, ssl.SSLSocket):
+                    advance(pending, sock.send(pending[0]))
+                else:
+                    advance(pending, sock.sendmsg(pending[:_IOV_MAX]))
         except TimeoutError as exc:
             raise RedisTimeoutError("timeout writing to socket") from exc
         except OSError as exc:
@@ -134,20 +173,54 @@ class Lane:
 
     def simple(self) -> bytes | int | ResponseError | None:
         """One reply that is a status, an integer, a null or an error (bulk strings rejected)."""
-        line = self._line()
+        return self._simple(self._line())
+
+    def _simple(self, line: bytes) -> bytes | int | ResponseError | None:
         kind, rest = line[:1], line[1:]
         if kind == b"+":
             return rest
         if kind == b"-":
             return ResponseError(rest.decode(errors="replace"))
         if kind == b":":
-            return int(rest)
+            return _integer(line)
         if line in (b"$-1", b"_"):
             return None
-        raise WireError(f"unexpected reply {line[:40]!r}")
+        raise ProtocolError(f"unexpected reply {line[:40]!r}")
+
+    def reply(self, max_bulk: int) -> Any:
+        """Any one RESP2 reply: status or bulk as ``bytes``, ``int``, ``None``, a
+        ``ResponseError`` or a list of these (arrays of at most ``MAX_ARRAY``, nested at most
+        twice); a bulk string longer than ``max_bulk`` is a ``ProtocolError`` before any of it
+        is read."""
+        return self._reply(max_bulk, 0)
+
+    def _reply(self, max_bulk: int, depth: int) -> Any:
+        line = self._line()
+        kind = line[:1]
+        if kind == b"$":
+            size = _integer(line)
+            if size == -1:
+                return None
+            if not 0 <= size <= max_bulk:
+                raise ProtocolError(f"bulk length {size} outside 0..{max_bulk}")
+            out = bytearray(size)
+            self._into(memoryview(out))
+            self._crlf()
+            return bytes(out)
+        if kind == b"*":
+            count = _integer(line)
+            if count == -1:
+                return None
+            if not 0 <= count <= MAX_ARRAY or depth >= _MAX_DEPTH:
+                raise ProtocolError(f"array of {count} at depth {depth}")
+            return [self._reply(max_bulk, depth + 1) for _ in range(count)]
+        return self._simple(line)
 
     def block(self, header: memoryview, payload: memoryview) -> Got | ResponseError:
-        """One GET reply: header bytes into ``header``, the rest into ``payload``."""
+        """One GET reply: header bytes into ``header``, the rest into ``payload``.
+
+        A value longer than a block is not read at all (``Got.TOO_BIG``; the lane is then
+        dropped at the end of the batch, so later replies of this batch cannot be read)."""
         line = self._line()
         kind = line[:1]
         if kind == b"-":
@@ -155,18 +228,21 @@ class Lane:
         if line in (b"$-1", b"_"):
             return Got.MISSING
         if kind != b"$":
-            raise WireError(f"unexpected reply {line[:40]!r}")
-        try:
-            size = int(line[1:])
-        except ValueError:
-            raise WireError(f"bad bulk length {line[:40]!r}") from None
-        if size == len(header) + len(payload):
+            raise ProtocolError(f"unexpected reply {line[:40]!r}")
+        size = _integer(line)
+        expected = len(header) + len(payload)
+        if size < 0:
+            raise ProtocolError(f"bad bulk length {line[:40]!r}")
+        if size > expected:
+            self._broken = True
+            return Got.TOO_BIG
+        if size == expected:
             self._into(header)
             self._into(payload)
         else:
             self._skip(size)
         self._crlf()
-        return Got.VALUE if size == len(header) + len(payload) else Got.WRONG_SIZE
+        return Got.VALUE if size == expected else Got.WRONG_SIZE
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -174,6 +250,7 @@ class Lane:
         sock = self._sock
         assert sock is not None
         try:
+            self._timeout(sock, "reading")
             n = sock.recv_into(into)
         except TimeoutError as exc:
             raise RedisTimeoutError("timeout reading from socket") from exc
@@ -201,7 +278,7 @@ class Lane:
                 self._start = at + 2
                 return line
             if self._end - self._start > _MAX_LINE:
-                raise WireError("reply line too long")
+                raise ProtocolError("reply line too long")
             self._fill()
 
     def _into(self, target: memoryview) -> None:
@@ -228,8 +305,23 @@ class Lane:
                 self._start = self._end = 0
             self._fill()
         if self._buf[self._start : self._start + 2] != b"\r\n":
-            raise WireError("bulk string not followed by CRLF")
+            raise ProtocolError("bulk string not followed by CRLF")
         self._start += 2
+
+
+def _integer(line: bytes) -> int:
+    """The number after a reply's type byte (``:12``, ``$5``, ``*2``)."""
+    digits = line[1:]
+    # int() would also take " 12", "1_2" or 4,000 digits: RESP numbers are plain decimals.
+    unsigned = digits[1:] if digits[:1] == b"-" else digits
+    if not 0 < len(digits) <= 20 or not unsigned.isdigit():
+        raise ProtocolError(f"bad number in reply {line[:40]!r}")
+    return int(digits)
+
+
+def command(*args: bytes) -> bytes:
+    """One command as a RESP array of bulk strings."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
 def set_chunks(
