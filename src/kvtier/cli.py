@@ -29,9 +29,11 @@ from kvtier.config import (
     read_config_file,
 )
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.policies import EvictionKind
+from kvtier.sim.optimal import OPTIMAL_POLICY, format_optimal, optimal_hit_ratio
 from kvtier.sim.replay import ReplayResult
 from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate
-from kvtier.sim.trace import bundled_trace_path
+from kvtier.sim.trace import bundled_trace_path, read_trace
 from kvtier.stats_report import format_snapshot, read_snapshot
 from kvtier.validation import format_size, parse_size
 
@@ -89,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="pool capacity in bytes of block.bytes each, e.g. 250GiB (default: pool.size)",
     )
-    sim.add_argument("--policy", choices=["lru", "arc"], default=None, help="eviction policy")
+    sim.add_argument(
+        "--policy",
+        choices=[*(kind.value for kind in EvictionKind), OPTIMAL_POLICY],
+        default=None,
+        help=f"eviction policy; {OPTIMAL_POLICY}: the offline optimum of the pool alone (a bound)",
+    )
     sim.add_argument(
         "--admission",
         type=_positive_int,
@@ -202,6 +209,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = parse_config(apply_overrides(raw, args))
     pool_blocks = simulate_pool_blocks(config, args.pool_blocks, args.pool_size)
     trace = args.trace if args.trace is not None else bundled_trace_path()
+    if args.policy == OPTIMAL_POLICY:
+        # Offline: no cache is built, the trace's future decides (a bound, not a policy).
+        bound = optimal_hit_ratio(read_trace(trace, args.limit), pool_blocks)
+        print(format_optimal(bound, Path(trace).name))
+        return EXIT_OK
     metrics = _metrics_server(args.metrics_port) if args.metrics_port is not None else None
     result = simulate(
         config,
@@ -270,7 +282,7 @@ def _metrics_server(port: int) -> _SimulateMetrics:
 def apply_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The config mapping with the command line's choices merged in (not yet validated)."""
     data = copy.deepcopy(raw)
-    if args.policy is not None:
+    if args.policy is not None and args.policy != OPTIMAL_POLICY:
         data["eviction"] = args.policy
     if args.admission is not None:
         admission = data.get("admission")

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from kvtier.errors import ConfigError
-from kvtier.policies import EvictionKind
+from kvtier.policies import DEFAULT_EVICTION, EvictionKind
 from kvtier.pool import DEFAULT_SHM_DIR
 from kvtier.tiers import tier_class
 from kvtier.tiers.base import WriteMode
@@ -104,7 +104,7 @@ class KVTierConfig:
     model: str | None = None
     """Namespace model name; engine adapters take it from the engine instead."""
     tenant: str = "default"
-    eviction: EvictionKind = EvictionKind.LRU
+    eviction: EvictionKind = DEFAULT_EVICTION
     admission: AdmissionConfig = AdmissionConfig()
     tiers: tuple[TierConfig, ...] = ()
     """Secondary tiers, fastest first."""
@@ -172,7 +172,7 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
         tenant=root.string("tenant", "default"),
         pool=_pool(root.section("pool")),
         block=_block(root.section("block")),
-        eviction=root.choice("eviction", EvictionKind, EvictionKind.LRU),
+        eviction=root.choice("eviction", EvictionKind, DEFAULT_EVICTION),
         admission=_admission(root.section("admission")),
         tiers=_tiers(root),
         job_timeout_s=root.number("job_timeout_s", 30.0, minimum=0.001),

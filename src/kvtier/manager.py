@@ -18,8 +18,9 @@ failures become misses or failed jobs, never exceptions into the caller.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -34,10 +35,17 @@ from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
 
 log = logging.getLogger(__name__)
 
-# A key whose promotion failed is not promoted again for this long: a tier that keeps claiming a
-# block it cannot deliver must not defer a request forever.
+# A key whose promotion from a tier failed is not promoted from that tier again for this long: a
+# tier that keeps claiming a block it cannot deliver must not defer a request forever. Other tiers
+# holding the key are still tried (a flaky fast tier must not hide a good slow one).
 PROMOTION_RETRY_S = 30.0
 MAX_FAILED_PROMOTIONS = 100_000
+MAX_EVENTS = 65_536
+"""Events kept for ``take_events()``; older ones are dropped (counted in ``events_dropped``) so
+that nobody consuming them costs memory without bound (about 210 bytes per event)."""
+WRITEBACK_RETRY_MIN_S = 0.05
+"""First pause of write-back after a failed copy to a write-on-evict tier; it doubles per failure
+up to ``job_timeout_s`` (a tier that rejects every copy at once must not be retried every step)."""
 
 
 class LookupResult(NamedTuple):
@@ -83,6 +91,8 @@ class TieredCache:
         record_events: bool = True,
         writeback_window: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        max_events: int = MAX_EVENTS,
+        close_timeout_s: float | None = None,
     ) -> None:
         self._pool = pool
         self._policy = policy
@@ -94,6 +104,7 @@ class TieredCache:
         self._admission = admission if admission is not None and admission.min_seen > 1 else None
         self._writeback_window = writeback_window if self._on_evict else 0
         self._job_timeout_s = job_timeout_s
+        self._close_timeout_s = job_timeout_s if close_timeout_s is None else close_timeout_s
         self._record = record_events
         self._clock = clock
 
@@ -113,8 +124,13 @@ class TieredCache:
         """Visible keys not yet copied to the write-on-evict tiers (empty without such tiers)."""
         self._jobs: dict[tuple[int, int], _Job] = {}
         self._next_job_id = 0
-        self._failed_promotions: OrderedDict[BlockKey, float] = OrderedDict()
-        self._events: list[CacheEvent] = []
+        self._failed_promotions: OrderedDict[tuple[int, BlockKey], float] = OrderedDict()
+        """(tier index, key) whose promotion from that tier failed -> until when not to retry."""
+        self._events: deque[CacheEvent] = deque(maxlen=max_events)
+        self._late = [False] * len(self._secondary)
+        """Per tier: a job of it timed out and none has ended in time since (warned once)."""
+        self._writeback_delay = 0.0
+        self._writeback_paused_until = 0.0
         self._counters = CacheCounters()
         self._promoted = {t.name: 0 for t in self._tiers}
         self._origin: dict[BlockKey, int] = {}
@@ -262,7 +278,7 @@ class TieredCache:
             self._counters.store_failed += len(failed_slots)
         self._counters.stored_blocks += len(stored)
         if self._record and stored:
-            self._events.extend(CacheEvent(EventKind.STORED, key, POOL_TIER) for key in stored)
+            self._add_events(EventKind.STORED, stored, POOL_TIER)
         if stored and self._through:
             for tier_index in self._through:
                 self._submit_write(tier_index, stored)
@@ -288,13 +304,16 @@ class TieredCache:
             for result in results:
                 job = self._jobs.pop((tier_index, result.job_id), None)
                 if job is not None:
+                    if not job.abandoned and self._late[tier_index]:
+                        self._late[tier_index] = False
+                        log.warning("tier %s: jobs end in time again", tier.name)
                     self._finish_job(job, result.ok)
                     ended += 1
             if evicted and self._record:
-                self._events.extend(CacheEvent(EventKind.EVICTED, k, tier.name) for k in evicted)
+                self._add_events(EventKind.EVICTED, evicted, tier.name)
         if self._jobs:
             self._time_out_jobs()
-        if self._dirty and self._writeback_window:
+        if self._dirty and self._writeback_window and self._writeback_due():
             self._write_back()
         return ended
 
@@ -312,7 +331,10 @@ class TieredCache:
             delay = min(delay * 2, 0.005)
 
     def take_events(self) -> list[CacheEvent]:
-        events, self._events = self._events, []
+        """Events since the last call, oldest first (at most ``max_events``: when nobody takes
+        them, the oldest are dropped and counted in ``stats().cache.events_dropped``)."""
+        events = list(self._events)
+        self._events.clear()
         return events
 
     def stats(self) -> CacheStats:
@@ -339,7 +361,18 @@ class TieredCache:
 
     @property
     def jobs_in_flight(self) -> int:
+        """Tier jobs not reported yet, timed-out (abandoned) ones included: their slots stay
+        held until their tier really returns."""
         return len(self._jobs)
+
+    def jobs_waiting(self) -> dict[str, int]:
+        """Per tier name: jobs not reported yet and not timed out (what is worth waiting for)."""
+        out: dict[str, int] = {}
+        for job in self._jobs.values():
+            if not job.abandoned:
+                name = self._tiers[job.tier_index].name
+                out[name] = out.get(name, 0) + 1
+        return out
 
     def check_invariants(self, settled: bool = False) -> None:
         """Raise ``AssertionError`` naming the first broken invariant (for tests and soaks; it
@@ -374,16 +407,33 @@ class TieredCache:
     def close(self) -> None:
         """Close the secondary tiers (they finish running jobs) and settle what they report.
 
+        Returns within ``close_timeout_s`` (default ``job_timeout_s``) plus one ``step()``,
+        whatever the tiers do: each tier is closed on a helper thread, all at once, and a tier
+        whose ``close()`` has not returned by then is left to finish on its own (named in a
+        warning). Its unreported jobs keep their slots and pins: its threads may still use them.
+
         The pool is closed by whoever created it.
         """
         if self._closed:
             return
         self._closed = True
-        for tier in self._tiers:
-            try:
-                tier.close()
-            except Exception:
-                log.exception("closing tier %s failed", tier.name)
+        closers = [
+            threading.Thread(
+                target=_close_tier, args=(tier,), name=f"kvtier-close-{tier.name}", daemon=True
+            )
+            for tier in self._tiers
+        ]
+        for thread in closers:
+            thread.start()
+        deadline = time.monotonic() + self._close_timeout_s
+        for tier, thread in zip(self._tiers, closers, strict=True):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning(
+                    "tier %s did not close within %g s; going on without it",
+                    tier.name,
+                    self._close_timeout_s,
+                )
         self.step()
 
     # -- internals ------------------------------------------------------------------------------
@@ -415,7 +465,7 @@ class TieredCache:
                 self._origin.pop(key, None)
         self._counters.pool_evictions += len(victims)
         if self._record:
-            self._events.extend(CacheEvent(EventKind.EVICTED, key, POOL_TIER) for key in victims)
+            self._add_events(EventKind.EVICTED, victims, POOL_TIER)
         dirty = self._dirty
         if dirty:
             pairs = [(k, s) for k, s in zip(victims, slots, strict=True) if k in dirty]
@@ -490,12 +540,10 @@ class TieredCache:
             if key in inflight:
                 unknown = key in self._promoting
                 break
-            if key in failed:
-                break
             chosen = -1
             for tier_index, answer in enumerate(answers):
                 present = answer[i]
-                if present:
+                if present and not (failed and (tier_index, key) in failed):
                     chosen = tier_index
                     break
                 if present is None:
@@ -592,10 +640,10 @@ class TieredCache:
                 insert(key)
                 self._origin[key] = job.tier_index
                 if self._record:
-                    self._events.append(CacheEvent(EventKind.STORED, key, POOL_TIER))
+                    self._add_events(EventKind.STORED, (key,), POOL_TIER)
             else:
                 free.append(slot)
-                self._remember_failed_promotion(key, now)
+                self._remember_failed_promotion(job.tier_index, key, now)
         promoted = len(job.keys) - len(free)
         self._promoted[tier_name] += promoted
         counters.promoted_blocks += promoted
@@ -611,21 +659,52 @@ class TieredCache:
         else:
             for key in job.keys:
                 self._unpin(key)
-        if not job.holds_slots and self._writeback_window and not all(ok):
-            index = self._index
-            self._dirty.update(
-                k for k, k_ok in zip(job.keys, ok, strict=True) if not k_ok and k in index
-            )
+        if not job.holds_slots and self._writeback_window and job.tier_index in self._on_evict:
+            self._settle_write_back(job, ok)
         good = sum(ok)
         self._counters.cascade_writes += good
         self._counters.cascade_failures += len(ok) - good
         if self._record and good:
             name = self._tiers[job.tier_index].name
-            self._events.extend(
-                CacheEvent(EventKind.STORED, key, name)
-                for key, k_ok in zip(job.keys, ok, strict=True)
-                if k_ok
+            self._add_events(
+                EventKind.STORED, [k for k, k_ok in zip(job.keys, ok, strict=True) if k_ok], name
             )
+
+    def _writeback_due(self) -> bool:
+        return self._writeback_delay == 0.0 or self._clock() >= self._writeback_paused_until
+
+    def _settle_write_back(self, job: _Job, ok: list[bool]) -> None:
+        """A write-back copy ended: failed keys are dirty again, and write-back pauses (doubling
+        per failure, up to ``job_timeout_s``) so that a tier failing every copy at once is not
+        retried every step (a busy loop for whoever steps until jobs end)."""
+        if all(ok):
+            self._writeback_delay = 0.0
+            return
+        index = self._index
+        self._dirty.update(
+            k for k, k_ok in zip(job.keys, ok, strict=True) if not k_ok and k in index
+        )
+        first = self._writeback_delay == 0.0
+        delay = min(max(2 * self._writeback_delay, WRITEBACK_RETRY_MIN_S), self._job_timeout_s)
+        self._writeback_delay = delay
+        self._writeback_paused_until = self._clock() + delay
+        if first:
+            log.warning(
+                "tier %s: %d of %d block copies failed; write-back paused (retried after %g s, "
+                "then less often while copies fail)",
+                self._tiers[job.tier_index].name,
+                len(ok) - sum(ok),
+                len(ok),
+                delay,
+            )
+
+    def _add_events(self, kind: EventKind, keys: Sequence[BlockKey], tier: str) -> None:
+        events = self._events
+        assert events.maxlen is not None
+        overflow = len(events) + len(keys) - events.maxlen
+        if overflow > 0:
+            self._counters.events_dropped += overflow  # the deque drops the oldest
+        events.extend(CacheEvent(kind, key, tier) for key in keys)
 
     def _release_held(self, slots: list[int]) -> None:
         held = self._held
@@ -646,7 +725,18 @@ class TieredCache:
                 continue
             job.abandoned = True
             self._counters.job_timeouts += 1
-            self._tiers[job.tier_index].counters.timeouts += 1
+            tier = self._tiers[job.tier_index]
+            tier.counters.timeouts += 1
+            if not self._late[job.tier_index]:
+                self._late[job.tier_index] = True
+                log.warning(
+                    "tier %s: a %s job of %d blocks did not end within job_timeout_s=%g s; "
+                    "given up (its slots stay reserved until the tier returns)",
+                    tier.name,
+                    job.kind.value,
+                    len(job.keys),
+                    self._job_timeout_s,
+                )
             if job.kind is JobKind.READ:
                 # The request stops waiting (the keys become misses), but the slots stay owned by
                 # the job: its thread may still write into them.
@@ -654,16 +744,16 @@ class TieredCache:
                 for key, slot in zip(job.keys, job.slots, strict=True):
                     self._inflight.pop(key, None)
                     self._promoting.discard(key)
-                    self._remember_failed_promotion(key, now)
+                    self._remember_failed_promotion(job.tier_index, key, now)
                     held[slot] = held.get(slot, 0) + 1
                 self._counters.promotion_failures += len(job.keys)
             # A stuck write keeps its pins: its thread may still be reading the slots, and a
             # reused slot would be copied torn (with a checksum that matches the torn bytes).
 
-    def _remember_failed_promotion(self, key: BlockKey, now: float) -> None:
+    def _remember_failed_promotion(self, tier_index: int, key: BlockKey, now: float) -> None:
         failed = self._failed_promotions
-        failed[key] = now + PROMOTION_RETRY_S
-        failed.move_to_end(key)
+        failed[tier_index, key] = now + PROMOTION_RETRY_S
+        failed.move_to_end((tier_index, key))
         if len(failed) > MAX_FAILED_PROMOTIONS:
             failed.popitem(last=False)
 
@@ -680,3 +770,10 @@ class TieredCache:
 def _require(condition: bool, what: str) -> None:
     if not condition:
         raise AssertionError(f"TieredCache invariant broken: {what}")
+
+
+def _close_tier(tier: Tier) -> None:
+    try:
+        tier.close()
+    except Exception:
+        log.exception("closing tier %s failed", tier.name)

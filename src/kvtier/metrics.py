@@ -53,6 +53,8 @@ class CacheCounters:
     cascade_writes: int = 0
     cascade_failures: int = 0
     job_timeouts: int = 0
+    events_dropped: int = 0
+    """Oldest events dropped because nobody took them (``TieredCache.take_events``) in time."""
 
 
 @dataclass(slots=True)

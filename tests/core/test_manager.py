@@ -234,10 +234,15 @@ def test_close_settles_running_jobs(ns, make_pool, mode):
 
 
 def test_write_back_copies_coldest_blocks_ahead_so_eviction_frees_at_once(ns, make_pool):
+    now = [0.0]
     pool = make_pool(4)
     tier = ScriptedTier("disk", ns, pool)
     cache = TieredCache(
-        pool, LRUPolicy(), [SecondaryTier(tier, WriteMode.ON_EVICT)], writeback_window=2
+        pool,
+        LRUPolicy(),
+        [SecondaryTier(tier, WriteMode.ON_EVICT)],
+        writeback_window=2,
+        clock=lambda: now[0],
     )
     a = keys_for(ns, 4, seed=1)
     store(cache, a)
@@ -253,8 +258,21 @@ def test_write_back_copies_coldest_blocks_ahead_so_eviction_frees_at_once(ns, ma
     tier.fail_keys = set(a[2:])
     cache.step()  # write-back of a[2:] submitted (they are now the coldest)
     tier.release()
-    cache.step()  # the copies failed: still dirty, retried on the next step
-    assert [job.keys for job in tier.submitted][-1] == a[2:]
+    cache.step()  # the copies failed: still dirty, retried after a pause (not every step)
+    assert len(tier.submitted) == 2
+    now[0] += 0.05
     cache.step()
     assert [job.keys for job in tier.submitted][-1] == a[2:]
     assert len(tier.submitted) == 3
+    tier.release()  # fails again: the pause doubles
+    cache.step()
+    now[0] += 0.05
+    cache.step()
+    assert len(tier.submitted) == 3
+    now[0] += 0.05
+    tier.fail_keys = set()
+    cache.step()
+    assert len(tier.submitted) == 4
+    tier.release()  # a copy that works ends the pause
+    cache.step()
+    assert set(a[2:]) <= set(tier.stored)

@@ -128,3 +128,26 @@ def test_fast_on_a_100k_request_trace() -> None:
     elapsed = time.perf_counter() - start
     assert result.requests == 100_000
     assert elapsed < 60, f"{elapsed:.1f} s for {result.blocks} blocks"
+
+
+def test_simulate_policy_optimal_prints_the_labelled_bound(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvtier.cli import main
+
+    assert main(["simulate", "--policy", "optimal", "--pool-blocks", "4000"]) == 0
+    out = capsys.readouterr().out
+    expected = optimal_hit_ratio(read_trace(bundled_trace_path()), 4000)
+    assert "OFFLINE BOUND" in out and "exact for the prefix hit model" in out
+    assert f"hit ratio   {expected.hit_ratio:.4f} ({expected.hit_blocks} of" in out
+
+
+def test_simulate_policy_choices_follow_the_policies() -> None:
+    from kvtier.cli import build_parser
+    from kvtier.policies import EvictionKind
+
+    parser = build_parser()
+    for kind in EvictionKind:
+        assert parser.parse_args(["simulate", "--policy", kind.value]).policy == kind.value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["simulate", "--policy", "mru"])

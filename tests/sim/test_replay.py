@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -334,3 +335,25 @@ def test_on_evict_hit_ratio_matches_write_through_on_the_bundled_trace() -> None
     assert on_evict.hit_blocks > 0.99 * through.hit_blocks
     written = on_evict.cache["cache"]["cascade_writes"]
     assert 0 < written <= through.cache["cache"]["cascade_writes"]
+
+
+def test_an_unreachable_on_evict_tier_neither_stalls_nor_spins(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: write-back resubmitted every rejected copy each step, so the drain after each
+    request spun a core for 2 x job_timeout_s (4 s here) without a word; now it pauses
+    write-back and says which tier fails."""
+    import socket
+    import time
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tier = {"kind": "redis", "url": f"redis://127.0.0.1:{port}", "write": "on_evict"}
+    wall0, cpu0 = time.monotonic(), time.process_time()
+    with caplog.at_level(logging.WARNING):
+        result = run(bundled_trace_path(), 16, limit=200, tiers=[tier], job_timeout_s=2)
+    wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
+    assert result.drain_timeouts == 0 and result.mismatched_blocks == 0
+    assert wall < 2.0 and cpu < 2.0
+    assert "tier redis: 4 of 4 block copies failed; write-back paused" in caplog.text

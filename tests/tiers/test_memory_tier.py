@@ -145,6 +145,29 @@ def test_close_completes_queued_jobs_once(make_tier: MakeTier, pool: HostPool) -
     assert tier.poll() == []
 
 
+def test_worker_survives_an_infinite_latency(make_tier: MakeTier, pool: HostPool) -> None:
+    # Options built in code skip the config check: the worker must neither die on a wait it
+    # cannot make (OverflowError) nor hang close().
+    tier = make_tier(latency_ms=float("inf"))
+    drive = Driver(tier)
+    key = make_key(0)
+    fill(pool, 0, key)
+    job = drive.submit(JobKind.WRITE, [key], [0])
+    time.sleep(0.05)
+    start = time.monotonic()
+    tier.close()
+    assert time.monotonic() - start < 2
+    assert [r.job_id for r in tier.poll()] == [job]
+
+
+def test_worker_does_not_spin_on_a_nan_latency(make_tier: MakeTier, pool: HostPool) -> None:
+    tier = make_tier(latency_ms=float("nan"))
+    drive = Driver(tier)
+    key = make_key(0)
+    fill(pool, 0, key)
+    assert drive.wait(drive.submit(JobKind.WRITE, [key], [0]), deadline_s=2) == [True]
+
+
 def test_failure_injection_is_seeded_and_counted(make_tier: MakeTier) -> None:
     def pattern(seed: int) -> tuple[list[bool], MemoryTier]:
         tier = make_tier(failure_rate=0.5, seed=seed)

@@ -37,6 +37,9 @@ from dataclasses import dataclass
 
 from kvtier.sim.trace import TraceRequest
 
+OPTIMAL_POLICY = "optimal"
+"""``kvtier simulate --policy optimal``: this bound instead of a replay."""
+
 
 @dataclass(frozen=True, slots=True)
 class OptimalResult:
@@ -146,3 +149,22 @@ def infinite_hit_ratio(requests: Sequence[TraceRequest] | Sequence[Sequence[int]
             hits += 1
         seen.update(hash_ids)
     return hits / blocks if blocks else 0.0
+
+
+def format_optimal(result: OptimalResult, trace_name: str) -> str:
+    """The bound as ``kvtier simulate`` prints it, labelled as a bound."""
+    exact = (
+        "exact for the prefix hit model"
+        if result.prefix_consistent
+        else "ids are not prefix-aware: an upper bound on per-block hits only"
+    )
+    return "\n".join(
+        [
+            f"trace       {trace_name}: {result.requests} requests, {result.blocks} blocks",
+            f"pool        {result.capacity_blocks} blocks, policy optimal "
+            "(OFFLINE BOUND: knows the future; no online policy reaches it)",
+            f"bound       {exact}",
+            f"hit ratio   {result.hit_ratio:.4f} ({result.hit_blocks} of {result.blocks} blocks), "
+            f"stored {result.stored_blocks} blocks",
+        ]
+    )

@@ -9,6 +9,7 @@ written for its key is counted as a mismatch: the replay's correctness check, wh
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import time
@@ -24,6 +25,8 @@ from kvtier.pool import HostPool
 from kvtier.sim.trace import TraceRequest
 
 POOL_TIER = "pool"
+
+log = logging.getLogger(__name__)
 
 
 def payload_for(key: BlockKey, size: int) -> bytes:
@@ -263,16 +266,23 @@ class Replayer:
 
     def _drain(self) -> None:
         """Wait until the tier jobs in flight ended (or, after ``pending_timeout_s``, give up on
-        the ones still running: later drains do not wait for them again)."""
+        the ones still running, naming their tiers in a warning: later drains do not wait for
+        them again). Jobs the manager already gave up (``job_timeout_s``) are not waited for."""
         cache = self.cache
         deadline = time.monotonic() + self.pending_timeout_s
-        while cache.jobs_in_flight > self._stuck_jobs:
+        while sum(cache.jobs_waiting().values()) > self._stuck_jobs:
             if time.monotonic() >= deadline:
                 self.result.drain_timeouts += 1
-                self._stuck_jobs = cache.jobs_in_flight
+                waiting = cache.jobs_waiting()
+                self._stuck_jobs = sum(waiting.values())
+                log.warning(
+                    "tier jobs did not end within %g s (%s); going on without them",
+                    self.pending_timeout_s,
+                    ", ".join(f"tier {name}: {n}" for name, n in sorted(waiting.items())),
+                )
                 break
             cache.wait(0.05)
-        self._stuck_jobs = min(self._stuck_jobs, cache.jobs_in_flight)
+        self._stuck_jobs = min(self._stuck_jobs, sum(cache.jobs_waiting().values()))
         cache.step()
         cache.take_events()
 

@@ -13,37 +13,62 @@ What callers may rely on (besides the ``Tier`` contract):
 * The bytes of the files this tier knows plus those reserved by in-flight writes never exceed
   ``capacity`` (headers included). Least-recently used blocks are evicted to make room; a block
   that an in-flight job reads or writes is never evicted.
-* All file I/O runs on a thread pool of ``threads`` threads; ``lookup``, ``submit`` and ``poll`` do
-  not touch the disk and never raise.
+* Disk full: the tier also stays below the space the filesystem really has. Its limit is
+  ``min(capacity, used + free - min_free)``, with the free space re-read at most once a second and
+  at once after a write fails with ENOSPC or EDQUOT (which evicts to make room and retries the
+  block once). It starts on a full disk (with nothing to write there, writes are ``rejected``).
+* All file I/O runs on ``threads`` I/O threads (``workers.WorkerPool``); ``lookup``, ``submit`` and
+  ``poll`` do not touch the disk and never raise. A thread stuck in I/O longer than
+  ``io_timeout_s`` (a hung NFS server) takes no new work; while every thread is stuck, new jobs
+  fail at once and queued blocks fail after ``io_timeout_s`` instead of waiting. A block a stuck
+  thread is in the middle of is reported only when the thread returns: until then it may still
+  read or write its pool slot, so the slot must stay reserved. At most ``threads`` blocks (and the
+  jobs they belong to) can be held that way. ``close()`` returns within ``io_timeout_s``.
+
+Hostile files (other users, other tenants on a shared filesystem): the tier never follows a
+symbolic link below ``path`` (namespace and shard directories and block files are opened with
+``O_NOFOLLOW`` relative to their parent's descriptor), never opens anything but a regular file
+(``lstat`` first, then ``O_NONBLOCK`` and ``fstat``, so a FIFO cannot block a thread), creates
+temp files with ``O_EXCL`` and gives files ``file_mode`` (0600) and the directories it creates
+``dir_mode`` (0700) whatever the umask. Such a file where a block should be is a corrupt block:
+dropped (the link or FIFO itself is removed, never what it points to).
 
 Several processes may share one directory (a shared filesystem). Each keeps its own index, built
 from the directory at start; ``rescan()`` picks up files the others wrote since and forgets files
 they deleted. Capacity is enforced by each process over the files it knows, so give each process
-sharing a disk its share of it.
+sharing a disk its share of it. A file this process cannot delete (another user's, a read-only
+directory) is forgotten, no longer counted and not indexed again by ``rescan``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import itertools
+import logging
 import operator
 import os
 import socket
+import stat
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, Tier, TierJob
+from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
 from kvtier.tiers.iovec import advance
 from kvtier.tiers.payload import HEADER_BYTES, encode_header, header_matches, payload_matches
+from kvtier.tiers.workers import WorkerPool
 from kvtier.validation import Section
+
+log = logging.getLogger(__name__)
 
 BLOCK_SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
@@ -51,6 +76,16 @@ STALE_TMP_S = 3600.0
 """A temp file this old is a crash leftover even if we cannot tell whether its writer lives."""
 
 _HEX = frozenset("0123456789abcdef")
+MIN_FREE_MAX = 256 * 1024**2
+"""The default ``min_free`` is 1% of the filesystem, at most this."""
+FREE_SPACE_REFRESH_S = 1.0
+"""How old the free-space figure of the filesystem may get before a write re-reads it."""
+MAX_UNDELETABLE = 65536
+"""Keys remembered as undeletable (so rescans do not index them again); oldest forgotten first."""
+MAX_VICTIM_ROUNDS = 8
+"""Times a write picks more victims when the ones it chose could not be deleted."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +97,17 @@ class Options:
     fsync: bool = False
     """fsync each file and its directory before a block becomes visible (survives power loss)."""
     threads: int = 4
+    file_mode: int = 0o600
+    """Permission bits of block files (set with fchmod, so the umask does not matter)."""
+    dir_mode: int = 0o700
+    """Permission bits of the directories the tier creates."""
+    min_free: int | None = None
+    """Bytes of the filesystem left free: the tier shrinks below ``capacity`` to keep them. None:
+    1% of the filesystem's size, at most ``MIN_FREE_MAX``."""
+    io_timeout_s: float = 10.0
+    """An I/O thread busy on one block this long is stuck; see the module docstring."""
+    config_path: str = field(default="fs", compare=False)
+    """Where these options came from in the config (``tiers[1]``), for error messages."""
 
     @classmethod
     def parse(cls, section: Section) -> Options:
@@ -70,6 +116,11 @@ class Options:
             capacity=section.size("capacity", minimum=1),
             fsync=section.boolean("fsync", False),
             threads=section.integer("threads", 4, minimum=1, maximum=256),
+            file_mode=_mode(section, "file_mode", 0o600, 0o600),
+            dir_mode=_mode(section, "dir_mode", 0o700, 0o700),
+            min_free=section.size("min_free") if section.has("min_free") else None,
+            io_timeout_s=section.number("io_timeout_s", 10.0, minimum=0.01, maximum=3600.0),
+            config_path=section.path or "fs",
         )
         section.done()
         return options
@@ -119,14 +170,27 @@ class FsTier(Tier):
         self._writing: set[BlockKey] = set()
         self._deleting: set[BlockKey] = set()
         self._seq = 0
+        """Bumped by every commit and, while a rescan runs, every deletion."""
+        self._scans = 0
+        """Rescans running; while any does, deleted keys are remembered in ``_deleted``."""
+        self._deleted: set[BlockKey] = set()
+        """Keys deleted while a rescan ran: its listing may still show them."""
+        self._undeletable: OrderedDict[BlockKey, None] = OrderedDict()
+        """Keys whose file could not be removed: forgotten and not indexed again."""
+        self._limit = options.capacity
+        """``min(capacity, used + free - min_free)`` as of ``_free_at``."""
+        self._free_at = -FREE_SPACE_REFRESH_S
         self._tmp_ids = itertools.count()
         self._host = _host_tag()
         self._closed = False
+        self._root_fd = -1
         self._prepare_root(options.path)
-        self._load_index()
-        self._executor = ThreadPoolExecutor(
-            max_workers=options.threads, thread_name_prefix=f"kvtier-fs-{name}"
-        )
+        try:
+            self._load_index()
+            self._workers = WorkerPool(f"kvtier-fs-{name}", options.threads, options.io_timeout_s)
+        except BaseException:
+            os.close(self._root_fd)
+            raise
 
     # -- the Tier interface ---------------------------------------------------------------------
 
@@ -161,23 +225,34 @@ class FsTier(Tier):
                 self._pins[key] = self._pins.get(key, 0) + 1
         # A few workers per job, each taking the next block until none is left: blocks spread
         # over the threads without one queued task (and its cost on this thread) per block.
+        label = f"{job.kind.value} job {job.job_id}"
         started = 0
         for _ in range(min(n, self.options.threads)):
-            try:
-                self._executor.submit(self._run_blocks, state)
-                started += 1
-            except RuntimeError:  # executor already shut down
-                break
+            if not self._workers.submit(
+                lambda: self._run_blocks(state), lambda: self._fail_rest(state), label
+            ):
+                break  # closed, or every thread stuck: fail fast rather than queue forever
+            started += 1
         if started == 0:
-            for i, key in enumerate(job.keys):
-                self._block_done(state, i, key, False)
+            self._fail_rest(state)
+
+    def poll(self) -> list[JobResult]:
+        # Blocks queued behind stuck threads for longer than io_timeout_s fail here.
+        self._workers.expire()
+        return super().poll()
 
     def close(self) -> None:
-        """Wait for running jobs (their results still arrive through ``poll``); idempotent."""
+        """Wait up to ``io_timeout_s`` for queued and running blocks (their results still arrive
+        through ``poll``), then fail the blocks not started and abandon those on stuck threads
+        (logged; their jobs are never reported, their slots must stay reserved). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._executor.shutdown(wait=True)
+        abandoned = self._workers.close(self.options.io_timeout_s)
+        if not abandoned:
+            # A stuck thread may still use the descriptor; closing it could hand its number to
+            # another file. Leaked in that case, on purpose.
+            os.close(self._root_fd)
 
     # -- extras ---------------------------------------------------------------------------------
 
@@ -189,12 +264,28 @@ class FsTier(Tier):
         Only needed when several processes share the directory; call it now and then (say every
         few seconds), not on every lookup: it lists the whole namespace directory.
         """
-        if not self._closed:
-            with contextlib.suppress(RuntimeError):
-                return self._executor.submit(self._rescan)
         done: Future[int] = Future()
-        done.set_result(0)
+
+        def run() -> None:
+            try:
+                done.set_result(self._rescan())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        if self._closed or not self._workers.submit(run, lambda: done.set_result(0), "rescan"):
+            done.set_result(0)
         return done
+
+    @property
+    def stuck_threads(self) -> int:
+        """I/O threads busy on one block for longer than ``io_timeout_s``."""
+        return self._workers.stuck
+
+    @property
+    def limit(self) -> int:
+        """The capacity in force: ``min(capacity, used + free - min_free)`` as last measured."""
+        with self._lock:
+            return self._limit
 
     @property
     def used_bytes(self) -> int:
@@ -222,6 +313,15 @@ class FsTier(Tier):
             finally:
                 self._block_done(state, i, key, ok)
 
+    def _fail_rest(self, state: _Job) -> None:
+        """Fail the blocks of a job no thread has taken yet (refused or expired work)."""
+        n = len(state.keys)
+        for i in state.cursor:
+            if i >= n:
+                return
+            self._count_error()
+            self._block_done(state, i, state.keys[i], False)
+
     def _block_done(self, state: _Job, i: int, key: BlockKey, ok: bool) -> None:
         with self._lock:
             state.ok[i] = ok
@@ -245,9 +345,12 @@ class FsTier(Tier):
         view = self.pool.view(slot)
         header = bytearray(HEADER_BYTES)
         try:
-            fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open_block(key)
         except FileNotFoundError:
             self._forget(key)  # deleted by another process sharing the directory
+            return False
+        except _NotRegular:
+            self._drop_corrupt(key)  # a FIFO, a device, a directory or a symbolic link
             return False
         except OSError:
             self._count_error()
@@ -275,10 +378,44 @@ class FsTier(Tier):
             self.counters.read_bytes += len(view)
         return True
 
+    def _open_block(self, key: BlockKey) -> int:
+        """A descriptor of the key's block file, read-only and blocking. Raises ``_NotRegular``
+        for anything but a regular file (nothing else is opened; a FIFO swapped in between the
+        check and the open is opened non-blocking and refused), OSError as the calls do."""
+        shard_name, name = self._names(key)
+        try:
+            shard = os.open(shard_name, _DIR_FLAGS, dir_fd=self._root_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _NotRegular(shard_name) from exc
+            raise
+        try:
+            if not stat.S_ISREG(os.stat(name, dir_fd=shard, follow_symlinks=False).st_mode):
+                raise _NotRegular(name)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            try:
+                fd = os.open(name, flags, dir_fd=shard)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise _NotRegular(name) from exc
+                raise
+        finally:
+            os.close(shard)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _NotRegular(name)
+            # Regular files ignore O_NONBLOCK on Linux; cleared anyway so a read never sees EAGAIN.
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def _write_block(self, key: BlockKey, slot: int) -> bool:
         if not self._valid(key, slot):
             return False
         need = self._file_bytes
+        self._refresh_limit()
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -293,15 +430,24 @@ class FsTier(Tier):
                 return False
             victims, reserved = reservation
             self._writing.add(key)
-        if victims:
-            # Victim bytes were moved into our reservation; any that could not be deleted went back
-            # to the index and so no longer belong to it.
-            reserved -= sum(size for _, size in victims) - self._delete_victims(victims)
+        rounds = 0
+        while victims:
+            # Victim bytes were moved into our reservation; those of files that could not be
+            # deleted were uncounted (forgotten) and so no longer belong to it: claim more.
+            lost = sum(size for _, size in victims) - self._delete_victims(victims)
+            reserved -= lost
+            victims = []
+            rounds += 1
+            if lost and reserved < need and rounds < MAX_VICTIM_ROUNDS:
+                with self._lock:
+                    more = self._reserve(need - reserved)
+                if more is not None:
+                    victims, extra = more
+                    reserved += extra
         ok = False
         try:
             if reserved >= need:
-                self._write_file(key, self.pool.view(slot))
-                ok = True
+                ok = self._write_or_make_room(key, self.pool.view(slot), need)
         except Exception:
             ok = False
         with self._lock:
@@ -312,6 +458,7 @@ class FsTier(Tier):
                     self._used -= old.size
                 self._seq += 1
                 self._index[key] = _Entry(need, self._seq)
+                self._undeletable.pop(key, None)  # replaced by our own file
                 self._used -= reserved - need
                 self.counters.write_blocks += 1
                 self.counters.write_bytes += self.pool.slot_bytes
@@ -320,45 +467,105 @@ class FsTier(Tier):
                 self.counters.errors += 1
         return ok
 
+    def _write_or_make_room(self, key: BlockKey, view: memoryview, need: int) -> bool:
+        """Write the block; when the filesystem is full (ENOSPC, EDQUOT: it has less room than
+        our limit said, say because others filled it), re-read the free space, evict least-recent
+        blocks worth ``need`` bytes and try once more. Raises OSError when the block fails."""
+        try:
+            self._write_file(key, view)
+            return True
+        except OSError as exc:
+            if exc.errno not in _FULL:
+                raise
+        self._refresh_limit(force=True)
+        with self._lock:
+            victims = self._pick_victims(need)
+        gone = self._delete_victims(victims)
+        with self._lock:
+            self._used -= gone
+        if gone == 0:
+            return False  # nothing of ours left to remove: the disk is full of other files
+        self._write_file(key, view)
+        return True
+
     def _write_file(self, key: BlockKey, view: memoryview) -> None:
-        """Temp file, optional fsync, atomic rename: readers see the whole block or nothing."""
-        directory, final = self._paths(key)
+        """Temp file (created exclusively, never through a link), optional fsync, atomic rename:
+        readers see the whole block or nothing."""
+        shard_name, final = self._names(key)
         tmp = f"{final[: -len(BLOCK_SUFFIX)]}.{self._host}.{os.getpid()}.{next(self._tmp_ids)}"
         tmp += TMP_SUFFIX
         header = encode_header(self._digest, key, view)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        shard = self._open_shard(shard_name)
         try:
-            fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:  # first block of this shard (or removed by a peer)
-            os.makedirs(directory, exist_ok=True)
-            if self.options.fsync:
-                _fsync_dir(self.root)
-            fd = os.open(tmp, flags, 0o644)
-        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, self.options.file_mode, dir_fd=shard)
             try:
-                _write_all(fd, [memoryview(header), view])
+                try:
+                    os.fchmod(fd, self.options.file_mode)  # the umask may have masked bits off
+                    _write_all(fd, [memoryview(header), view])
+                    if self.options.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, final, src_dir_fd=shard, dst_dir_fd=shard)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=shard)
+                raise
+            if self.options.fsync:
+                os.fsync(shard)
+        finally:
+            os.close(shard)
+
+    def _open_shard(self, name: str) -> int:
+        """A descriptor of a shard directory, created (``dir_mode``) if missing; OSError (ELOOP,
+        ENOTDIR) when something else, a symbolic link say, sits in its place."""
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=self._root_fd)
+        except FileNotFoundError:
+            pass
+        created = True
+        try:
+            os.mkdir(name, self.options.dir_mode, dir_fd=self._root_fd)
+        except FileExistsError:  # a concurrent writer (here or in a peer) made it first
+            created = False
+        fd = os.open(name, _DIR_FLAGS, dir_fd=self._root_fd)
+        if created:
+            try:
+                os.fchmod(fd, self.options.dir_mode)
                 if self.options.fsync:
-                    os.fsync(fd)
-            finally:
+                    os.fsync(self._root_fd)
+            except BaseException:
                 os.close(fd)
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        if self.options.fsync:
-            _fsync_dir(directory)
+                raise
+        return fd
+
+    def _remove(self, key: BlockKey) -> bool:
+        """Remove the key's file (never what a link there points to); True when it is gone."""
+        shard_name, name = self._names(key)
+        try:
+            shard = os.open(shard_name, _DIR_FLAGS, dir_fd=self._root_fd)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            # Our shard directory was replaced (by a link or a file): nothing of ours is there.
+            return exc.errno in (errno.ELOOP, errno.ENOTDIR)
+        try:
+            return _unlink(name, shard)
+        finally:
+            os.close(shard)
 
     # -- index and capacity (callers hold no lock unless said) ----------------------------------
 
     def _reserve(self, need: int) -> tuple[Victims, int] | None:
         """Under the lock: claim ``need`` bytes, choosing least-recent unpinned victims when the
-        free space is short. Returns (victims, bytes now reserved) or None when it cannot fit.
+        free space (below ``_limit``) is short. Returns (victims, bytes now reserved) or None when
+        it cannot fit.
 
         Victims leave the index at once (so nobody reads them) but their bytes stay counted, now
-        as part of the reservation, until their files are gone: disk use never exceeds capacity.
+        as part of the reservation, until their files are gone: disk use never exceeds the limit.
         """
-        free = self.capacity - self._used
+        free = self._limit - self._used
         if free >= need:
             self._used += need
             return [], need
@@ -380,38 +587,43 @@ class FsTier(Tier):
         self._used += take
         return victims, freed + take
 
-    def _over_capacity_victims(self) -> Victims:
-        """Under the lock: least-recent unpinned entries to drop until the index fits capacity."""
+    def _pick_victims(self, need: int) -> Victims:
+        """Under the lock: least-recent unpinned entries worth ``need`` bytes (fewer if there are
+        not enough), out of the index; their bytes stay counted until they are deleted."""
         victims: Victims = []
-        excess = self._used - self.capacity
         for key, entry in self._index.items():
-            if excess <= 0:
+            if need <= 0:
                 break
             if self._pins.get(key) or key in self._writing:
                 continue
             victims.append((key, entry.size))
-            excess -= entry.size
+            need -= entry.size
         for key, _ in victims:
             del self._index[key]
             self._deleting.add(key)
         return victims
 
+    def _over_capacity_victims(self) -> Victims:
+        """Under the lock: least-recent unpinned entries to drop until the index fits the limit."""
+        return self._pick_victims(self._used - self._limit)
+
     def _delete_victims(self, victims: Victims) -> int:
-        """Unlink evicted files; returns the bytes really gone. A file that could not be removed
-        goes back to the cold end of the index, its bytes still counted."""
+        """Unlink evicted files; returns the bytes really gone (the caller uncounts them). A file
+        that could not be removed is forgotten: uncounted here, not indexed again (see
+        ``_undeletable``), its bytes not returned."""
         gone = 0
         for key, size in victims:
-            removed = _unlink(self._file(key))
+            removed = self._remove(key)
             with self._lock:
                 self._deleting.discard(key)
+                self._note_deleted(key)
                 if removed:
                     gone += size
                     self.counters.evictions += 1
-                    self._report_evicted(key)
                 else:
-                    self.counters.errors += 1
-                    self._index[key] = _Entry(size, 0)
-                    self._index.move_to_end(key, last=False)
+                    self._note_undeletable(key)
+                    self._used -= size
+                self._report_evicted(key)
         return gone
 
     def _forget(self, key: BlockKey) -> None:
@@ -430,15 +642,55 @@ class FsTier(Tier):
             if entry is None:
                 return
             self._deleting.add(key)
-        removed = _unlink(self._file(key))
+        removed = self._remove(key)
         with self._lock:
             self._deleting.discard(key)
-            # An undeletable file keeps its bytes counted: accounting errs on the full side.
-            if removed:
-                self._used -= entry.size
-            else:
-                self.counters.errors += 1
+            self._note_deleted(key)
+            self._used -= entry.size
+            if not removed:
+                self._note_undeletable(key)
             self._report_evicted(key)
+
+    def _note_deleted(self, key: BlockKey) -> None:
+        """Under the lock: a running rescan may have listed this file before it went."""
+        if self._scans:
+            self._deleted.add(key)
+
+    def _note_undeletable(self, key: BlockKey) -> None:
+        """Under the lock: a file we cannot remove (another user's, a read-only directory) is not
+        ours to manage: counting it would hold its bytes against our capacity forever."""
+        self.counters.errors += 1
+        undeletable = self._undeletable
+        if not undeletable:
+            log.warning(
+                "fs tier %s: cannot remove %s; files this process cannot delete are left alone "
+                "and not counted",
+                self.name,
+                os.path.join(self.root, *self._names(key)),
+            )
+        undeletable[key] = None
+        undeletable.move_to_end(key)
+        if len(undeletable) > MAX_UNDELETABLE:
+            undeletable.popitem(last=False)
+
+    def _refresh_limit(self, force: bool = False) -> None:
+        """Re-read the filesystem's free space (at most every FREE_SPACE_REFRESH_S unless forced)
+        and set ``_limit = min(capacity, used + free - min_free)``. On an I/O thread: statvfs of
+        a network filesystem can wait."""
+        now = time.monotonic()
+        if not force and now - self._free_at < FREE_SPACE_REFRESH_S:
+            return
+        self._free_at = now
+        try:
+            st = os.statvfs(self._root_fd)
+        except OSError:
+            return  # keep the last figure; the write itself will tell
+        free = st.f_bavail * st.f_frsize
+        reserve = self.options.min_free
+        if reserve is None:
+            reserve = min(MIN_FREE_MAX, st.f_blocks * st.f_frsize // 100)
+        with self._lock:
+            self._limit = max(0, min(self.capacity, self._used + free - reserve))
 
     def _valid(self, key: BlockKey, slot: int) -> bool:
         # Keys are 16 bytes; a longer one would be truncated in the header and could collide.
@@ -453,27 +705,52 @@ class FsTier(Tier):
 
     # -- directory ------------------------------------------------------------------------------
 
-    def _paths(self, key: BlockKey) -> tuple[str, str]:
+    def _names(self, key: BlockKey) -> tuple[str, str]:
+        """(shard directory, file name) of a key, each relative to its parent."""
         name = key.hex()
-        directory = os.path.join(self.root, name[:2])
-        return directory, os.path.join(directory, name + BLOCK_SUFFIX)
+        return name[:2], name + BLOCK_SUFFIX
 
     def _file(self, key: BlockKey) -> str:
-        return self._paths(key)[1]
+        return os.path.join(self.root, *self._names(key))
 
     def _prepare_root(self, path: str) -> None:
-        probe = os.path.join(self.root, f".probe.{self._host}.{os.getpid()}.{id(self)}")
+        """Create ``path`` (missing components get ``dir_mode``; existing ones are the admin's
+        and may be links) and the namespace directory, which must be a real directory; hold a
+        descriptor of it. Writability is tried with an empty probe file, which a full disk
+        does not fail."""
+        probe = f".probe.{self._host}.{os.getpid()}.{id(self)}"
+        mode = self.options.dir_mode
+        fd = -1
         try:
-            os.makedirs(self.root, exist_ok=True)
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            _make_dirs(path, mode)
             try:
-                os.write(fd, b"k")
-            finally:
-                os.close(fd)
-            os.unlink(probe)
+                os.mkdir(self.root, mode)
+                created = True
+            except FileExistsError:
+                created = False
+            fd = os.open(self.root, _DIR_FLAGS)
+            st = os.fstat(fd)
+            if created or (st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & ~mode):
+                # Ours: private (or as configured) whatever the umask, and stores written with
+                # looser modes by older versions are closed to others here.
+                os.fchmod(fd, mode)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                os.close(os.open(probe, flags, self.options.file_mode, dir_fd=fd))
+                os.unlink(probe, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in _FULL:
+                    raise
+                log.warning("fs tier %s: %s is full (%s)", self.name, self.root, exc.strerror)
         except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
             reason = exc.strerror or str(exc)
-            raise ConfigError("fs.path", path, f"a writable directory ({reason})") from exc
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and fd < 0:
+                reason += f"; {self.root} must be a directory, not a symbolic link"
+            field_name = f"{self.options.config_path}.path"
+            raise ConfigError(field_name, path, f"a writable directory ({reason})") from exc
+        self._root_fd = fd
 
     def _load_index(self) -> None:
         found = self._scan()
@@ -481,72 +758,115 @@ class FsTier(Tier):
         for key, size, _mtime in sorted(found, key=lambda item: item[2]):
             self._index[key] = _Entry(size, 0)
             self._used += size
+        self._refresh_limit(force=True)
         with self._lock:
-            victims = self._over_capacity_victims()
-        self._used -= self._delete_victims(victims)
-
-    def _rescan(self) -> int:
-        with self._lock:
-            start_seq = self._seq
-        on_disk = {key: (size, mtime) for key, size, mtime in self._scan()}
-        with self._lock:
-            index = self._index
-            for key in [k for k, e in index.items() if k not in on_disk and e.seq <= start_seq]:
-                if not self._pins.get(key):  # a running read finds out for itself
-                    self._used -= index.pop(key).size
-                    self._report_evicted(key)
-            skip = self._writing | self._deleting
-            new = sorted(
-                (mtime, key, size)
-                for key, (size, mtime) in on_disk.items()
-                if key not in index and key not in skip
-            )
-            # Newest of the newcomers first, each pushed to the cold end: their order follows mtime
-            # and they rank below every block this process has used.
-            for _mtime, key, size in reversed(new):
-                index[key] = _Entry(size, 0)
-                index.move_to_end(key, last=False)
-                self._used += size
             victims = self._over_capacity_victims()
         gone = self._delete_victims(victims)
         with self._lock:
             self._used -= gone
+
+    def _rescan(self) -> int:
+        with self._lock:
+            start_seq = self._seq
+            if not self._scans:
+                self._deleted.clear()
+            self._scans += 1
+        try:
+            on_disk = {key: (size, mtime) for key, size, mtime in self._scan()}
+            self._refresh_limit()
+            with self._lock:
+                added = self._merge_scan(on_disk, start_seq)
+                victims = self._over_capacity_victims()
+        finally:
+            with self._lock:
+                self._scans -= 1
+        gone = self._delete_victims(victims)
+        with self._lock:
+            self._used -= gone
+        return added
+
+    def _merge_scan(self, on_disk: dict[BlockKey, tuple[int, float]], start_seq: int) -> int:
+        """Under the lock: forget indexed files the listing misses, index the ones it found that
+        we do not know. A key that changed since the listing began is left as it is: committed by
+        us since (its seq), being written or deleted now, or deleted since (``_deleted``: the
+        listing may still show it, and counting it again would count a file that is gone)."""
+        index = self._index
+        for key in [k for k, e in index.items() if k not in on_disk and e.seq <= start_seq]:
+            if not self._pins.get(key):  # a running read finds out for itself
+                self._used -= index.pop(key).size
+                self._report_evicted(key)
+        undeletable = self._undeletable
+        for key in [k for k in undeletable if k not in on_disk]:
+            del undeletable[key]  # gone after all: may be indexed again when it comes back
+        skip = self._writing | self._deleting | self._deleted
+        new = sorted(
+            (mtime, key, size)
+            for key, (size, mtime) in on_disk.items()
+            if key not in index and key not in skip and key not in undeletable
+        )
+        # Newest of the newcomers first, each pushed to the cold end: their order follows mtime
+        # and they rank below every block this process has used.
+        for _mtime, key, size in reversed(new):
+            index[key] = _Entry(size, 0)
+            index.move_to_end(key, last=False)
+            self._used += size
         return len(new)
 
     def _scan(self) -> list[tuple[BlockKey, int, float]]:
         """(key, size, mtime) of every block file under the namespace directory; removes stale
-        temp files on the way. Files that do not look like ours are left alone."""
+        temp files on the way. Files that do not look like ours are left alone; links, FIFOs and
+        other non-regular files are neither followed nor listed."""
         found: list[tuple[BlockKey, int, float]] = []
         now = time.time()
         try:
-            shards = [e for e in os.scandir(self.root) if len(e.name) == 2 and e.is_dir()]
+            with os.scandir(self._root_fd) as listing:
+                shards = [
+                    e.name
+                    for e in listing
+                    if len(e.name) == 2 and set(e.name) <= _HEX and e.is_dir(follow_symlinks=False)
+                ]
         except OSError:
             return found
-        for shard in shards:
+        for shard_name in shards:
             try:
-                entries = list(os.scandir(shard.path))
+                shard = os.open(shard_name, _DIR_FLAGS, dir_fd=self._root_fd)
             except OSError:
-                continue
-            for entry in entries:
-                name = entry.name
-                try:
-                    if name.endswith(BLOCK_SUFFIX):
-                        stem = name[: -len(BLOCK_SUFFIX)]
-                        if (
-                            len(stem) == 2 * KEY_BYTES
-                            and set(stem) <= _HEX
-                            and stem[:2] == shard.name
-                        ):
-                            st = entry.stat(follow_symlinks=False)
-                            if entry.is_file(follow_symlinks=False):
-                                found.append((bytes.fromhex(stem), st.st_size, st.st_mtime))
-                    elif name.endswith(TMP_SUFFIX) and self._stale_tmp(
-                        name, entry.stat(follow_symlinks=False).st_mtime, now
-                    ):
-                        _unlink(entry.path)
-                except OSError:
-                    continue  # vanished while we looked (another process): skip it
+                continue  # gone, or replaced by a link since the listing
+            try:
+                self._scan_shard(shard, shard_name, found, now)
+            finally:
+                os.close(shard)
         return found
+
+    def _scan_shard(
+        self, shard: int, shard_name: str, found: list[tuple[BlockKey, int, float]], now: float
+    ) -> None:
+        try:
+            with os.scandir(shard) as listing:
+                entries = list(listing)
+        except OSError:
+            return
+        for entry in entries:
+            name = entry.name
+            try:
+                if name.endswith(BLOCK_SUFFIX):
+                    stem = name[: -len(BLOCK_SUFFIX)]
+                    if (
+                        len(stem) == 2 * KEY_BYTES
+                        and set(stem) <= _HEX
+                        and stem[:2] == shard_name
+                        and entry.is_file(follow_symlinks=False)
+                    ):
+                        st = entry.stat(follow_symlinks=False)
+                        found.append((bytes.fromhex(stem), st.st_size, st.st_mtime))
+                elif (
+                    name.endswith(TMP_SUFFIX)
+                    and entry.is_file(follow_symlinks=False)
+                    and self._stale_tmp(name, entry.stat(follow_symlinks=False).st_mtime, now)
+                ):
+                    _unlink(name, shard)
+            except OSError:
+                continue  # vanished while we looked (another process): skip it
 
     def _stale_tmp(self, name: str, mtime: float, now: float) -> bool:
         """A temp file of a dead writer on this host, or one too old to belong to a live write.
@@ -557,6 +877,56 @@ class FsTier(Tier):
             if pid != os.getpid() and not _pid_alive(pid):
                 return True
         return now - mtime > STALE_TMP_S
+
+
+class _NotRegular(OSError):
+    """A path where a block file should be holds something else (a link, a FIFO, a directory)."""
+
+
+def _mode(section: Section, key: str, default: int, required: int) -> int:
+    """Permission bits from an int (YAML reads ``0640`` as octal) or an octal string ("0640",
+    "0o640"); must keep the ``required`` owner bits and hold nothing above 0o777."""
+    raw = section.data.get(key) if section.has(key) else None
+    if isinstance(raw, str):
+        text = raw.strip().lower().removeprefix("0o")
+        if not text or len(text) > 4 or set(text) - set("01234567"):
+            section.string(key)  # marks the key read
+            raise ConfigError(
+                f"{section.path}.{key}" if section.path else key,
+                raw,
+                'permission bits in octal, such as "0600" or "0640"',
+            )
+        section.string(key)
+        mode = int(text, 8)
+    else:
+        mode = section.integer(key, default, minimum=0, maximum=0o777)
+    allowed = f'permission bits 0..0777 that include {required:#o} (in octal: "{required:04o}")'
+    if mode > 0o777 or mode & required != required:
+        raise ConfigError(f"{section.path}.{key}" if section.path else key, raw, allowed)
+    return mode
+
+
+def _make_dirs(path: str, mode: int) -> None:
+    """``os.makedirs`` that gives every directory it creates ``mode`` whatever the umask (and
+    never changes one that exists)."""
+    missing: list[str] = []
+    head = os.path.abspath(path)
+    while not os.path.lexists(head):
+        missing.append(head)
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            continue  # made by someone else meanwhile: theirs, left as it is
+        fd = os.open(directory, _DIR_FLAGS)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
 
 
 # -- small I/O helpers (module level so tests can inject faults) --------------------------------
@@ -591,23 +961,16 @@ def _read_exact(fd: int, buffers: list[memoryview]) -> bool:
     return True
 
 
-def _unlink(path: str) -> bool:
-    """Remove a file; True when it is gone (removed, or already missing)."""
+def _unlink(name: str, dir_fd: int) -> bool:
+    """Remove ``name`` in the directory ``dir_fd`` (a link itself, never its target); True when
+    it is gone (removed, or already missing)."""
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return True
     except OSError:
         return False
     return True
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -11,12 +11,15 @@ What callers may rely on (besides the ``Tier`` contract):
   fails the same way every run. A failed write stores nothing and a failed read returns
   ``ok=False`` (both count ``errors``); a corrupt read scribbles a damaged copy into the slot,
   returns ``ok=False``, counts ``corrupt`` and drops the block, as a real tier does.
+* ``close()`` completes queued jobs at once and returns within ``CLOSE_TIMEOUT_S`` (its worker is
+  a daemon thread that only copies bytes in memory; the bound guards against it being wedged).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import operator
 import random
 import threading
@@ -29,6 +32,14 @@ from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobKind, Tier, TierJob
 from kvtier.validation import Section
+
+log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 5.0
+"""The most ``close()`` waits for the worker thread."""
+MAX_WAIT_S = 1.0
+"""The worker wakes at least this often: a due time that is not a finite number (a latency the
+config check missed) cannot make it sleep forever, fail its wait or spin."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +142,13 @@ class MemoryTier(Tier):
             self._wake.notify()
             worker = self._worker
         if worker is not None:
-            worker.join()
+            worker.join(CLOSE_TIMEOUT_S)
+            if worker.is_alive():
+                log.warning(
+                    "memory tier %s: worker still busy after %.0f s; closed without it",
+                    self.name,
+                    CLOSE_TIMEOUT_S,
+                )
 
     # -- extras ---------------------------------------------------------------------------------
 
@@ -161,10 +178,11 @@ class MemoryTier(Tier):
             while True:
                 if self._queue:
                     delay = self._queue[0][0] - time.monotonic()
-                    if delay <= 0 or self._closed:
+                    # "not delay > 0": a NaN due time counts as due instead of a busy loop.
+                    if not delay > 0 or self._closed:
                         self._run(heapq.heappop(self._queue)[2])
                     else:
-                        self._wake.wait(delay)
+                        self._wake.wait(min(delay, MAX_WAIT_S))
                 elif self._closed:
                     return
                 else:

@@ -1,0 +1,94 @@
+"""Eviction policies on a trace: hit ratio per pool size, through the real manager.
+
+Each online policy replays the trace through ``kvtier simulate``'s path (``TieredCache`` over a
+host pool, no secondary tier, every block stored). The offline optimum (``kvtier.sim.optimal``,
+an upper bound no online policy reaches) and a cache that keeps every block frame the results; the
+last columns give each policy's fraction of the optimum. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvtier.config import bundled_config_mapping, parse_config
+from kvtier.policies import EvictionKind
+from kvtier.sim.optimal import infinite_hit_ratio, optimal_hit_ratio
+from kvtier.sim.replay import machine_description
+from kvtier.sim.simulate import simulate
+from kvtier.sim.trace import bundled_trace_path, read_trace
+
+CAPACITIES = (1000, 2000, 4000, 8000, 16000)
+
+
+@dataclass(slots=True)
+class Row:
+    capacity_blocks: int
+    policy: str
+    hit_ratio: float
+    fraction_of_optimum: float
+    seconds: float
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--trace", type=Path, default=None, help="default: the bundled trace")
+    parser.add_argument("--capacities", type=int, nargs="+", default=list(CAPACITIES))
+    parser.add_argument(
+        "--policies", nargs="+", default=[k.value for k in EvictionKind], help="online policies"
+    )
+    parser.add_argument("--json", type=Path, default=Path("docs/results/policy_bench.json"))
+    args = parser.parse_args()
+    trace = args.trace or bundled_trace_path()
+    requests = read_trace(trace)
+    base = parse_config(bundled_config_mapping())
+    infinite = infinite_hit_ratio(requests)
+    rows: list[Row] = []
+    for capacity in args.capacities:
+        start = time.perf_counter()
+        optimum = optimal_hit_ratio(requests, capacity).hit_ratio
+        rows.append(Row(capacity, "optimal", optimum, 1.0, time.perf_counter() - start))
+        for name in args.policies:
+            config = dataclasses.replace(base, eviction=EvictionKind(name))
+            start = time.perf_counter()
+            result = simulate(config, trace, pool_blocks=capacity)
+            assert result.mismatched_blocks == 0
+            rows.append(
+                Row(
+                    capacity,
+                    name,
+                    result.hit_ratio,
+                    result.hit_ratio / optimum if optimum else 0.0,
+                    time.perf_counter() - start,
+                )
+            )
+    where = machine_description()
+    print(f"policy benchmark: {trace.name}, {len(requests)} requests, on {where}")
+    names = [*args.policies, "optimal"]
+    header = f"{'blocks':>8}" + "".join(f"{n:>11}" for n in names)
+    header += "".join(f"{n + '/opt':>15}" for n in args.policies)
+    print(header)
+    for capacity in args.capacities:
+        by = {r.policy: r for r in rows if r.capacity_blocks == capacity}
+        line = f"{capacity:>8}" + "".join(f"{by[n].hit_ratio:>11.4f}" for n in names)
+        line += "".join(f"{by[n].fraction_of_optimum:>15.3f}" for n in args.policies)
+        print(line)
+    print(f"infinite cache: {infinite:.4f} (the optimal column is an offline bound, not a policy)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "machine": where,
+        "trace": trace.name,
+        "requests": len(requests),
+        "infinite_hit_ratio": infinite,
+        "rows": [asdict(r) for r in rows],
+    }
+    args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
