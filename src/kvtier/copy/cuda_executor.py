@@ -9,7 +9,8 @@ wake-ups), and the Python thread got one CUDA call through per 5 ms.
 
 The same C file plans staged transfers (``kvx_plan_staged``, see ``cuda_staged``). It is compiled
 with the system C compiler on first use (like the copy kernel with NVRTC) into
-``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``), once per source version.
+``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``, created 0700), once per source version; a
+cached file is loaded only when nobody else could have written it (see ``load_library``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -33,6 +36,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvtier.copy.cuda_runtime import CudaError
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cuda_executor.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
@@ -250,26 +255,107 @@ def cache_dir() -> Path:
     return Path(base) / "kvtier"
 
 
+def library_name() -> str:
+    """The file name of the executor built from this source with these flags."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return f"cuda_executor-{digest}.so"
+
+
 def load_library() -> ctypes.CDLL:
-    """The compiled executor, built on first use; raises ``ExecutorUnavailable``."""
+    """The compiled executor, built on first use; raises ``ExecutorUnavailable``.
+
+    Loading a shared library runs its code, so only a file nobody else can have written is
+    loaded: a regular file (not followed through a symlink) owned by this user and not group- or
+    world-writable, in a directory that is the same. A cached file failing that is rebuilt in
+    place; a cache directory failing it is not used (the executor is built into a private
+    temporary directory instead, with a warning naming the directory)."""
     global _LIBRARY
     with _LIBRARY_LOCK:
         if _LIBRARY is None:
-            _LIBRARY = _bind(ctypes.CDLL(str(_build())))
+            _LIBRARY = _bind(_load_trusted())
         return _LIBRARY
 
 
-def _build() -> Path:
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cuda_executor-{digest}.so"
-    if target.exists():
-        return target
+def _private_problem(st: os.stat_result, kind: str) -> str:
+    """Why a file or directory with this ``lstat`` could have been written by someone else
+    ('' if it could not)."""
+    is_kind = stat.S_ISDIR(st.st_mode) if kind == "directory" else stat.S_ISREG(st.st_mode)
+    if not is_kind:
+        return f"not a {kind}" + (" (a symlink)" if stat.S_ISLNK(st.st_mode) else "")
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not {os.geteuid()}"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def _private_cache_dir() -> Path | None:
+    """The cache directory (created 0700 where missing) if it is private, else None."""
+    directory = cache_dir()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = _private_problem(os.lstat(directory), "directory")
+    except OSError as exc:
+        problem = str(exc)
+    if problem:
+        log.warning(
+            "copy executor cache %s not used: %s; building into a private temporary directory",
+            directory,
+            problem,
+        )
+        return None
+    return directory
+
+
+def _open_private(path: Path) -> int | None:
+    """An open descriptor of ``path`` if it is a private regular file, else None (logged)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symlink
+        log.warning("copy executor %s not loaded: %s; building it anew", path, exc)
+        return None
+    problem = _private_problem(os.fstat(fd), "file")
+    if problem:
+        os.close(fd)
+        log.warning("copy executor %s not loaded: %s; building it anew", path, problem)
+        return None
+    return fd
+
+
+def _load_trusted() -> ctypes.CDLL:
+    """The private, built executor, loaded (see ``load_library``)."""
+    name = library_name()
+    directory = _private_cache_dir()
+    if directory is not None:
+        return _load_private(directory / name, rebuild=True)
+    with tempfile.TemporaryDirectory(prefix="kvtier-cache-") as private:  # mode 0700
+        return _load_private(Path(private) / name, rebuild=True)  # (loaded before it goes)
+
+
+def _load_private(path: Path, rebuild: bool) -> ctypes.CDLL:
+    """Load ``path`` if it is a private file, (re)building it first where it is not. Its
+    directory is private, so nobody else can swap the checked file before it is loaded."""
+    fd = _open_private(path)
+    if fd is None:
+        if not rebuild:
+            raise ExecutorUnavailable(f"the copy executor built at {path} is not private")
+        _build(path)
+        return _load_private(path, rebuild=False)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise ExecutorUnavailable(f"cannot load the copy executor {path}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _build(target: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise ExecutorUnavailable("no C compiler (cc or gcc) to build the copy executor")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run(
@@ -282,11 +368,13 @@ def _build() -> Path:
                 raise ExecutorUnavailable(
                     f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}"
                 )
-            os.replace(built, target)  # atomic: another process may build the same file
+            built.chmod(0o755)  # whatever the umask: never group- or world-writable
+            # Atomic, and replaces a symlink or a foreign file itself rather than its target;
+            # another process may build the same file at the same time.
+            os.replace(built, target)
     except (OSError, subprocess.SubprocessError) as exc:
         where = target.parent
         raise ExecutorUnavailable(f"cannot build the copy executor in {where}: {exc}") from exc
-    return target
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
