@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_helpers import Driver, make_tier
+import redis
+from redis_helpers import Driver, make_tier, wait_for
 from redis_servers import RedisCluster, binaries_missing
 from tiers.helpers import make_keys
 
@@ -121,3 +122,22 @@ def test_cluster_wrong_password_is_a_clear_error(
     assert info.value.field == "tiers[0].url"
     assert "credentials" in str(info.value)
     assert "wrong-cl-pw" not in str(info.value) and "cl-pw" not in str(info.value)
+
+
+def test_cluster_key_of_the_wrong_type_is_deleted_as_corrupt(
+    cluster: RedisCluster, pool: HostPool, namespace: Namespace
+) -> None:
+    tier = make_tier(pool, namespace, url=cluster.url, cluster=True)
+    try:
+        key = make_keys(1, "cluster-wrongtype")[0]
+        rkey = tier.redis_key(key).decode()
+        raw = redis.RedisCluster.from_url(cluster.url)
+        raw.rpush(rkey, b"x")
+        assert Driver(tier).load_exact([key], first_slot=3) == [False]
+        assert tier.counters.corrupt == 1 and tier.counters.errors == 0
+        wait_for(lambda: raw.exists(rkey) == 0, what="the wrong-type key deleted")
+        raw.close()
+        assert Driver(tier).store([key]) == [True]
+        assert Driver(tier).load_exact([key], first_slot=4) == [True]
+    finally:
+        tier.close()

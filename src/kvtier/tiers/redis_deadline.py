@@ -78,6 +78,8 @@ class Watchdog:
         self._active: set[Deadline] = set()
         self._stopped = False
         self._aborting = False
+        self._wake_at = float("inf")
+        """When the watchdog thread wakes next (guarded by ``_cond``)."""
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -92,7 +94,10 @@ class Watchdog:
             if self._aborting:
                 deadline.at = time.monotonic()  # closing: fail at once
             self._active.add(deadline)
-            self._cond.notify()
+            if deadline.at + SLACK_S < self._wake_at:
+                # Only a deadline earlier than the next wake-up needs the thread now: deadlines
+                # are mostly later than those already watched (one wake-up per timeout_s).
+                self._cond.notify()
         _current.deadline = deadline
         try:
             yield deadline
@@ -129,6 +134,7 @@ class Watchdog:
                         due = REFIRE_S
                     if wait is None or due < wait:
                         wait = due
+                self._wake_at = float("inf") if wait is None else now + wait
                 self._cond.wait(wait)
 
     def _fire(self, deadline: Deadline) -> None:
