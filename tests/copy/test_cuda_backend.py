@@ -322,8 +322,8 @@ def test_failed_enqueue_returns_streams_and_events(
     backend = backend_for(pool, kv, layout, strategy, stage_bytes=one_block, staged_min_blocks=1)
     # Something called once a step, after the gate: per layer (dma, kernel), or for the
     # hand-over of each DMA lane after the staged chunks were planned (staged).
-    target = backend if strategy == "dma" else backend._events
-    name = "_dma" if strategy == "dma" else "acquire"
+    target = backend._strategy if strategy == "dma" else backend._events
+    name = "dma" if strategy == "dma" else "acquire"
     real = getattr(target, name)
     calls = {"n": 0}
 

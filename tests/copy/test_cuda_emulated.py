@@ -617,7 +617,7 @@ def test_in_flight_stays_bounded_and_wait_finds_queued_jobs(
         backend.submit(CopyJob(job, Direction.LOAD, [job], [job]))
     device = _Device(fake)
     backend.wait([9])  # queued behind 8 others: wait makes room
-    assert 9 not in {t.job_id for t in backend._queued}
+    assert 9 not in {t.job_id for t in backend._queue.queued}
     assert _drain_done(backend, set(range(10))) == list(range(10))
     assert max(seen) <= 2
     backend.close()

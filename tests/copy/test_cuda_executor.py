@@ -205,7 +205,7 @@ def test_events_go_back_to_the_pool_only_after_their_program_ran(pool: HostPool)
     backend = _compact_backend(pool, fake)
     for job in range(6):
         backend.submit(CopyJob(job, Direction.STORE, [job], [job]))
-    pending = [t.program for t in backend._inflight.values()]
+    pending = [t.program for t in backend._queue.inflight.values()]
     referenced = {
         op[2] if op[0] == cuda_executor.OP_WAIT else op[1]
         for p in pending

@@ -35,7 +35,8 @@ from kvtier.copy.cuda_executor import (
     Program,
 )
 from kvtier.copy.cuda_plan import PARAM_HEADER_BYTES, KVLayout, pack_params, param_bytes
-from kvtier.copy.cuda_staged import StagedKernel, StagingRing, chunk_sizes, plan_staged
+from kvtier.copy.cuda_resources import StagingRing
+from kvtier.copy.cuda_staged import StagedKernel, chunk_sizes, plan_staged
 from kvtier.errors import ConfigError
 from kvtier.pool import HostPool
 
@@ -149,7 +150,7 @@ def _run_jobs(
     programs = []
     for job_id, (direction, blocks, slots) in enumerate(jobs, 1):
         backend.submit(CopyJob(job_id, direction, blocks, slots))
-        program = backend._inflight[job_id].program
+        program = backend._queue.inflight[job_id].program
         assert program is not None
         programs.append(program)
     backend.wait(list(range(1, len(jobs) + 1)))
@@ -239,7 +240,7 @@ def test_staged_transfers_of_a_direction_share_its_staging_streams(pool: HostPoo
     ]
     for job_id, direction, blocks, slots in jobs:
         backend.submit(CopyJob(job_id, direction, blocks, slots))
-    transfers = {job_id: backend._inflight[job_id] for job_id, *_ in jobs}
+    transfers = {job_id: backend._queue.inflight[job_id] for job_id, *_ in jobs}
     assert transfers[1].stream == transfers[2].stream == store.main
     assert transfers[3].stream == load.main
     ring_streams = {store.main, *store.lanes, load.main, *load.lanes}
@@ -270,7 +271,7 @@ def test_staged_transfers_can_run_on_streams_of_their_own(pool: HostPool) -> Non
         blocks = list(range(10 * job_id, 10 * job_id + 9))
         backend.submit(CopyJob(job_id, Direction.LOAD, blocks, list(range(9))))
     ring = backend._rings[False]
-    taken = [backend._inflight[job_id] for job_id in (1, 2)]
+    taken = [backend._queue.inflight[job_id] for job_id in (1, 2)]
     streams = [t.stream for t in taken] + [s for t in taken for s in t.aux_streams]
     assert len(set(streams)) == 2 * (1 + opts.stage_lanes)
     assert not set(streams) & {ring.main, *ring.lanes}
@@ -399,7 +400,7 @@ def test_a_store_failing_after_its_copies_were_recorded_drains_every_stream(
     backend, _, _ = _backend(pool, opts, fake, seed=4)
     fake.fail["event_create"] = 7  # the gate's and the plan's six, then the hand-over's: fails
     backend.submit(CopyJob(1, Direction.STORE, [1, 2, 3], [0, 1, 2]))
-    transfer = backend._inflight[1]
+    transfer = backend._queue.inflight[1]
     assert transfer.failed and transfer.program is not None
     rows = transfer.program.rows()
     copies = {row[STREAM_WORD[row[0]]] for row in rows if row[0] in (OP_BATCH, OP_MEMCPY)}

@@ -7,7 +7,7 @@ in both directions. Loads and stores are cache-streaming (``__ldcs``/``__stcs``:
 touched once): measured on an H200, a staged STORE (gather into the staging buffer while the copy
 engine drains the other one) went from 96.0% to 98.0% of a contiguous copy (presumably the copy
 engine competes less with the kernel for L2). (A staged LOAD's 96% was not the kernel's doing:
-see ``cuda_staged.StagingRing``.)
+see ``cuda_resources.StagingRing``.)
 
 The host side is addressed through unified virtual addressing: the pool's
 mmap is registered with ``cudaHostRegisterMapped``, and on 64-bit Linux the device sees it at the
@@ -29,6 +29,8 @@ from typing import Any
 from kvtier.copy.cuda_plan import KERNEL_CAPACITIES
 
 THREADS = 512
+WARPS = THREADS // 32
+"""Warps per CTA of the copy kernel: one piece each at a time."""
 UNROLL = 8
 
 _SOURCE = r"""

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvtier.copy.base import SKIP
+from kvtier.copy.base import SKIP, CopyJob, Direction
 
 
 class KVLayout(Enum):
@@ -307,6 +307,45 @@ def check_job(
     if not _within(slot_arr, num_slots):
         raise ValueError(f"slot outside 0..{num_slots - 1}")
     return blocks, slot_arr
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A checked job: what its strategy enqueues."""
+
+    to_host: bool
+    blocks: np.ndarray
+    """Engine block ids (int64)."""
+    hosts: np.ndarray
+    """Host address of each engine block's bytes in its slot (uint64)."""
+
+
+def plan_job(
+    job: CopyJob,
+    geometry: KVGeometry,
+    blocks_per_slot: int,
+    num_slots: int,
+    pool_base: int,
+    slot_stride: int,
+    part_offset: int,
+) -> Plan:
+    """``job`` checked (``ValueError`` or ``TypeError`` saying what is wrong) and planned: its
+    engine blocks and the host address of each in its slot, a LOAD's ``SKIP`` positions left out
+    (each kept block keeps its place in its slot)."""
+    if job.direction not in (Direction.STORE, Direction.LOAD):
+        raise ValueError(f"unknown direction {job.direction!r}")
+    load = job.direction is Direction.LOAD
+    blocks, slots = check_job(
+        job.engine_blocks, job.slots, blocks_per_slot, geometry.num_blocks, num_slots, skips=load
+    )
+    hosts = host_block_addresses(
+        pool_base, slot_stride, part_offset, slots, blocks_per_slot, geometry.block_bytes
+    )
+    if load:
+        keep = blocks != SKIP
+        if not keep.all():
+            blocks, hosts = blocks[keep], hosts[keep]
+    return Plan(not load, blocks, hosts)
 
 
 def _within(values: np.ndarray, end: int) -> bool:

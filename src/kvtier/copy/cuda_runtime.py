@@ -186,22 +186,11 @@ class CudaRuntime:
     def batch_has_fail_idx(self) -> bool:
         return self._batch_has_fail_idx
 
-    def executor_functions(self) -> Any:
-        """The entry points the native executor calls (``cuda_executor.ExecutorFunctions``)."""
-        from kvtier.copy.cuda_executor import ExecutorFunctions
-
-        def address(fn: Any) -> int:
-            return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
-
-        return ExecutorFunctions(
-            address(self.cudaSetDevice),
-            address(self.cudaStreamWaitEvent),
-            address(self.cudaEventRecord),
-            address(self.cudaMemcpyAsync),
-            address(self._batch) if self._batch is not None else 0,
-            address(self.cuLaunchKernel),
-            address(self.cudaStreamSynchronize),
-        )
+    @property
+    def batch_entry_point(self) -> Any:
+        """The bound ``cudaMemcpyBatchAsync`` (None before CUDA 12.8): the native executor calls
+        it by address (``cuda.executor_functions``)."""
+        return self._batch
 
     # -- errors ---------------------------------------------------------------------------------
 
@@ -375,3 +364,13 @@ def memcpy_attributes(to_host: bool, device: int, prefer_copy_engine: bool) -> M
     flags = MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE if prefer_copy_engine else 0
     src, dst = (dev, host) if to_host else (host, dev)
     return MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, src, dst, flags)
+
+
+def event_handle(event: Any) -> int:
+    """A ``cudaEvent_t`` from an int or a ``torch.cuda.Event``."""
+    if isinstance(event, int):
+        return event
+    handle = getattr(event, "cuda_event", None)
+    if handle is None:
+        handle = event._as_parameter_.value
+    return int(handle)

@@ -1,4 +1,6 @@
-"""The ``staged`` strategy's pipeline as a table of executor ops, built for all chunks at once.
+"""The ``staged`` strategy: blocks gathered/scattered by the copy kernel through device staging
+buffers, whole chunks moved across PCIe by the copy engines; its pipeline as a table of executor
+ops, built for all chunks at once.
 
 A staged transfer moves its blocks in chunks through the device staging buffers of its direction
 (used in turn, ``B`` of them). Per chunk ``k`` on buffer ``j``, with ``lane`` its DMA stream
@@ -14,20 +16,39 @@ A staged transfer moves its blocks in chunks through the device staging buffers 
 At the end of a STORE ``main`` waits for every lane. Six ops per chunk, so 512 blocks in about ten
 chunks are some sixty ops, with a kernel parameter block and a copy list per chunk: computed in
 Python they took most of a staged submit (0.3-1 ms on the H100 leases' CPUs), so
-``kvx_plan_staged`` in ``cuda_executor.c`` writes them, in one pass over the blocks.
+``kvx_plan_staged`` in ``cuda_executor.c`` writes them, in one pass over the blocks. Where that
+C file cannot be built the strategy is not available (``planner_missing``).
+
+Jobs of fewer than ``staged_min_blocks`` blocks and layer-wise jobs go the ``kernel`` strategy's
+way (a staging chunk holds whole blocks: no layer would be complete before the last).
 """
 
 from __future__ import annotations
 
+import ctypes
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
 
 import numpy as np
 
-from kvtier.copy.cuda_executor import ATTR_INDEX_ADDRESS, WORDS, load_library, pointer_of
-from kvtier.copy.cuda_plan import param_bytes
+from kvtier.copy.base import Direction
+from kvtier.copy.cuda_direct import KernelStrategy
+from kvtier.copy.cuda_executor import (
+    ATTR_INDEX_ADDRESS,
+    WORDS,
+    ExecutorUnavailable,
+    Recorder,
+    load_library,
+    pointer_of,
+)
+from kvtier.copy.cuda_kernels import THREADS, WARPS
+from kvtier.copy.cuda_plan import KERNEL_CAPACITIES, Plan, param_bytes, pick_capacity
+from kvtier.copy.cuda_queue import Transfer
+from kvtier.copy.cuda_resources import EventPool, StagingRing, StreamPool
+from kvtier.copy.cuda_runtime import MemcpyAttributes
+from kvtier.copy.cuda_strategy import Strategy, hand_over, retire, take_lanes
+from kvtier.copy.options import CudaCopyOptions
 
 STAGE_RAMP_GROWTH = 4
 """Each ramp chunk is this many times the one before: the kernel moves a chunk about ten times
@@ -50,30 +71,6 @@ def chunk_sizes(n: int, per: int, ramp: int, to_host: bool) -> list[int]:
         left -= take
         size = min(size * STAGE_RAMP_GROWTH, per)
     return sizes if to_host else sizes[::-1]
-
-
-@dataclass(slots=True)
-class StagingRing:
-    """Device staging buffers of one direction, used in turn by every staged transfer, and the
-    streams every staged transfer of that direction runs on.
-
-    The buffers already order these transfers on the device, so sharing streams costs no
-    overlap; it keeps the device from holding many streams blocked on events at once (the
-    queued transfers' waits), which cost back-to-back loads 4-5% of their copy rate on an H100
-    (52.5 against 55 GB/s per chunk), while a transfer alone ran at the contiguous copy's rate.
-    """
-
-    owner: Any
-    base: int
-    buffer_bytes: int
-    free: list[int]
-    """Per buffer: an event recorded after its last use (0: never used)."""
-    next: int = 0
-    """The buffer the next chunk takes."""
-    main: int = 0
-    """The kernel steps' stream (and each transfer's gate wait and final event)."""
-    lanes: list[int] = field(default_factory=list)
-    """The DMA streams, taken by chunks in turn."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,3 +184,96 @@ def plan_staged(
     ring.next = (first + chunks) % n_buffers
     rows = memory[: count * WORDS].reshape(-1, WORDS)
     return StagedOps(rows, memory, retired)
+
+
+def planner_missing() -> str:
+    """Why the native planner (``cuda_executor.c``) cannot run ('' if it can)."""
+    try:
+        load_library()
+    except ExecutorUnavailable as exc:
+        return f"it needs the native planner: {exc}"
+    return ""
+
+
+class StagedStrategy(Strategy):
+    name = "staged"
+
+    def __init__(
+        self,
+        direct: KernelStrategy,
+        rings: dict[bool, StagingRing],
+        attrs: dict[bool, MemcpyAttributes],
+        options: CudaCopyOptions,
+        streams: StreamPool,
+        events: EventPool,
+    ) -> None:
+        """``direct``: the kernel strategy small and layer-wise jobs take; ``rings``: the staging
+        ring per direction (``to_host``); ``attrs``: the chunks' batched-copy attributes."""
+        self._direct = direct
+        self._rings = rings
+        self._attrs = attrs
+        self._block = direct.geometry.block_bytes
+        self._ramp = max(1, options.stage_ramp_bytes // self._block)
+        self._min_blocks = options.staged_min_blocks
+        self._lanes = options.stage_lanes
+        self._shared = options.stage_shared_streams
+        self._streams = streams
+        self._events = events
+
+    def stages(self, transfer: Transfer) -> bool:
+        """Whether this transfer goes through the staging buffers."""
+        return not transfer.layerwise and len(transfer.job.engine_blocks) >= self._min_blocks
+
+    def shared_ring(self, transfer: Transfer, to_host: bool) -> StagingRing | None:
+        return self._rings[to_host] if self._shared and self.stages(transfer) else None
+
+    def estimate_ops(self, transfer: Transfer) -> int:
+        if not self.stages(transfer):
+            return self._direct.estimate_ops(transfer)
+        n = len(transfer.job.engine_blocks)
+        to_host = transfer.job.direction is Direction.STORE
+        per = self._rings[to_host].buffer_bytes // self._block
+        return n + len(chunk_sizes(n, per, self._ramp, to_host))
+
+    def enqueue(self, rec: Recorder, transfer: Transfer, plan: Plan) -> None:
+        """Chunks of blocks through the staging ring; a buffer is reused only after the step
+        that last used it."""
+        if not self.stages(transfer):
+            self._direct.enqueue(rec, transfer, plan)
+            return
+        ring, direct = self._rings[plan.to_host], self._direct
+        per = min(ring.buffer_bytes // self._block, KERNEL_CAPACITIES[-1])  # one launch per chunk
+        sizes = chunk_sizes(len(plan.blocks), per, self._ramp, plan.to_host)
+        capacity = pick_capacity(max(sizes))
+        kernel = StagedKernel(
+            direct.functions[capacity],
+            capacity,
+            THREADS,
+            WARPS,
+            direct.max_sms,
+            direct.region_table,
+            direct.geometry.piece_bytes,
+            len(direct.geometry.regions),
+        )
+        shared = transfer.shares_streams
+        lanes = ring.lanes if shared else take_lanes(self._streams, transfer, self._lanes)
+        attrs = self._attrs[plan.to_host]
+        staged = plan_staged(
+            plan.blocks,
+            plan.hosts,
+            plan.to_host,
+            self._block,
+            sizes,
+            transfer.stream,
+            lanes,
+            self._events.acquire_many(2 * len(sizes)),
+            ring,
+            kernel,
+            ctypes.addressof(attrs),
+        )
+        rec.add_rows(staged.rows, staged.memory, attrs)
+        for event in staged.retired:
+            retire(rec, event)
+        if plan.to_host:
+            for lane in lanes:
+                hand_over(rec, self._events, lane, transfer.stream)
