@@ -37,6 +37,12 @@ def fails(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 # -- --tier specs ---------------------------------------------------------------------------------
 
 
+def short_id(value: object) -> str:
+    """Test ids of a readable length (some inputs are 100,000 characters)."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} chars)"
+
+
 @pytest.mark.parametrize(
     ("spec", "entry"),
     [
@@ -233,6 +239,83 @@ def test_check_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     bad.write_text("tiers: [{kind: fs, path: /x, capacity: 1GiB, fsink: true}]\n")
     err = fails(capsys, "check-config", str(bad))
     assert "tiers[0].fsink=True" in err
+
+
+def test_check_config_never_prints_the_redis_password(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "redis.yaml"
+    path.write_text(
+        "tiers:\n"
+        "  - {kind: redis, url: 'redis://app:s3cr3t-pw@cache.internal:6380/2'}\n"
+        "  - {kind: redis, name: r2, url: 'redis://[::1]:6379', password: other-s3cr3t}\n"
+    )
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "s3cr3t" not in out
+    assert "url='redis://app:***@cache.internal:6380/2'" in out
+    assert "url='redis://[::1]:6379'" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("job_timeout_s: .nan\n", "job_timeout_s=nan"),
+        ("pool: {writeback_window: .inf}\n", "pool.writeback_window=inf"),
+        ("tiers: [{kind: memory, latency_ms: .nan}]\n", "tiers[0].latency_ms=nan"),
+        ("tiers: [{kind: redis, ttl_s: .inf}]\n", "tiers[0].ttl_s=inf"),
+        ("tiers: [{kind: redis, url: 'redis://h:99999'}]\n", "tiers[0].url='redis://h:99999'"),
+        ("tiers: [{kind: redis, url: 'redis://h:abc'}]\n", "tiers[0].url='redis://h:abc'"),
+        (
+            "tiers: [{kind: redis, url: 'redis://u:pw@[::1:6379'}]\n",
+            "tiers[0].url='redis://u:***@[::1:6379': a valid URL",
+        ),
+        ("vllm: {blocks_per_slt: 2}\n", "vllm.blocks_per_slt=2: not a known option"),
+        ("pool: {size: " + "9" * 400 + "}\n", "pool.size=999"),
+        ("1: a\n'2': b\n", "invalid config 2='b': not a known option"),
+        ("a: " + "[" * 5000 + "]" * 5000 + "\n", "valid YAML (nested too deeply)"),
+        ("a: " + "1" * 5000 + "\n", "valid YAML (Exceeds the limit"),
+    ],
+    ids=short_id,
+)
+def test_check_config_refuses_with_one_line_naming_the_field(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str, named: str
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    err = fails(capsys, "check-config", str(path))
+    assert named in err
+    assert err.count("\n") == 1 and len(err) < 1000
+    assert "pw@" not in err
+
+
+def test_simulate_errors_name_the_option_file_and_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    err = fails(capsys, "simulate", "--tier", "memory:capacity=[")
+    assert "--tier='memory:capacity=[': a YAML value for capacity" in err
+    assert err.count("\n") == 1
+
+    err = fails(capsys, "simulate", "--tier", "memory:latency_ms=.nan")
+    assert "tiers[0].latency_ms=nan: a finite number" in err
+
+    err = fails(capsys, "simulate", "--tier", "fs:/tmp/a\0b:1GiB")
+    assert "tiers[0].path='/tmp/a\\x00b': a path without a NUL character" in err
+
+    # an fs error at start names the tier's field, not "fs.path"
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    err = fails(capsys, "simulate", "--tier", "memory", "--tier", f"fs:{blocker}/kv:1GiB")
+    assert f"invalid config tiers[1].path='{blocker}/kv': a writable directory" in err
+
+    trace = tmp_path / "latin1.jsonl"
+    trace.write_bytes(b'{"hash_ids": [1]}\n{"hash_ids": [2], "note": "\xff"}\n')
+    err = fails(capsys, "simulate", "--trace", str(trace))
+    assert f"{trace}:2: not UTF-8" in err
+
+    trace.write_text('{"hash_ids": [' + str(2**128) + "]}\n")
+    err = fails(capsys, "simulate", "--trace", str(trace))
+    assert f"{trace}:1: hash_ids must be a list of 128-bit signed integers" in err
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess[str]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import pytest
 import yaml
@@ -17,14 +18,17 @@ from kvtier.config import (
     AdmissionConfig,
     CopyStrategy,
     KVTierConfig,
+    PoolConfig,
     bundled_config_mapping,
     load_config,
 )
-from kvtier.errors import ConfigError, PoolError
+from kvtier.config import options_class as config_options_class
+from kvtier.errors import ConfigError, shown
+from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import BlockKey, Namespace, keys_from_hashes
 from kvtier.policies import EvictionKind
 from kvtier.pool import NAME_PREFIX, HostPool
-from kvtier.tiers import TIER_KINDS
+from kvtier.tiers import TIER_KINDS, tier_class
 from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
 from kvtier.tiers.fs import FsTier
 from kvtier.tiers.memory import MemoryTier
@@ -247,10 +251,12 @@ BAD: list[tuple[dict[str, Any], str, object, str]] = [
         {"tiers": [{"kind": "memory", "failure_rate": 1.5}]},
         "tiers[0].failure_rate",
         1.5,
-        "a number in [0.0, 1.0]",
+        "a finite number in [0.0, 1.0]",
     ),
-    ({"job_timeout_s": 0}, "job_timeout_s", 0, "a number >= 0.001"),
-    ({"job_timeout_s": "30"}, "job_timeout_s", "30", "a number"),
+    ({"job_timeout_s": 0}, "job_timeout_s", 0, "a finite number in [0.001, 86400.0]"),
+    ({"job_timeout_s": 1e9}, "job_timeout_s", 1e9, "in [0.001, 86400.0]"),
+    ({"job_timeout_s": 10**400}, "job_timeout_s", 10**400, "a finite number"),
+    ({"job_timeout_s": "30"}, "job_timeout_s", "30", "a finite number"),
     ({"events": "yes"}, "events", "yes", "true or false"),
     (
         {"copy": {"strategy": "fast"}},
@@ -261,6 +267,75 @@ BAD: list[tuple[dict[str, Any], str, object, str]] = [
     ({"copy": {"max_sms": -1}}, "copy.max_sms", -1, ">= 0"),
     ({"copy": {"streams": 2}}, "copy.streams", 2, "not a known option"),
     ({"vllm": "on"}, "vllm", "on", "a mapping"),
+    # sizes and integers beyond 64 bits (a float conversion once raised OverflowError)
+    ({"pool": {"size": "1" * 400}}, "pool.size", "1" * 400, "at most 9223372036854775807"),
+    ({"pool": {"size": "1" * 400 + "GiB"}}, "pool.size", "1" * 400 + "GiB", "at most"),
+    ({"pool": {"size": 10**400}}, "pool.size", 10**400, "at most 9223372036854775807"),
+    ({"pool": {"size": "8EiB"}}, "pool.size", "8EiB", "64GiB"),
+    ({"block": {"tokens": 2**64}}, "block.tokens", 2**64, "an integer >= 1 (64-bit)"),
+    ({"tiers": [{"kind": "memory", "seed": -(2**70)}]}, "tiers[0].seed", -(2**70), "64-bit"),
+    # unknown keys of mixed types (sorting them once raised TypeError)
+    ({1: "x", 2: "y"}, "1", "x", "not a known option"),
+    ({1: "x", "zz": 2}, "zz", 2, "not a known option"),
+    ({None: 1, "pool": {7: 1, "sise": 2}}, "pool.sise", 2, "not a known option"),
+    ({None: 1, "tenant": "t"}, "None", 1, "not a known option"),
+    # paths with a NUL byte (the OS call once said "embedded null byte", naming no field)
+    (
+        {"tiers": [{"kind": "fs", "path": "/tmp/a\0b", "capacity": 1}]},
+        "tiers[0].path",
+        "/tmp/a\0b",
+        "without a NUL",
+    ),
+    ({"pool": {"shm_dir": "/dev/shm\0"}}, "pool.shm_dir", "/dev/shm\0", "without a NUL"),
+    ({"vllm": {"stats_path": "s\0"}}, "vllm.stats_path", "s\0", "without a NUL"),
+    # the vllm section is validated with the rest (typos there once passed as valid)
+    ({"vllm": {"blocks_per_slt": 2}}, "vllm.blocks_per_slt", 2, "known: blocks_per_slot"),
+    ({"vllm": {"blocks_per_slot": 0}}, "vllm.blocks_per_slot", 0, "in [1, 1024]"),
+    ({"vllm": {"kv_cache_layout": "NHD"}}, "vllm.kv_cache_layout", "NHD", "'engine' or one"),
+    ({"vllm": {"store_generated": "yes"}}, "vllm.store_generated", "yes", "true or false"),
+    # Redis URLs: malformed IPv6 (once a bare ValueError), ports out of range or not numbers
+    (
+        {"tiers": [{"kind": "redis", "url": "redis://[::1:6379"}]},
+        "tiers[0].url",
+        "redis://[::1:6379",
+        "a valid URL (Invalid IPv6 URL)",
+    ),
+    (
+        {"tiers": [{"kind": "redis", "url": "redis://h:99999"}]},
+        "tiers[0].url",
+        "redis://h:99999",
+        "Port out of range",
+    ),
+    (
+        {"tiers": [{"kind": "redis", "url": "redis://h:abc/0"}]},
+        "tiers[0].url",
+        "redis://h:abc/0",
+        "a valid URL",
+    ),
+    (
+        {"tiers": [{"kind": "redis", "url": "redis://h:0"}]},
+        "tiers[0].url",
+        "redis://h:0",
+        "1..65535",
+    ),
+    (
+        {"tiers": [{"kind": "redis", "url": "unix:///tmp/r\0.sock"}]},
+        "tiers[0].url",
+        "unix:///tmp/r\0.sock",
+        "without control characters",
+    ),
+    (
+        {"tiers": [{"kind": "redis", "ttl_s": 1e12}]},
+        "tiers[0].ttl_s",
+        1e12,
+        "a finite number in [0.001, 315360000.0]",
+    ),
+    (
+        {"tiers": [{"kind": "memory", "latency_ms": 1e300}]},
+        "tiers[0].latency_ms",
+        1e300,
+        "in [0.0, 3600000.0]",
+    ),
 ]
 
 
@@ -272,7 +347,75 @@ def test_bad_value_names_field_value_and_what_is_allowed(
     assert error.field == field
     assert error.value == value and type(error.value) is type(value)
     assert allowed in error.allowed
-    assert str(error).startswith(f"invalid config {field}={value!r}: ")
+    assert str(error).startswith(f"invalid config {field}={shown(value)}: ")
+
+
+# -- NaN and infinity: every decimal option of every record refuses them ------------------------
+
+
+def _float_fields(record: type) -> list[str]:
+    hints = get_type_hints(record)
+    return [f.name for f in dataclasses.fields(record) if hints[f.name] in (float, float | None)]
+
+
+def _decimal_options() -> list[tuple[str, dict[str, Any]]]:
+    """(field path, base config) for every float field of every config record, found from the
+    records' types: a decimal option added later is covered without touching this test."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for name in _float_fields(KVTierConfig):
+        out.append((name, {}))
+    for name in _float_fields(PoolConfig):
+        out.append((f"pool.{name}", {"pool": {}}))
+    for name in _float_fields(VllmSettings):
+        out.append((f"vllm.{name}", {"vllm": {}}))
+    required = {"fs": {"path": "/tmp/kvtier-nan-test", "capacity": 1}}
+    for kind in TIER_KINDS:
+        options = config_options_class(tier_class(kind))
+        for name in _float_fields(options):
+            out.append((f"tiers[0].{name}", {"tiers": [{"kind": kind, **required.get(kind, {})}]}))
+    return out
+
+
+DECIMAL_OPTIONS = _decimal_options()
+
+
+def test_every_config_record_with_decimals_is_covered() -> None:
+    fields = {path for path, _ in DECIMAL_OPTIONS}
+    assert {"job_timeout_s", "pool.writeback_window", "tiers[0].ttl_s"} <= fields
+    assert {"tiers[0].latency_ms", "tiers[0].failure_rate", "tiers[0].health_interval_s"} <= fields
+    assert len(fields) >= 11
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(("field", "base"), DECIMAL_OPTIONS, ids=[d[0] for d in DECIMAL_OPTIONS])
+def test_nan_and_infinity_are_refused_naming_the_field(
+    field: str, base: dict[str, Any], bad: float
+) -> None:
+    data = json.loads(json.dumps(base))
+    *parents, key = field.replace("tiers[0]", "tiers.0").split(".")
+    node: Any = data
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    node[key] = bad
+    error = error_of(data)
+    assert error.field == field
+    assert "a finite number" in error.allowed
+
+
+def test_nan_in_a_yaml_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "inf.yaml"
+    path.write_text("job_timeout_s: .inf\n")
+    error = error_of(path)
+    assert error.field == "job_timeout_s" and error.value == math.inf
+    path.write_text("pool:\n  writeback_window: .NaN\n")
+    error = error_of(path)
+    assert error.field == "pool.writeback_window" and math.isnan(error.value)
+
+
+def test_huge_values_in_errors_are_shown_short() -> None:
+    # repr of a 5,000-digit int raises ValueError: the message must still be built.
+    error = error_of({"pool": {"size": 10**5000}})
+    assert error.field == "pool.size" and len(str(error)) < 500
 
 
 def test_unknown_tier_option_is_rejected_even_if_the_tier_forgets(fake_kind: str) -> None:
@@ -435,10 +578,12 @@ def test_failing_tier_closes_earlier_tiers_and_the_pool(shm: Path, fake_kind: st
     assert pool_files(shm) == []
 
 
-def test_unusable_shm_dir_is_a_pool_error(tmp_path: Path) -> None:
-    config = load_config({"pool": {"size": 8192, "shm_dir": str(tmp_path / "missing")}})
-    with pytest.raises(PoolError):
+def test_unusable_shm_dir_is_a_config_error_naming_the_field(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing")
+    config = load_config({"pool": {"size": 8192, "shm_dir": missing}})
+    with pytest.raises(ConfigError) as info:
         factory.build_cache(config, NS, slot_bytes=1024)
+    assert (info.value.field, info.value.value) == ("pool.shm_dir", missing)
 
 
 def test_admission_and_eviction_reach_the_cache(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:

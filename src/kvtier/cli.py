@@ -50,8 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except (KVTierError, ValueError) as exc:
-        # ConfigError, PoolError, TraceError: a message, never a traceback.
-        print(f"kvtier: error: {exc}", file=sys.stderr)
+        # ConfigError, PoolError, TraceError: a message, never a traceback; one line.
+        print("kvtier: error: " + " ".join(str(exc).split()), file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
         # stdout closed early (`kvtier simulate | head`): not an error worth a traceback.
@@ -312,7 +312,7 @@ def parse_tier_spec(spec: str) -> dict[str, Any]:
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise ConfigError("--tier", spec, "key=value pairs separated by commas")
-            entry[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+            entry[key.strip()] = _spec_value(spec, key.strip(), value)
         return entry
     if kind == "memory":
         entry["capacity"] = rest
@@ -327,6 +327,20 @@ def parse_tier_spec(spec: str) -> dict[str, Any]:
     else:
         raise ConfigError("--tier", spec, f"KIND:key=value,... for a tier of kind {kind!r}")
     return entry
+
+
+def _spec_value(spec: str, key: str, text: str) -> Any:
+    """A ``--tier`` value read as YAML (``fsync=true``, ``latency_ms=2.5``); text YAML refuses
+    (``capacity=[``) is an error naming the option, not a traceback."""
+    if not text.strip():
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+        # ValueError: an integer of more than 4,300 digits.
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        reason = " ".join(reason.split())  # YAML's messages span lines
+        raise ConfigError("--tier", spec, f"a YAML value for {key} ({reason})") from exc
 
 
 def simulate_pool_blocks(config: KVTierConfig, blocks: int | None, size: str | None) -> int:

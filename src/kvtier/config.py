@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.policies import DEFAULT_EVICTION, EvictionKind
 from kvtier.pool import DEFAULT_SHM_DIR
 from kvtier.tiers import tier_class
@@ -34,6 +35,10 @@ SIMULATE_CONFIG = "simulate.yaml"
 _TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RESERVED_TIER_NAMES = frozenset({"pool"})
 """``pool`` names the host pool in stats and simulate results."""
+MAX_NESTING = 32
+"""Deepest nesting of mappings and lists a config may have (a real one has 3): deeper input is
+refused before anything recurses over it (copying, printing)."""
+MAX_JOB_TIMEOUT_S = 86_400.0
 
 
 class CopyStrategy(Enum):
@@ -148,12 +153,15 @@ def bundled_config_mapping(name: str = SIMULATE_CONFIG) -> dict[str, Any]:
 
 def _parse_text(text: str, where: str, json_syntax: bool) -> dict[str, Any]:
     data: object
+    syntax = "JSON" if json_syntax else "YAML"
     try:
         data = json.loads(text) if json_syntax else yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError("config file", where, f"valid JSON ({exc})") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError("config file", where, f"valid YAML ({exc})".replace("\n", " ")) from exc
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError("config file", where, f"valid {syntax} ({_one_line(exc)})") from exc
+    except RecursionError as exc:
+        raise ConfigError("config file", where, f"valid {syntax} (nested too deeply)") from exc
+    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+        raise ConfigError("config file", where, f"valid {syntax} ({_one_line(exc)})") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -161,8 +169,32 @@ def _parse_text(text: str, where: str, json_syntax: bool) -> dict[str, Any]:
     return data
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _check_nesting(data: object) -> None:
+    """Refuse mappings and lists nested deeper than ``MAX_NESTING`` (without recursing: the
+    input may be nested 100,000 deep, or be a YAML alias bomb whose shared nodes are visited
+    once each)."""
+    seen: set[int] = set()
+    stack: list[tuple[object, int, str]] = [(data, 0, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if not isinstance(node, Mapping | list) or id(node) in seen:
+            continue
+        if depth > MAX_NESTING:
+            raise ConfigError(path or "config", "...", f"nested at most {MAX_NESTING} deep")
+        seen.add(id(node))
+        if isinstance(node, list):
+            stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(node))
+        else:
+            stack.extend((v, depth + 1, f"{path}.{k}" if path else str(k)) for k, v in node.items())
+
+
 def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
     """Validate a raw mapping (as read from JSON/YAML) into a ``KVTierConfig``."""
+    _check_nesting(data)
     root = Section(data, "")
     model = root.optional_string("model")
     if model is not None and not model:
@@ -175,10 +207,10 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
         eviction=root.choice("eviction", EvictionKind, DEFAULT_EVICTION),
         admission=_admission(root.section("admission")),
         tiers=_tiers(root),
-        job_timeout_s=root.number("job_timeout_s", 30.0, minimum=0.001),
+        job_timeout_s=root.number("job_timeout_s", 30.0, minimum=0.001, maximum=MAX_JOB_TIMEOUT_S),
         events=root.boolean("events", True),
         copy=_copy(root.section("copy")),
-        vllm=_opaque(root, "vllm"),
+        vllm=_vllm(root.section("vllm")),
     )
     root.done()
     return config
@@ -187,7 +219,7 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
 def _pool(s: Section) -> PoolConfig:
     pool = PoolConfig(
         size=s.size("size", DEFAULT_POOL_SIZE, minimum=1),
-        shm_dir=s.string("shm_dir", DEFAULT_SHM_DIR),
+        shm_dir=s.file_path("shm_dir", DEFAULT_SHM_DIR),
         allow_pageable=s.boolean("allow_pageable", False),
         writeback_window=s.number("writeback_window", 0.25, minimum=0.0, maximum=1.0),
     )
@@ -264,7 +296,8 @@ def options_class(tier_cls: Any) -> Any:
     return options
 
 
-def _opaque(root: Section, key: str) -> Mapping[str, Any]:
-    """A mapping kept as is for the component that owns it (validated there)."""
-    section = root.section(key)
+def _vllm(section: Section) -> Mapping[str, Any]:
+    """The ``vllm`` mapping, validated here (a typo is an error at load time, in ``check-config``
+    too) and kept as given for the connector, which parses it into its ``VllmSettings``."""
+    VllmSettings.parse(section.data)
     return MappingProxyType(dict(section.data))

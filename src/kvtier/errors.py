@@ -4,6 +4,8 @@ Only configuration and programming errors surface as exceptions; tier failures a
 misses or failed jobs and are counted in stats instead.
 """
 
+import reprlib
+
 
 class KVTierError(Exception):
     """Base class of every exception kvtier raises on purpose."""
@@ -19,7 +21,22 @@ class ConfigError(KVTierError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"invalid config {field}={value!r}: {allowed}")
+        super().__init__(f"invalid config {field}={shown(value)}: {allowed}")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 200
+_REPR.maxlevel = 4
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut short, for messages: whatever a hostile config holds (a 5,000-digit
+    integer, a list nested thousands deep, a YAML alias bomb), this returns a short line quickly
+    instead of raising or printing megabytes."""
+    try:
+        return _REPR.repr(value)
+    except (ValueError, RecursionError):  # an int beyond Python's digit limit; extreme nesting
+        return f"<{type(value).__name__}>"
 
 
 class PoolError(KVTierError):

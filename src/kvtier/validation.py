@@ -3,12 +3,14 @@ allowed (``ConfigError``), so a bad config never ends in a traceback from deep i
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
+from decimal import Decimal
 from enum import Enum
 from typing import Any, TypeVar
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, shown
 
 E = TypeVar("E", bound=Enum)
 
@@ -30,20 +32,47 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 SIZE_HELP = 'a byte count or a size such as "512MiB", "64GiB", "1.5TB"'
+INT64_MAX = 2**63 - 1
+"""Largest size or integer option: every count and byte size ends up in a C ``int64``/``off_t``."""
+INT64_MIN = -(2**63)
+
+
+def finite_float(value: object) -> float | None:
+    """``value`` as a finite float, or None where it is not one: not an int or float (a bool,
+    a string), NaN, an infinity, or an integer too large for a float.
+
+    The one door through which a decimal option (config) or a trace number becomes a float: a NaN
+    compares false with every bound, so a range check alone lets it through.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond 1.8e308
+        return None
+    return number if math.isfinite(number) else None
 
 
 def parse_size(value: object, field: str) -> int:
-    """Bytes from an int or a human size string ("64GiB", "500MB", "4096")."""
+    """Bytes from an int or a human size string ("64GiB", "500MB", "4096"), at most 2**63 - 1."""
     if isinstance(value, bool):
         raise ConfigError(field, value, SIZE_HELP)
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(field, value, SIZE_HELP + " (not negative)")
+        if value > INT64_MAX:
+            raise ConfigError(field, value, f"at most {INT64_MAX} bytes")
         return value
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            # Decimal, not float: exact for "1.5TB", and a 400-digit number stays a number
+            # (a float would become infinity) to be refused by the bound below.
+            number = Decimal(match.group(1))
+            n = number * _UNITS[match.group(2).lower()] if number <= INT64_MAX else number
+            if n > INT64_MAX:
+                raise ConfigError(field, value, f"at most {INT64_MAX} bytes")
+            return int(n)
     raise ConfigError(field, value, SIZE_HELP)
 
 
@@ -68,8 +97,12 @@ class Section:
         self.path = path
         self._read: set[str] = set()
 
-    def _field(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
+    def _field(self, key: object) -> str:
+        """The path of ``key``; a key that is no plain name (YAML keys may be ints, null, empty
+        or hold control characters) is shown as its repr, so the field is never blank."""
+        plain = isinstance(key, str) and key.isprintable() and key.strip() == key != ""
+        name = key if plain and isinstance(key, str) else shown(key)
+        return f"{self.path}.{name}" if self.path else name
 
     def _get(self, key: str, default: object) -> object:
         self._read.add(key)
@@ -95,10 +128,13 @@ class Section:
         maximum: int | None = None,
     ) -> int:
         raw = self._get(key, default)
+        allowed = "an integer" + _range(minimum, maximum)
         if isinstance(raw, bool) or not isinstance(raw, int):
-            raise ConfigError(self._field(key), raw, "an integer" + _range(minimum, maximum))
+            raise ConfigError(self._field(key), raw, allowed)
+        if not INT64_MIN <= raw <= INT64_MAX:
+            raise ConfigError(self._field(key), raw, allowed + " (64-bit)")
         if (minimum is not None and raw < minimum) or (maximum is not None and raw > maximum):
-            raise ConfigError(self._field(key), raw, "an integer" + _range(minimum, maximum))
+            raise ConfigError(self._field(key), raw, allowed)
         return raw
 
     def number(
@@ -108,12 +144,16 @@ class Section:
         minimum: float | None = None,
         maximum: float | None = None,
     ) -> float:
+        """A finite number (NaN and infinities are refused, see ``finite_float``)."""
         raw = self._get(key, default)
-        if isinstance(raw, bool) or not isinstance(raw, int | float):
-            raise ConfigError(self._field(key), raw, "a number" + _range(minimum, maximum))
-        if (minimum is not None and raw < minimum) or (maximum is not None and raw > maximum):
-            raise ConfigError(self._field(key), raw, "a number" + _range(minimum, maximum))
-        return float(raw)
+        number = finite_float(raw)
+        if (
+            number is None
+            or (minimum is not None and number < minimum)
+            or (maximum is not None and number > maximum)
+        ):
+            raise ConfigError(self._field(key), raw, "a finite number" + _range(minimum, maximum))
+        return number
 
     def boolean(self, key: str, default: bool | None = None) -> bool:
         raw = self._get(key, default)
@@ -135,6 +175,14 @@ class Section:
             raise ConfigError(self._field(key), raw, "a string")
         return raw
 
+    def file_path(self, key: str, default: str | None = None) -> str:
+        """A non-empty filesystem path: without a NUL byte, which no OS call accepts."""
+        return _file_path(self.string(key, default), self._field(key))
+
+    def optional_file_path(self, key: str) -> str | None:
+        raw = self.optional_string(key)
+        return None if raw is None else _file_path(raw, self._field(key))
+
     def choice(self, key: str, enum: type[E], default: E | None = None) -> E:
         raw = self._get(key, default.value if default is not None else None)
         allowed = ", ".join(repr(m.value) for m in enum)
@@ -154,13 +202,20 @@ class Section:
         return raw
 
     def done(self) -> None:
-        unknown = sorted(set(self.data) - self._read)
+        # Sorted as text: YAML keys may be integers, dates or null besides strings.
+        unknown = sorted(set(self.data) - self._read, key=shown)
         if unknown:
             raise ConfigError(
                 self._field(unknown[0]),
                 self.data[unknown[0]],
                 f"not a known option here; known: {', '.join(sorted(self._read))}",
             )
+
+
+def _file_path(raw: str, field: str) -> str:
+    if "\0" in raw:
+        raise ConfigError(field, raw, "a path without a NUL character")
+    return raw
 
 
 def _range(minimum: float | None, maximum: float | None) -> str:

@@ -33,18 +33,37 @@ def test_limit_and_blank_lines(tmp_path: Path) -> None:
     assert len(read_trace(path, limit=2)) == 2
 
 
+def short_id(value: object) -> str:
+    """Test ids of a readable length (some inputs are 100,000 characters)."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} chars)"
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "a JSON object per line"),
-        ('{"input_length": 5}', "hash_ids must be a list of integers"),
-        ('{"hash_ids": [1, "2"]}', "hash_ids must be a list of integers"),
-        ('{"hash_ids": [true]}', "hash_ids must be a list of integers"),
-        ('{"hash_ids": [1], "timestamp": "now"}', "timestamp must be a number"),
-        ('{"hash_ids": [1], "input_length": -1}', "input_length must be a non-negative integer"),
+        ('{"input_length": 5}', "hash_ids must be a list of 128-bit signed integers"),
+        ('{"hash_ids": [1, "2"]}', "hash_ids must be a list of 128-bit"),
+        ('{"hash_ids": [true]}', "hash_ids must be a list of 128-bit"),
+        ('{"hash_ids": [1], "timestamp": "now"}', "timestamp must be a finite number"),
+        ('{"hash_ids": [1], "input_length": -1}', "input_length must be a non-negative 64-bit"),
         ('{"hash_ids": [1], "output_length": 1.5}', "output_length must be a non-negative"),
+        # Each of these once escaped as RecursionError, OverflowError or a bare ValueError, or
+        # passed (NaN, infinity, hash ids no key can hold).
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON \\(nested too deeply\\)"),
+        ('{"hash_ids": [' + "7" * 5000 + "]}", "a number of too many digits"),
+        ('{"hash_ids": [' + str(2**127) + "]}", "hash_ids must be a list of 128-bit"),
+        ('{"hash_ids": [' + str(-(2**127) - 1) + "]}", "hash_ids must be a list of 128-bit"),
+        ('{"hash_ids": [' + str(2**200) + "]}", "hash_ids must be a list of 128-bit"),
+        ('{"hash_ids": [1], "timestamp": 1' + "0" * 400 + "}", "timestamp must be a finite"),
+        ('{"hash_ids": [1], "timestamp": 1e400}', "timestamp must be a finite number, got inf"),
+        ('{"hash_ids": [1], "timestamp": NaN}', "timestamp must be a finite number, got nan"),
+        ('{"hash_ids": [1], "timestamp": -Infinity}', "timestamp must be a finite number"),
+        ('{"hash_ids": [1], "input_length": ' + str(2**63) + "}", "input_length must be a non"),
     ],
+    ids=short_id,
 )
 def test_bad_line_names_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
@@ -52,6 +71,23 @@ def test_bad_line_names_file_and_line(tmp_path: Path, line: str, message: str) -
     with pytest.raises(TraceError, match=message) as info:
         read_trace(path)
     assert f"{path}:2" in str(info.value)
+
+
+def test_extreme_but_valid_values_are_kept(tmp_path: Path) -> None:
+    path = tmp_path / "edge.jsonl"
+    lo, hi = -(2**127), 2**127 - 1
+    path.write_text(f'{{"hash_ids": [{lo}, {hi}], "timestamp": 1e300, "output_length": 0}}\n')
+    assert read_trace(path) == [TraceRequest(1e300, 1024, 0, (lo, hi))]
+
+
+def test_non_utf8_line_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"hash_ids": [1]}\n{"hash_ids": [2]}\n{"x": "caf\xe9", "hash_ids": [3]}\n')
+    with pytest.raises(TraceError, match="not UTF-8") as info:
+        read_trace(path)
+    assert str(info.value).startswith(f"{path}:3: not UTF-8 (byte 11 of the line)")
+    # the lines before it were read and are not lost with a limit
+    assert len(read_trace(path, limit=2)) == 2
 
 
 def test_missing_trace(tmp_path: Path) -> None:

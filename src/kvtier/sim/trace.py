@@ -1,6 +1,10 @@
 """Mooncake-format request traces: one JSON object per line with ``timestamp`` (ms),
 ``input_length``, ``output_length`` and ``hash_ids`` (prefix-aware ids of the prompt's 512-token
-blocks: equal ids mean equal prefixes)."""
+blocks: equal ids mean equal prefixes).
+
+Every malformed line, whatever it holds (bytes that are not UTF-8, JSON nested 100,000 deep,
+5,000-digit numbers, NaN), is a ``TraceError`` naming the file and line.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,15 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, shown
+from kvtier.validation import INT64_MAX, finite_float
 
 BUNDLED_TRACE = "synthetic_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` block in Mooncake traces."""
+HASH_ID_MIN = -(2**127)
+HASH_ID_MAX = 2**127 - 1
+"""``hash_ids`` become keys as 16-byte signed integers (``keys_from_hashes``)."""
 
 
 class TraceError(KVTierError):
@@ -42,17 +50,25 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[TraceRequest]:
     path = Path(path)
     try:
-        handle = path.open(encoding="utf-8")
-    except OSError as exc:
-        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
+        # Bytes, decoded line by line: a decoding error then names its line.
+        handle = path.open("rb")
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise TraceError(
+            f"cannot read trace {path}: {getattr(exc, 'strerror', None) or exc}"
+        ) from exc
     count = 0
     with handle:
-        for lineno, line in enumerate(handle, 1):
+        for lineno, raw in enumerate(handle, 1):
             if limit is not None and count >= limit:
                 return
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"{where}: not UTF-8 (byte {exc.start + 1} of the line)") from exc
             if not line.strip():
                 continue
-            yield parse_request(line, f"{path}:{lineno}")
+            yield parse_request(line, where)
             count += 1
 
 
@@ -61,19 +77,30 @@ def parse_request(line: str, where: str) -> TraceRequest:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not valid JSON ({exc.msg})") from exc
+    except RecursionError as exc:
+        raise TraceError(f"{where}: not valid JSON (nested too deeply)") from exc
+    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+        raise TraceError(f"{where}: not valid JSON (a number of too many digits)") from exc
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object per line")
     hash_ids = obj.get("hash_ids")
     if not isinstance(hash_ids, list) or not all(
-        isinstance(h, int) and not isinstance(h, bool) for h in hash_ids
+        isinstance(h, int) and not isinstance(h, bool) and HASH_ID_MIN <= h <= HASH_ID_MAX
+        for h in hash_ids
     ):
-        raise TraceError(f"{where}: hash_ids must be a list of integers, got {hash_ids!r:.80}")
-    timestamp = obj.get("timestamp", 0)
+        raise TraceError(
+            f"{where}: hash_ids must be a list of 128-bit signed integers, got {shown(hash_ids)}"
+        )
+    timestamp = finite_float(obj.get("timestamp", 0))
+    if timestamp is None:
+        raise TraceError(
+            f"{where}: timestamp must be a finite number, got {shown(obj.get('timestamp'))}"
+        )
     input_length = obj.get("input_length", len(hash_ids) * TRACE_BLOCK_TOKENS)
     output_length = obj.get("output_length", 0)
-    if not isinstance(timestamp, int | float) or isinstance(timestamp, bool):
-        raise TraceError(f"{where}: timestamp must be a number, got {timestamp!r}")
     for name, value in (("input_length", input_length), ("output_length", output_length)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise TraceError(f"{where}: {name} must be a non-negative integer, got {value!r}")
-    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids))
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT64_MAX:
+            raise TraceError(
+                f"{where}: {name} must be a non-negative 64-bit integer, got {shown(value)}"
+            )
+    return TraceRequest(timestamp, input_length, output_length, tuple(hash_ids))

@@ -112,7 +112,7 @@ class Options:
     @classmethod
     def parse(cls, section: Section) -> Options:
         options = cls(
-            path=section.string("path"),
+            path=section.file_path("path"),
             capacity=section.size("capacity", minimum=1),
             fsync=section.boolean("fsync", False),
             threads=section.integer("threads", 4, minimum=1, maximum=256),

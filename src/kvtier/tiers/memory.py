@@ -62,7 +62,7 @@ class Options:
                 if section.has("capacity_blocks")
                 else None
             ),
-            latency_ms=section.number("latency_ms", 0.0, minimum=0.0),
+            latency_ms=section.number("latency_ms", 0.0, minimum=0.0, maximum=3_600_000.0),
             failure_rate=section.number("failure_rate", 0.0, minimum=0.0, maximum=1.0),
             corrupt_rate=section.number("corrupt_rate", 0.0, minimum=0.0, maximum=1.0),
             seed=section.integer("seed", 0),

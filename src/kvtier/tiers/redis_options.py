@@ -10,8 +10,8 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit, urlunsplit
+from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError
 from kvtier.validation import Section
@@ -21,6 +21,8 @@ AUTO_PIPELINE_BYTES = 2 * 1024 * 1024
 AUTO_PIPELINE_MAX = 64
 _PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 """Key prefixes may not hold ``{`` or ``}``: a hash tag would put all blocks on one cluster node."""
+MAX_TTL_S = 10 * 365 * 86_400.0
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,16 @@ class Options:
             return self.pipeline_blocks
         return max(1, min(AUTO_PIPELINE_MAX, AUTO_PIPELINE_BYTES // max(1, block_bytes)))
 
+    def __repr__(self) -> str:
+        # Written out (the dataclass keeps a class's own __repr__): the URL's password masked,
+        # fields marked repr=False (the password) left out. check-config prints this.
+        shown = (
+            f"{f.name}={masked_url(self.url) if f.name == 'url' else getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.repr
+        )
+        return f"{type(self).__name__}({', '.join(shown)})"
+
     @property
     def connections(self) -> int:
         return self.max_connections or self.io_threads + 2
@@ -92,11 +104,20 @@ class Options:
             return f"{path}.{key}"
 
         url = section.string("url", defaults.url)
-        parts = urlsplit(url)
+        if _CONTROL.search(url):
+            raise ConfigError(where("url"), masked_url(url), "a URL without control characters")
+        try:
+            # urlsplit checks brackets ("[::1"); port and hostname are parsed when first read.
+            parts = urlsplit(url)
+            port, hostname = parts.port, parts.hostname
+        except ValueError as exc:
+            raise ConfigError(where("url"), masked_url(url), f"a valid URL ({exc})") from exc
         if parts.scheme not in SCHEMES:
             raise ConfigError(where("url"), masked_url(url), "a redis://, rediss:// or unix:// URL")
-        if parts.scheme != "unix" and not parts.hostname:
+        if parts.scheme != "unix" and not hostname:
             raise ConfigError(where("url"), masked_url(url), "a URL with a host name")
+        if port is not None and not 1 <= port <= 65535:
+            raise ConfigError(where("url"), masked_url(url), "a port in 1..65535")
         cluster = section.boolean("cluster", False)
         if cluster and parts.scheme == "unix":
             raise ConfigError(
@@ -106,6 +127,10 @@ class Options:
             raise ConfigError(where("url"), masked_url(url), "database 0 in cluster mode")
 
         username = section.optional_string("username")
+        raw_password = section.data.get("password")
+        if raw_password is not None and not isinstance(raw_password, str):
+            # Not section.optional_string: its error would print the value.
+            raise ConfigError(where("password"), "***", "a string")
         password = section.optional_string("password")
         password_env = section.optional_string("password_env")
         if password is not None and password_env is not None:
@@ -133,7 +158,7 @@ class Options:
 
         ttl_s = None
         if section.has("ttl_s") and section.data["ttl_s"] is not None:
-            ttl_s = section.number("ttl_s", minimum=0.001)
+            ttl_s = section.number("ttl_s", minimum=0.001, maximum=MAX_TTL_S)
         else:
             section.optional_string("ttl_s")  # marks the (null) key as read
         io_threads = section.integer("io_threads", defaults.io_threads, minimum=1, maximum=64)
@@ -210,23 +235,22 @@ class Options:
 
 
 def _existing_file(section: Section, key: str, where: Callable[[str], str]) -> str | None:
-    value = section.optional_string(key)
+    value = section.optional_file_path(key)
     if value is not None and not os.path.isfile(value):
         raise ConfigError(where(key), value, "a readable file")
     return value
 
 
 def masked_url(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = unquote(parts.username or "")
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:
-        return "<unparsable url>"
+    """``url`` with its password (if any) replaced by ``***``.
+
+    Plain text work, no URL parsing: a URL that does not parse (``redis://u:pw@[::1``) is shown
+    in the error about it, and a password holding ``/`` or ``@`` is masked whole. Everything
+    between the first ``:`` after the user name and the last ``@`` is the password.
+    """
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{host}"

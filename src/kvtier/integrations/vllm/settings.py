@@ -39,7 +39,7 @@ class VllmSettings:
         settings = cls(
             blocks_per_slot=s.integer("blocks_per_slot", 1, minimum=1, maximum=1024),
             store_generated=s.boolean("store_generated", False),
-            stats_path=s.optional_string("stats_path"),
+            stats_path=s.optional_file_path("stats_path"),
             kv_cache_layout=s.string("kv_cache_layout", BLOCK_OUTERMOST_LAYOUT),
             trace_path=s.optional_string("trace_path"),
         )
