@@ -13,7 +13,6 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
@@ -21,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from kvtier.copy.options import CopyConfig as CopyConfig
+from kvtier.copy.options import CopyStrategy as CopyStrategy
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.policies import DEFAULT_EVICTION, EvictionKind
@@ -39,20 +40,6 @@ MAX_NESTING = 32
 """Deepest nesting of mappings and lists a config may have (a real one has 3): deeper input is
 refused before anything recurses over it (copying, printing)."""
 MAX_JOB_TIMEOUT_S = 86_400.0
-
-
-class CopyStrategy(Enum):
-    """How a worker's copy backend moves engine blocks to and from pool slots."""
-
-    AUTO = "auto"
-    """The backend picks per device and block layout."""
-    DMA = "dma"
-    """Copy engines only (batched ``cudaMemcpyAsync`` of contiguous runs); no SM used."""
-    STAGED = "staged"
-    """Small pieces gathered/scattered by a kernel (at most ``max_sms`` SMs) through a device
-    staging buffer, whole blocks over PCIe by the copy engines (vLLM's per-layer layout)."""
-    KERNEL = "kernel"
-    """A gather/scatter kernel reading/writing the pinned pool directly, on ``max_sms`` SMs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,13 +83,6 @@ class TierConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class CopyConfig:
-    strategy: CopyStrategy = CopyStrategy.AUTO
-    max_sms: int = 0
-    """Upper bound on SMs a copy kernel may occupy; 0 lets the backend choose."""
-
-
-@dataclass(frozen=True, slots=True)
 class KVTierConfig:
     pool: PoolConfig
     block: BlockConfig
@@ -115,7 +95,7 @@ class KVTierConfig:
     """Secondary tiers, fastest first."""
     job_timeout_s: float = 30.0
     events: bool = True
-    copy: CopyConfig = CopyConfig()
+    copy: CopyConfig = field(default_factory=CopyConfig)
     vllm: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Options of the vLLM connector, validated by the connector (``kvtier.integrations.vllm``)."""
 
@@ -209,7 +189,7 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
         tiers=_tiers(root),
         job_timeout_s=root.number("job_timeout_s", 30.0, minimum=0.001, maximum=MAX_JOB_TIMEOUT_S),
         events=root.boolean("events", True),
-        copy=_copy(root.section("copy")),
+        copy=CopyConfig.parse(root.section("copy")),
         vllm=_vllm(root.section("vllm")),
     )
     root.done()
@@ -243,15 +223,6 @@ def _admission(s: Section) -> AdmissionConfig:
     )
     s.done()
     return admission
-
-
-def _copy(s: Section) -> CopyConfig:
-    copy = CopyConfig(
-        strategy=s.choice("strategy", CopyStrategy, CopyStrategy.AUTO),
-        max_sms=s.integer("max_sms", 0, minimum=0),
-    )
-    s.done()
-    return copy
 
 
 _TIER_COMMON = ("kind", "name", "write")
