@@ -60,8 +60,10 @@ def report_counts(request: pytest.FixtureRequest) -> Iterator[None]:
     total = sum(TRIED.values())
     line = f"fuzz inputs tried: {total} (" + ", ".join(f"{k} {v}" for k, v in TRIED.items()) + ")"
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("\n" + line)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # shown under -q too, not captured
+            reporter.write_line("\n" + line)
     if len(TRIED) == TARGETS:
         assert total >= MIN_TOTAL, line
 
