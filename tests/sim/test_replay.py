@@ -131,13 +131,13 @@ def test_acceptance_lru_4000_blocks_on_bundled_trace() -> None:
 
 @pytest.mark.parametrize("capacity", [300, 1500])
 def test_lru_matches_reference_at_other_capacities(capacity: int) -> None:
-    result = run(bundled_trace_path(), pool_blocks=capacity)
+    result = run(bundled_trace_path(), pool_blocks=capacity, eviction="lru")
     assert result.hit_blocks == reference_lru(trace_ids(), capacity)[0]
     assert_consistent(result)
 
 
 def test_arc_runs_clean_and_differs_from_lru() -> None:
-    lru = run(bundled_trace_path(), pool_blocks=1000, limit=1500)
+    lru = run(bundled_trace_path(), pool_blocks=1000, limit=1500, eviction="lru")
     arc = run(bundled_trace_path(), pool_blocks=1000, limit=1500, eviction="arc")
     assert_consistent(arc)
     assert arc.policy == "arc" and lru.policy == "lru"
