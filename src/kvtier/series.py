@@ -13,7 +13,7 @@ becomes a payload of increments through :class:`DeltaTracker`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -154,6 +154,24 @@ Values = dict[str, dict[str, float]]
 """Series name -> label value -> number."""
 Payload = dict[str, Any]
 """``{"counters": Values, "gauges": Values, "histograms": {name: {label: [samples]}}}``."""
+
+
+POOL_LABELLED = frozenset({"kvtier_hit_blocks", "kvtier_evictions"})
+"""Tier-labelled series that count the pool too."""
+
+
+def label_values(s: Series, tiers: Sequence[str]) -> list[str]:
+    """The label values a series has from the start: ``""`` when unlabelled, the configured
+    tiers (and ``pool`` where it counts), both directions, every skip reason."""
+    if s.label is None:
+        return [""]
+    if s.label == "tier":
+        return [POOL_TIER, *tiers] if s.name in POOL_LABELLED else list(tiers)
+    if s.label == "direction":
+        return ["load", "store"]
+    if s.label == "reason":
+        return ["present", "admission", "full"]
+    return []
 
 
 def empty_payload() -> Payload:

@@ -152,6 +152,9 @@ class SchedulerSide:
         self._deferred = False
         self.hits_by_tier: dict[str, int] = {POOL_TIER: 0, **{t.name: 0 for t in config.tiers}}
         """Hit blocks of final lookups by the tier that held them (``TieredCache.origins``)."""
+        self.hit_tokens_by_tier: dict[str, int] = dict.fromkeys(self.hits_by_tier, 0)
+        """``ConnectorCounters.hit_tokens`` by the tier they came from (what vLLM's prefix cache
+        hits by source count)."""
         self._deferred_since: dict[str, float] = {}
         """Requests waiting for a promotion -> when their first deferred lookup was."""
         self._hit_sources: dict[str, dict[str, int]] = {}
@@ -260,6 +263,9 @@ class SchedulerSide:
                     tokens -= plan.num_computed - plan.first_token
                 split[origin] = split.get(origin, 0) + tokens
             self._hit_sources[request.request_id] = split
+            by_tier = self.hit_tokens_by_tier
+            for origin, tokens in split.items():
+                by_tier[origin] = by_tier.get(origin, 0) + tokens
 
     def take_hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the request's load by the tier they come from (empty: no load planned)."""
@@ -422,6 +428,7 @@ class SchedulerSide:
             name: getattr(self.counters, name) for name in ConnectorCounters.__slots__
         }
         out["hits_by_tier"] = dict(self.hits_by_tier)
+        out["hit_tokens_by_tier"] = dict(self.hit_tokens_by_tier)
         out["jobs_in_flight"] = len(self._jobs)
         out["pinned_plans"] = len(self._plans)
         return out

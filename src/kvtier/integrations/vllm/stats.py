@@ -74,7 +74,7 @@ def summary(payload: dict[str, Any]) -> dict[str, int | float]:
         moved = counters.get("kvtier_copy_bytes", {}).get(direction, 0)
         seconds = counters.get("kvtier_copy_seconds", {}).get(direction, 0)
         out[f"kvtier_{direction}_GiB"] = round(moved / 2**30, 3)
-        out[f"kvtier_{direction}_GiB_per_s"] = round(moved / seconds / 2**30, 2) if seconds else 0.0
+        out[f"kvtier_{direction}_GiB_per_s"] = round(moved / seconds / 2**30, 3) if seconds else 0.0
     used = gauges.get("kvtier_pool_used_slots", {}).get("")
     slots = gauges.get("kvtier_pool_slots", {}).get("")
     if used is not None and slots:
@@ -88,6 +88,19 @@ def summary(payload: dict[str, Any]) -> dict[str, int | float]:
     )
     out["kvtier_failures"] = int(failures)
     return out
+
+
+def _tier_names(vllm_config: Any) -> list[str]:
+    """The secondary tiers' names in the connector's config (best effort: the connector itself
+    validates the config)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    tiers = extra.get("tiers") if isinstance(extra, dict) else None
+    names: list[str] = []
+    for i, tier in enumerate(tiers if isinstance(tiers, list) else []):
+        if isinstance(tier, dict):
+            names.append(str(tier.get("name") or tier.get("kind") or f"tier{i}"))
+    return names
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -125,9 +138,10 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 kwargs.pop("multiprocess_mode", None)
                 metric = cls(**kwargs)
             self._metrics[s.name] = metric
-            if s.label is None:  # unlabelled series show up at 0 before the first step
+            # Known series show up at 0 before the first step (dashboards, rate()).
+            for label in series.label_values(s, _tier_names(vllm_config)):
                 for engine in per_engine_labelvalues:
-                    self._child(s.name, engine, "")
+                    self._child(s.name, engine, label)
 
     def _child(self, name: str, engine: int, label: str) -> Any:
         key = (engine, name, label)
