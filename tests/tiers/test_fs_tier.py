@@ -726,6 +726,24 @@ def test_rescan_sees_what_peers_wrote_and_deleted(make_tier: MakeTier) -> None:
     assert mine.used_bytes == FILE_BYTES
 
 
+def test_rescan_never_counts_past_capacity(make_tier: MakeTier) -> None:
+    # A peer with a larger share of the disk wrote more than this tier may hold: a rescan
+    # indexes the newest of its files only up to this tier's capacity, and deletes none of them.
+    mine = make_tier(blocks=3)
+    peer = make_tier(blocks=10)
+    mine_keys, peer_keys = make_keys(2, salt="mine"), make_keys(6, salt="peer")
+    for key in mine_keys:
+        assert Driver(mine).store(key)
+    for key in peer_keys:
+        assert Driver(peer).store(key)
+    assert mine.rescan().result(timeout=10) == 1
+    assert mine.used_bytes == 3 * FILE_BYTES
+    assert mine.lookup(mine_keys) == [True, True]
+    assert sum(mine.lookup(peer_keys)) == 1
+    assert all(block_file(peer, key).exists() for key in peer_keys)
+    assert mine.counters.evictions == 0
+
+
 # -- options --------------------------------------------------------------------------------------
 
 

@@ -805,12 +805,18 @@ class FsTier(Tier):
             if key not in index and key not in skip and key not in undeletable
         )
         # Newest of the newcomers first, each pushed to the cold end: their order follows mtime
-        # and they rank below every block this process has used.
+        # and they rank below every block this process has used. Only as many as fit below the
+        # limit: the others are another process's files, counted against its own capacity, and
+        # indexing them would count this tier past its bound (or evict its own blocks for them).
+        added = 0
         for _mtime, key, size in reversed(new):
+            if self._used + size > self._limit:
+                break
             index[key] = _Entry(size, 0)
             index.move_to_end(key, last=False)
             self._used += size
-        return len(new)
+            added += 1
+        return added
 
     def _scan(self) -> list[tuple[BlockKey, int, float]]:
         """(key, size, mtime) of every block file under the namespace directory; removes stale
