@@ -123,6 +123,10 @@ SERIES: tuple[Series, ...] = (
         "Engine lookups deferred while a promotion from a secondary tier ran.",
     ),
     _c("kvtier_hit_tokens", "Prompt tokens loaded from kvtier instead of computed."),
+    _c(
+        "kvtier_engine_hit_blocks",
+        "Blocks the engine's own prefix cache held at kvtier's lookups (not looked up).",
+    ),
     _g("kvtier_jobs_in_flight", "Engine copy jobs ordered and not yet reported by every worker."),
     _h(
         "kvtier_promotion_wait_seconds",

@@ -186,5 +186,13 @@ def test_pool_hit_after_vllm_own_prefix_counts_only_loaded_tokens(make_rig: Any)
     rig.scheduler.update_state_after_alloc(request, FakeBlocks(B_BLOCKS), external)
     sources = rig.scheduler.get_external_cache_hit_sources(request, external)
     assert sources == {CacheHitSource.HOST: external}
+    assert rig.stats()["connector"]["engine_hit_blocks"] == 0  # 4 tokens: no whole block
+    # vLLM holds every block kvtier could offer: nothing to look up, all counted as its hits.
+    rig.add("C", PROMPT)
+    assert rig.scheduler.get_num_new_matched_tokens(rig.requests["C"], 3 * BLOCK_TOKENS) == (
+        0,
+        False,
+    )
+    assert rig.stats()["connector"]["engine_hit_blocks"] == 3
     assert A_BLOCKS  # the rig's tables stay as stored
     rig.finish("A", "B")

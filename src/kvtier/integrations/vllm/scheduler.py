@@ -73,6 +73,10 @@ class ConnectorCounters:
     stores_ordered: int = 0
     store_blocks_failed: int = 0
     stale_plans: int = 0
+    engine_hit_blocks: int = 0
+    """Blocks vLLM's own prefix cache held at a lookup (not looked up in kvtier): with
+    ``cache.hit_blocks`` over ``cache.lookup_blocks`` plus these, the engine's whole prefix hit
+    ratio, what ``kvtier simulate`` predicts from a recorded trace."""
 
 
 def fresh_blocks(scheduler_output: Any) -> list[int] | None:
@@ -188,6 +192,7 @@ class SchedulerSide:
         limit = min((request.num_tokens - 1) // bt, len(keys))  # >= 1 token left to compute
         start = num_computed // bt
         if start >= limit:
+            self.counters.engine_hit_blocks += limit
             return 0, False
         if req_id not in self._deferred_since:
             self.counters.requests_looked_up += 1
@@ -200,6 +205,7 @@ class SchedulerSide:
             self._deferred_since.setdefault(req_id, time.monotonic())
             return None, False
         self._end_wait(req_id)
+        self.counters.engine_hit_blocks += start
         hit_keys = keys[start : start + result.hits]
         origins = self.cache.origins(hit_keys) if hit_keys else []
         for origin in origins:
@@ -442,6 +448,7 @@ class SchedulerSide:
         cumulative["kvtier_requests_looked_up"] = {"": c.requests_looked_up}
         cumulative["kvtier_deferred_lookups"] = {"": c.deferred_lookups}
         cumulative["kvtier_hit_tokens"] = {"": c.hit_tokens}
+        cumulative["kvtier_engine_hit_blocks"] = {"": c.engine_hit_blocks}
         payload = series.empty_payload()
         payload["counters"] = self._delta.delta(cumulative)
         gauges = series.pool_gauges(snapshot)
