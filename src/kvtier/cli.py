@@ -403,6 +403,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     config = parse_config(read_config_file(args.config))
     print(f"{args.config}: valid")
     print(describe_config(config))
+    from kvtier.capacity import capacity_warnings
+
+    for warning in capacity_warnings(config):
+        print(f"warning: {warning}")
     return EXIT_OK
 
 

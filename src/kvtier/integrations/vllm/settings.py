@@ -41,7 +41,7 @@ class VllmSettings:
             store_generated=s.boolean("store_generated", False),
             stats_path=s.optional_file_path("stats_path"),
             kv_cache_layout=s.string("kv_cache_layout", BLOCK_OUTERMOST_LAYOUT),
-            trace_path=s.optional_string("trace_path"),
+            trace_path=s.optional_file_path("trace_path"),
         )
         if settings.kv_cache_layout not in (ENGINE_LAYOUT, *LAYOUT_NAMES):
             raise ConfigError(

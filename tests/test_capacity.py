@@ -1,0 +1,78 @@
+"""``kvtier check-config`` warns when the pool or an fs tier asks for more than the free space."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtier.capacity import DiskUsage, capacity_warnings
+from kvtier.cli import main
+from kvtier.config import load_config
+
+
+def test_pool_and_fs_tier_beyond_free_space_are_named(tmp_path: Path) -> None:
+    free_shm = shutil.disk_usage("/dev/shm").free
+    free_tmp = shutil.disk_usage(tmp_path).free
+    config = load_config(
+        {
+            "pool": {"size": free_shm + (1 << 30), "shm_dir": "/dev/shm"},
+            "tiers": [
+                {
+                    "kind": "fs",
+                    "name": "big",
+                    "path": str(tmp_path / "a" / "b"),
+                    "capacity": "1000TiB",
+                },
+                {"kind": "fs", "name": "small", "path": str(tmp_path / "c"), "capacity": "1MiB"},
+            ],
+        }
+    )
+    warnings = capacity_warnings(config)
+    assert len(warnings) == 2, warnings
+    assert (
+        warnings[0].startswith("pool.size ") and "exceeds the free space of /dev/shm" in warnings[0]
+    )
+    assert warnings[1].startswith("tiers[0].capacity (big) 1000.0 TiB exceeds the free space of")
+    # The tier's directory does not exist yet: its nearest existing parent was measured.
+    assert str(tmp_path) in warnings[1] and free_tmp > 0
+
+
+def test_config_that_fits_has_no_warning_and_an_unreadable_disk_is_said(tmp_path: Path) -> None:
+    config = load_config(
+        {
+            "pool": {"size": "1MiB"},
+            "tiers": [{"kind": "fs", "path": str(tmp_path), "capacity": "1MiB"}],
+        }
+    )
+    assert capacity_warnings(config) == []
+
+    def broken(path: str) -> DiskUsage:
+        raise PermissionError(13, "Permission denied")
+
+    warnings = capacity_warnings(config, usage=broken)
+    assert warnings == [
+        "pool.size: cannot tell the free space of /dev/shm (Permission denied)",
+        f"tiers[0].capacity (fs): cannot tell the free space of {tmp_path} (Permission denied)",
+    ]
+
+
+def test_check_config_prints_the_warnings(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "pool": {"size": "1MiB"},
+                "tiers": [{"kind": "fs", "path": str(tmp_path), "capacity": "1000TiB"}],
+            }
+        )
+    )
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "valid" in out
+    assert "warning: tiers[0].capacity (fs) 1000.0 TiB exceeds the free space of" in out
+    assert "warning: pool.size" not in out
