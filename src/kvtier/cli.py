@@ -138,6 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="requests")
     sim.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     sim.add_argument(
+        "--sweep",
+        default=None,
+        metavar="SIZES",
+        help="replay at several pool sizes (blocks, comma-separated, or 'auto': 8 sizes up to the "
+        "trace's distinct blocks) next to the offline optimum and the ceiling",
+    )
+    sim.add_argument(
+        "--sweep-json", type=Path, default=None, metavar="FILE", help="the sweep as JSON"
+    )
+    sim.add_argument(
+        "--sweep-png",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the sweep as a plot (needs kvtier[plot])",
+    )
+    sim.add_argument(
         "--metrics-port",
         type=_port,
         default=None,
@@ -207,6 +224,8 @@ def _positive_int(text: str) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     raw = read_config_file(args.config) if args.config else bundled_config_mapping()
     config = parse_config(apply_overrides(raw, args))
+    if args.sweep is not None:
+        return cmd_sweep(config, args)
     pool_blocks = simulate_pool_blocks(config, args.pool_blocks, args.pool_size)
     trace = args.trace if args.trace is not None else bundled_trace_path()
     if args.policy == OPTIMAL_POLICY:
@@ -277,6 +296,29 @@ def _metrics_server(port: int) -> _SimulateMetrics:
 
     _client()  # a clear error without prometheus-client
     return _SimulateMetrics(port)
+
+
+def cmd_sweep(config: KVTierConfig, args: argparse.Namespace) -> int:
+    from kvtier.sim import sweep
+
+    sizes = sweep.parse_sizes(args.sweep)
+    trace = args.trace if args.trace is not None else bundled_trace_path()
+    result = sweep.sweep(
+        config,
+        trace,
+        sizes,
+        payload_bytes=args.payload_bytes,
+        limit=args.limit,
+        progress=not args.no_progress,
+    )
+    print(sweep.format_sweep(result))
+    if args.sweep_json is not None:
+        sweep.write_json(result, args.sweep_json)
+        print(f"json        {args.sweep_json}")
+    if args.sweep_png is not None:
+        sweep.write_png(result, args.sweep_png)
+        print(f"plot        {args.sweep_png}")
+    return EXIT_OK
 
 
 def apply_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

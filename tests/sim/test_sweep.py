@@ -1,0 +1,90 @@
+"""``kvtier simulate --sweep``: replay at several pool sizes next to the offline optimum and the
+ceiling; table, JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.config import load_config
+from kvtier.errors import ConfigError
+from kvtier.sim.sweep import auto_sizes, parse_sizes, sweep
+from kvtier.sim.trace import bundled_trace_path
+
+
+def test_replay_never_beats_the_optimum_and_a_pool_for_everything_meets_the_ceiling() -> None:
+    config = load_config({"eviction": "lru"})
+    result = sweep(config, bundled_trace_path(), [50, 400, 100_000], limit=300)
+    assert result.requests == 300 and result.unit.startswith("pool sizes in blocks")
+    small, mid, everything = result.points
+    for p in result.points:
+        assert p.hit_ratio <= p.optimal_hit_ratio + 1e-12 <= result.ceiling + 1e-12
+    assert small.hit_ratio < mid.hit_ratio < everything.hit_ratio
+    assert small.optimal_hit_ratio < mid.optimal_hit_ratio
+    assert everything.evictions == 0 and small.evictions > 0
+    assert everything.hit_ratio == pytest.approx(result.ceiling)
+    assert everything.optimal_hit_ratio == pytest.approx(result.ceiling)
+
+
+def test_sizes() -> None:
+    assert parse_sizes("auto") is None
+    assert parse_sizes("400, 100,400") == [100, 400]
+    for bad in ("", "0,10", "ten"):
+        with pytest.raises(ConfigError, match="--sweep"):
+            parse_sizes(bad)
+    sizes = auto_sizes(43924)
+    assert len(sizes) == 8 and sizes[-1] == 43924 and sizes[0] == 43924 >> 7
+
+
+def test_cli_prints_the_table_and_writes_json(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out_json = tmp_path / "sweep.json"
+    args = ["simulate", "--sweep", "100,1000", "--limit", "200", "--no-progress"]
+    assert main([*args, "--sweep-json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "optimum" in out and "ceiling" in out and "blocks of block.bytes" in out
+    data = json.loads(out_json.read_text())
+    assert [p["pool_blocks"] for p in data["points"]] == [100, 1000]
+    assert data["ceiling"] >= data["points"][1]["optimal_hit_ratio"]
+
+
+def test_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    args = ["simulate", "--sweep", "100,1000", "--limit", "100", "--no-progress"]
+    assert main([*args, "--sweep-png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_png_without_matplotlib_is_a_clear_error(tmp_path: Path) -> None:
+    stub = tmp_path / "matplotlib"
+    stub.mkdir()
+    (stub / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier",
+            "simulate",
+            "--sweep",
+            "50",
+            "--limit",
+            "20",
+            "--no-progress",
+            "--sweep-png",
+            str(tmp_path / "x.png"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'kvtier[plot]'" in proc.stderr and "Traceback" not in proc.stderr
