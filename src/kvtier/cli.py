@@ -271,9 +271,7 @@ class _SimulateMetrics:
         self.server = serve(port, self.registry)
         self.requests = 0
         self.cache: Any = None
-        print(
-            f"metrics     http://0.0.0.0:{self.server.server_port}/metrics", file=sys.stderr
-        )
+        print(f"metrics     http://0.0.0.0:{self.server.server_port}/metrics", file=sys.stderr)
 
     def after_request(self, cache: Any) -> None:
         self.cache = cache
