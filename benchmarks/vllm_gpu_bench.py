@@ -238,8 +238,8 @@ def connector_of(llm: Any) -> Any:
 
 
 def kvtier_counters(connector: Any) -> dict[str, Any]:
-    stats = connector.get_kv_connector_stats() if connector is not None else None
-    data = getattr(stats, "data", None)
+    # The cumulative snapshot (get_kv_connector_stats hands vLLM per-step increments).
+    data = connector.stats_snapshot() if connector is not None else None
     return dict(data) if isinstance(data, dict) else {}
 
 

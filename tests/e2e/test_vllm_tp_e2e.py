@@ -53,7 +53,7 @@ def _connector(llm: Any) -> Any:
 
 
 def _live_stats(llm: Any) -> dict[str, Any]:
-    data: dict[str, Any] = _connector(llm).get_kv_connector_stats().data
+    data: dict[str, Any] = _connector(llm).stats_snapshot()
     return data
 
 

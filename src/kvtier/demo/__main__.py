@@ -92,8 +92,8 @@ def connector_stats(llm: Any) -> dict[str, Any] | None:
     connector = getattr(scheduler, "connector", None)
     if connector is None:
         return None
-    stats = connector.get_kv_connector_stats()
-    data = getattr(stats, "data", None)
+    snapshot = getattr(connector, "stats_snapshot", None)
+    data = snapshot() if snapshot is not None else None
     return dict(data) if isinstance(data, dict) and data else None
 
 
