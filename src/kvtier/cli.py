@@ -31,7 +31,7 @@ from kvtier.config import (
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.policies import EvictionKind
 from kvtier.sim.optimal import OPTIMAL_POLICY, format_optimal, optimal_hit_ratio
-from kvtier.sim.replay import ReplayResult
+from kvtier.sim.replay import ReplayResult, TierResult
 from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate
 from kvtier.sim.trace import bundled_trace_path, read_trace
 from kvtier.stats_report import format_snapshot, read_snapshot
@@ -400,6 +400,11 @@ def simulate_pool_blocks(config: KVTierConfig, blocks: int | None, size: str | N
     return n
 
 
+def _tier_label(t: TierResult) -> str:
+    size = "" if t.capacity_blocks is None else f", {t.capacity_blocks} blocks"
+    return f"{t.kind}, {t.write}{size}"
+
+
 def format_result(r: ReplayResult) -> str:
     secondary = [t for t in r.tiers if t.name != "pool"]
     lines = [
@@ -410,7 +415,8 @@ def format_result(r: ReplayResult) -> str:
         + (f"after {r.admission_min_seen} offers" if r.admission_min_seen > 1 else "off")
         + (", requests overlap tier jobs" if r.overlap else ""),
         "tiers       "
-        + " -> ".join(["pool", *(f"{t.name} ({t.kind}, {t.write})" for t in secondary)]),
+        + " -> ".join(["pool", *(f"{t.name} ({_tier_label(t)})" for t in secondary)]),
+        "units       pool and tier capacities in blocks of block.bytes",
         "",
         f"{'tier':<12}{'hit blocks':>12}{'hit ratio':>11}{'evictions':>11}"
         f"{'read':>12}{'written':>12}{'errors':>8}{'corrupt':>9}",

@@ -212,7 +212,7 @@ def test_fs_tier_survives_restart(tmp_path: Path) -> None:
     limit = 200
     ids = trace_ids(limit)
     pool_blocks = max(len(r) for r in ids)  # every request fits: no store is ever skipped
-    fs = {"kind": "fs", "path": str(tmp_path / "fs"), "capacity": "1GiB"}
+    fs = {"kind": "fs", "path": str(tmp_path / "fs"), "capacity": "1TiB"}  # 16,384 blocks
 
     first = run(bundled_trace_path(), pool_blocks, limit=limit, tiers=[fs])
     # With an unbounded write-through tier nothing stored is ever lost.
@@ -231,12 +231,30 @@ def test_fs_tier_survives_restart(tmp_path: Path) -> None:
     assert_consistent(second)
 
 
+@pytest.mark.parametrize("kind", ["fs", "memory"])
+def test_tier_capacity_counts_blocks_of_block_bytes(tmp_path: Path, kind: str) -> None:
+    # 4 GiB of 64 MiB blocks is 64 blocks, whatever the replay's real payload size: the tier
+    # evicts at 64 blocks, as in an engine (it once held 4 GiB of 4 KiB payloads instead).
+    tier: dict[str, Any] = {"kind": kind, "capacity": "4GiB"}
+    if kind == "fs":
+        tier["path"] = str(tmp_path / "fs")
+    result = run(
+        bundled_trace_path(), 100, limit=300, block={"tokens": 512, "bytes": "64MiB"}, tiers=[tier]
+    )
+    stats = result.tiers[1]
+    assert stats.capacity_blocks == 64
+    assert stats.written_blocks - stats.evictions <= 64 < stats.written_blocks
+    if kind == "fs":
+        assert len(list((tmp_path / "fs").rglob("*.kvb"))) <= 64
+    assert_consistent(result)
+
+
 def test_fs_tier_on_evict(tmp_path: Path) -> None:
     result = run(
         bundled_trace_path(),
         200,
         limit=200,
-        tiers=[{"kind": "fs", "write": "on_evict", "path": str(tmp_path), "capacity": "1GiB"}],
+        tiers=[{"kind": "fs", "write": "on_evict", "path": str(tmp_path), "capacity": "1TiB"}],
     )
     assert result.tiers[1].write == "on_evict"
     assert by_tier(result)["fs"] > 0

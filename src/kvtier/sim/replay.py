@@ -43,6 +43,8 @@ class TierResult:
     kind: str
     write: str = ""
     """``through`` or ``on_evict`` for a secondary tier."""
+    capacity_blocks: int | None = None
+    """Blocks of ``block.bytes`` the tier may hold (None: bounded elsewhere, e.g. Redis)."""
     hit_blocks: int = 0
     """Blocks of lookups served from this tier (for a secondary tier: promoted, then loaded)."""
     hit_ratio: float = 0.0
@@ -158,6 +160,8 @@ class Replayer:
             block_bytes=self.block_bytes,
             overlap=overlap,
         )
+        self.tier_capacity_blocks: dict[str, int] = {}
+        """Secondary tier name -> capacity in blocks of ``block_bytes``, for the result."""
         self._secondary_hits: dict[str, int] = dict.fromkeys(self.tier_labels, 0)
         self._stuck_jobs = 0
 
@@ -322,6 +326,7 @@ class Replayer:
             name,
             kind,
             write,
+            capacity_blocks=self.tier_capacity_blocks.get(name),
             hit_blocks=self._secondary_hits.get(name, 0),
             evictions=c.evictions,
             read_blocks=c.read_blocks,

@@ -15,6 +15,7 @@ from kvtier.keys import Namespace
 from kvtier.manager import TieredCache
 from kvtier.sim.replay import Replayer, ReplayResult
 from kvtier.sim.trace import read_trace
+from kvtier.tiers.payload import HEADER_BYTES
 
 SIMULATE_MODEL = "kvtier-simulate"
 DEFAULT_PAYLOAD_BYTES = 4096
@@ -29,6 +30,33 @@ def simulation_namespace(config: KVTierConfig) -> Namespace:
         block_tokens=config.block.tokens,
         tenant=config.tenant,
     )
+
+
+def tiers_in_blocks(
+    config: KVTierConfig, payload_bytes: int
+) -> tuple[KVTierConfig, dict[str, int]]:
+    """Tier capacities in the pool's unit: a tier given ``capacity`` bytes holds
+    ``capacity // block.bytes`` blocks in the engine, so in the replay, whose blocks are
+    ``payload_bytes`` real bytes, it gets room for that many blocks of its own size (a block file
+    is its header plus the payload; a tier counting blocks gets the count). Returns the config
+    the replay uses and each capacity-bounded tier's capacity in blocks."""
+    tiers = []
+    blocks_of: dict[str, int] = {}
+    for tier in config.tiers:
+        options = tier.options
+        capacity = getattr(options, "capacity", None)
+        if isinstance(capacity, int):
+            blocks = max(1, capacity // config.block.bytes)
+            blocks_of[tier.name] = blocks
+            if hasattr(options, "capacity_blocks"):
+                options = dataclasses.replace(options, capacity=None, capacity_blocks=blocks)
+            else:
+                options = dataclasses.replace(
+                    options, capacity=blocks * (HEADER_BYTES + payload_bytes)
+                )
+            tier = dataclasses.replace(tier, options=options)
+        tiers.append(tier)
+    return dataclasses.replace(config, tiers=tuple(tiers)), blocks_of
 
 
 def simulate(
@@ -47,8 +75,10 @@ def simulate(
     size for bytes moved). ``on_request`` sees the cache after each request (metrics)."""
     requests = read_trace(trace, limit)
     # The pool really allocates payload_bytes per block: a simulated 64 MiB block costs 4 KiB.
+    # Tier capacities follow in the same unit (blocks of block.bytes).
+    scaled, tier_blocks = tiers_in_blocks(config, payload_bytes)
     sized = dataclasses.replace(
-        config, pool=dataclasses.replace(config.pool, size=pool_blocks * payload_bytes)
+        scaled, pool=dataclasses.replace(config.pool, size=pool_blocks * payload_bytes)
     )
     pool, cache = build_cache(sized, simulation_namespace(config), payload_bytes)
     try:
@@ -62,6 +92,7 @@ def simulate(
             overlap=overlap,
             trace_name=Path(trace).name,
         )
+        replayer.tier_capacity_blocks = tier_blocks
         replayer.result.policy = config.eviction.value
         replayer.result.admission_min_seen = config.admission.min_seen
         with tqdm(
