@@ -26,7 +26,6 @@ from kvtier.config import options_class as config_options_class
 from kvtier.errors import ConfigError, shown
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import BlockKey, Namespace, keys_from_hashes
-from kvtier.policies import EvictionKind
 from kvtier.pool import NAME_PREFIX, HostPool
 from kvtier.tiers import TIER_KINDS, tier_class
 from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
@@ -102,7 +101,7 @@ def test_empty_mapping_gives_documented_defaults() -> None:
     assert config.pool.shm_dir == "/dev/shm"
     assert config.pool.allow_pageable is False
     assert (config.block.tokens, config.block.bytes) == (512, 64 * 1024**2)
-    assert config.eviction is EvictionKind.SEGMENTED
+    assert config.eviction == "segmented"
     assert config.admission == AdmissionConfig(min_seen=1, max_tracked=1_000_000)
     assert not config.admission.enabled
     assert config.tiers == ()
@@ -138,7 +137,7 @@ def test_full_config_is_parsed_into_typed_records() -> None:
     assert config.pool.size == 2 * 1024**3
     assert config.pool.allow_pageable is True
     assert (config.block.tokens, config.block.bytes) == (256, 32 * 1024**2)
-    assert config.eviction is EvictionKind.ARC
+    assert config.eviction == "arc"
     assert config.admission.enabled and config.admission.min_seen == 2
     assert config.admission.max_tracked == 5000
     memory, fs = config.tiers
@@ -157,7 +156,7 @@ def test_config_records_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.pool.size = 1  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.eviction = EvictionKind.LRU  # type: ignore[misc]
+        config.eviction = "lru"  # type: ignore[misc]
     with pytest.raises(TypeError):
         config.vllm["blocks_per_slot"] = 1  # type: ignore[index]
     assert isinstance(config.tiers, tuple)
@@ -182,7 +181,7 @@ def test_empty_yaml_file_gives_defaults(tmp_path: Path) -> None:
 def test_bundled_simulate_config_is_valid_and_holds_4000_blocks() -> None:
     config = load_config(bundled_config_mapping())
     assert config.pool.size // config.block.bytes == 4000
-    assert config.eviction is EvictionKind.SEGMENTED
+    assert config.eviction == "segmented"
     assert config.tiers == ()
 
 
@@ -587,10 +586,10 @@ def test_unusable_shm_dir_is_a_config_error_naming_the_field(tmp_path: Path) -> 
 
 
 def test_admission_and_eviction_reach_the_cache(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[tuple[EvictionKind, int]] = []
+    made: list[tuple[str, int]] = []
     real = factory.make_policy
 
-    def spy(kind: EvictionKind, capacity: int) -> Any:
+    def spy(kind: str, capacity: int) -> Any:
         made.append((kind, capacity))
         return real(kind, capacity)
 
@@ -604,7 +603,7 @@ def test_admission_and_eviction_reach_the_cache(shm: Path, monkeypatch: pytest.M
     )
     pool, cache = factory.build_cache(config, NS, slot_bytes=1024)
     try:
-        assert made == [(EvictionKind.ARC, 4)]
+        assert made == [("arc", 4)]
         keys = keys_from_hashes(NS, [7])
         assert cache.prepare_store(keys).keys == []  # first offer: not admitted yet
         second = cache.prepare_store(keys)

@@ -29,7 +29,7 @@ from kvtier.config import (
     read_config_file,
 )
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.policies import EvictionKind
+from kvtier.registry import PLUGIN_FORM, POLICIES, TIERS, is_plugin_path
 from kvtier.sim.optimal import OPTIMAL_POLICY, format_optimal, optimal_hit_ratio
 from kvtier.sim.replay import ReplayResult, TierResult
 from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate
@@ -93,9 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--policy",
-        choices=[*(kind.value for kind in EvictionKind), OPTIMAL_POLICY],
+        type=_policy_name,
         default=None,
-        help=f"eviction policy; {OPTIMAL_POLICY}: the offline optimum of the pool alone (a bound)",
+        metavar="{" + ",".join([*POLICIES.names(), OPTIMAL_POLICY]) + "}",
+        help=f"eviction policy (or {PLUGIN_FORM}); "
+        f"{OPTIMAL_POLICY}: the offline optimum of the pool alone (a bound)",
     )
     sim.add_argument(
         "--admission",
@@ -111,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help=(
             "secondary tier, repeatable, fastest first; replaces the config's tiers: "
-            "memory:CAPACITY, fs:PATH:CAPACITY, redis:URL, or KIND:key=value,key=value"
+            "memory:CAPACITY, fs:PATH:CAPACITY, redis:URL, or KIND:key=value,key=value "
+            f"(KIND: {', '.join(TIERS.names())} or {PLUGIN_FORM})"
         ),
     )
     sim.add_argument(
@@ -206,6 +209,17 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535: {value}")
     return value
+
+
+def _policy_name(text: str) -> str:
+    """A ``--policy`` value: a registered policy, the offline optimum or a plugin class path
+    (imported when the config is validated, which names the field if it does not load)."""
+    if text == OPTIMAL_POLICY or text in POLICIES or is_plugin_path(text):
+        return text
+    known = ", ".join(repr(name) for name in [*POLICIES.names(), OPTIMAL_POLICY])
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose from {known} or {PLUGIN_FORM})"
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -342,6 +356,10 @@ def apply_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, 
 def parse_tier_spec(spec: str) -> dict[str, Any]:
     """``memory:CAPACITY``, ``fs:PATH:CAPACITY``, ``redis:URL`` or ``KIND:key=value,...``."""
     kind, sep, rest = spec.partition(":")
+    if kind not in TIERS and "." in kind:
+        # A plugin, package.module:Class[:key=value,...]: the class name is part of the kind.
+        name, sep, rest = rest.partition(":")
+        kind = f"{kind}:{name}"
     if not kind:
         raise ConfigError("--tier", spec, "KIND:OPTIONS, e.g. memory:1GiB or fs:/tmp/kv:10GiB")
     entry: dict[str, Any] = {"kind": kind}
@@ -365,7 +383,9 @@ def parse_tier_spec(spec: str) -> dict[str, Any]:
     elif kind == "redis":
         entry["url"] = rest
     else:
-        raise ConfigError("--tier", spec, f"KIND:key=value,... for a tier of kind {kind!r}")
+        raise ConfigError(
+            "--tier", spec, f"KIND:key=value,... for a tier of kind {kind!r} ({TIERS.allowed()})"
+        )
     return entry
 
 
@@ -462,7 +482,7 @@ def describe_config(config: KVTierConfig) -> str:
         f"pool {format_size(config.pool.size)} in {config.pool.shm_dir}"
         + (", pageable allowed" if config.pool.allow_pageable else ""),
         f"block {config.block.tokens} tokens, {format_size(config.block.bytes)}",
-        f"eviction {config.eviction.value}, admission "
+        f"eviction {config.eviction}, admission "
         + (f"after {config.admission.min_seen} offers" if config.admission.enabled else "off"),
     ]
     for t in config.tiers:

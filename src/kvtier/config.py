@@ -24,8 +24,9 @@ from kvtier.copy.options import CopyConfig as CopyConfig
 from kvtier.copy.options import CopyStrategy as CopyStrategy
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.settings import VllmSettings
-from kvtier.policies import DEFAULT_EVICTION, EvictionKind
+from kvtier.policies import DEFAULT_EVICTION, policy_class
 from kvtier.pool import DEFAULT_SHM_DIR
+from kvtier.registry import POLICIES, is_plugin_path
 from kvtier.tiers import tier_class
 from kvtier.tiers.base import WriteMode
 from kvtier.validation import Section
@@ -89,7 +90,8 @@ class KVTierConfig:
     model: str | None = None
     """Namespace model name; engine adapters take it from the engine instead."""
     tenant: str = "default"
-    eviction: EvictionKind = DEFAULT_EVICTION
+    eviction: str = DEFAULT_EVICTION
+    """A name in ``kvtier.registry.POLICIES`` or a policy class as ``package.module:Class``."""
     admission: AdmissionConfig = AdmissionConfig()
     tiers: tuple[TierConfig, ...] = ()
     """Secondary tiers, fastest first."""
@@ -184,7 +186,7 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
         tenant=root.string("tenant", "default"),
         pool=_pool(root.section("pool")),
         block=_block(root.section("block")),
-        eviction=root.choice("eviction", EvictionKind, DEFAULT_EVICTION),
+        eviction=_eviction(root),
         admission=_admission(root.section("admission")),
         tiers=_tiers(root),
         job_timeout_s=root.number("job_timeout_s", 30.0, minimum=0.001, maximum=MAX_JOB_TIMEOUT_S),
@@ -194,6 +196,17 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
     )
     root.done()
     return config
+
+
+def _eviction(root: Section) -> str:
+    """A registered policy name or ``package.module:Class``, checked now (imported, a policy
+    class): a typo fails at load time, not when the cache is built."""
+    try:
+        name = root.string("eviction", DEFAULT_EVICTION)
+    except ConfigError as exc:  # not a string: the same message as an unknown name
+        raise ConfigError(exc.field, exc.value, POLICIES.allowed()) from None
+    policy_class(name, "eviction")
+    return name
 
 
 def _pool(s: Section) -> PoolConfig:
@@ -236,7 +249,9 @@ def _tiers(root: Section) -> tuple[TierConfig, ...]:
         s = Section(entry, path)
         kind = s.string("kind")
         cls = tier_class(kind, field=f"{path}.kind")
-        name = s.string("name", kind)
+        # A plugin's default name is its class name: a module path is no valid tier name.
+        default = kind.rpartition(":")[2].rpartition(".")[2] if is_plugin_path(kind) else kind
+        name = s.string("name", default)
         if not _TIER_NAME.match(name):
             raise ConfigError(
                 f"{path}.name",

@@ -93,7 +93,7 @@ def simulate(
             trace_name=Path(trace).name,
         )
         replayer.tier_capacity_blocks = tier_blocks
-        replayer.result.policy = config.eviction.value
+        replayer.result.policy = config.eviction
         replayer.result.admission_min_seen = config.admission.min_seen
         with tqdm(
             total=len(requests),

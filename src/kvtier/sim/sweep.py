@@ -89,7 +89,7 @@ def sweep(
         requests=len(requests),
         blocks=sum(len(r.hash_ids) for r in requests),
         distinct_blocks=distinct,
-        policy=config.eviction.value,
+        policy=config.eviction,
         tiers=[f"{t.name} ({t.kind})" for t in config.tiers],
         block_bytes=config.block.bytes,
         ceiling=infinite_hit_ratio(requests),

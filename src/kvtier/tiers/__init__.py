@@ -1,36 +1,27 @@
 """Secondary tiers, created by kind name from config.
 
 Each tier class has an ``Options`` dataclass with ``parse(section) -> Options`` (validation with
-field-named errors) and a constructor ``(name, namespace, pool, options)``. Modules are imported on
-demand so an optional dependency (the ``redis`` client) is only needed when its tier is used.
+field-named errors) and a constructor ``(name, namespace, pool, options)``. Kind names live in
+``kvtier.registry.TIERS`` (a ``package.module:Class`` path names a tier outside kvtier); modules are
+imported on demand so an optional dependency (the ``redis`` client) is only needed when its tier is
+used.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.registry import TIERS
 from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob, WriteMode
 
-TIER_KINDS: dict[str, str] = {
-    "memory": "kvtier.tiers.memory:MemoryTier",
-    "fs": "kvtier.tiers.fs:FsTier",
-    "redis": "kvtier.tiers.redis:RedisTier",
-}
+TIER_KINDS: dict[str, str] = TIERS.entries
+"""The built-in kinds (the registry's own mapping)."""
 
 
 def tier_class(kind: str, field: str = "kind") -> Any:
-    """The tier class for ``kind`` (``ConfigError`` for an unknown kind or a missing dependency)."""
-    target = TIER_KINDS.get(kind)
-    if target is None:
-        raise ConfigError(field, kind, f"one of {', '.join(repr(k) for k in TIER_KINDS)}")
-    module_name, class_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(field, kind, f"its dependency is not installed ({exc})") from exc
-    return getattr(module, class_name)
+    """The tier class for ``kind``, a registered name or ``package.module:Class``
+    (``ConfigError`` for ``field`` when unknown, not importable or not a ``Tier``)."""
+    return TIERS.load(kind, field)
 
 
 __all__ = ["TIER_KINDS", "JobKind", "JobResult", "Tier", "TierJob", "WriteMode", "tier_class"]
