@@ -4,6 +4,9 @@ A block key is 16 bytes of BLAKE2b. It depends only on the namespace (model, KV 
 version, tenant) and on the tokens (or an engine's content hash) of the block and every block before
 it, so it is identical across processes, restarts and machines and never collides between
 namespaces. Python's ``hash()`` is never used: it is salted per process.
+
+Every key kvtier derives is derived here (``tests/core/test_keys.py`` pins them): blocks already
+stored on disk or in Redis must be found by the next release.
 """
 
 from __future__ import annotations
@@ -79,12 +82,29 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=KEY_BYTES).digest()
 
 
+def chain_root(
+    namespace: Namespace, adapter: str | None = None, salt: str | None = None
+) -> BlockKey | None:
+    """The root of a request's key chain when something besides its tokens changes its KV.
+
+    ``adapter`` is the name of a LoRA adapter the request runs with (``""``: an adapter without a
+    name, still distinct from none); ``salt`` a per-request cache salt (an empty salt is none).
+    None when there is neither: the chain then starts at the namespace (``chain_keys`` with no
+    ``start_key``). Pass the result as the ``start_key`` of the request's first ``chain_keys``.
+    """
+    if adapter is None and not salt:
+        return None
+    extra = f"lora={adapter or ''}\0salt={salt or ''}".encode()
+    return _digest(namespace.digest + extra)
+
+
 def chain_keys(
     namespace: Namespace, token_ids: Sequence[int], start_key: BlockKey | None = None
 ) -> list[BlockKey]:
     """Keys of the full blocks of ``token_ids`` (a trailing partial block gets no key).
 
-    ``start_key`` continues an earlier chain (the key of the block before ``token_ids``).
+    ``start_key`` continues an earlier chain (the key of the block before ``token_ids``, or a
+    request's ``chain_root``).
     """
     step = namespace.block_tokens * TOKEN_BYTES
     data = memoryview(_token_bytes(token_ids))

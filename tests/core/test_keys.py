@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.keys import KEY_BYTES, Namespace, chain_keys, keys_from_hashes
+from kvtier.keys import KEY_BYTES, Namespace, chain_keys, chain_root, keys_from_hashes
 
 BASE = Namespace(model="llama", dtype="bfloat16", block_tokens=4, layout="nhd", tp_size=2)
 TOKENS = list(range(17))
@@ -75,6 +75,55 @@ def test_key_format_is_frozen():
     assert chain_keys(ns, [1, 2])[0].hex() == chain_keys(ns, [1, 2, 3])[0].hex()
     assert ns.hex == Namespace(model="m", dtype="d", block_tokens=2).hex
     assert len(ns.hex) == 32 and all(c in "0123456789abcdef" for c in ns.hex)
+    assert ns.hex == "f1af810819dcb070aa9904b75f83fb94"
+    assert ns.fingerprint.startswith("14fe8de3c17873a985a5aebc5886cfb4")
+
+
+def test_hash_keys_are_frozen():
+    # vLLM-style content hashes (ints, signed, up to 128 bits, or bytes) mixed with the namespace.
+    ns = Namespace(model="m", dtype="d", block_tokens=2)
+    assert [k.hex() for k in keys_from_hashes(ns, [7, -1, 2**127 - 1, b"h" * 32])] == [
+        "2be10ca08fb36ba42abe740363f22c91",
+        "cee3779093b268230ca0d8060a300855",
+        "bbb9553546efbf3e4f4bdee1453c32da",
+        "fa8fa4292fb1cd743279fc55e6a4f75a",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("adapter", "salt", "root"),
+    [
+        ("sql", None, "f52a56f5c299c2c1ce377a1a99d58e9a"),
+        (None, "s3cret", "04fb932a43c8257f6cc01b622cf86b06"),
+        ("sql", "s3cret", "3b0c8f929d4bca72509150ba019dc287"),
+        ("", None, "84d4805edc0c37b31cf73aa58f3792e0"),  # an unnamed adapter is still one
+    ],
+)
+def test_request_roots_are_frozen(adapter: str | None, salt: str | None, root: str) -> None:
+    # The values the vLLM connector derived before chain_root existed (LoRA name, cache salt):
+    # blocks stored under them stay reachable.
+    ns = Namespace(model="m", dtype="d", block_tokens=2)
+    start = chain_root(ns, adapter, salt)
+    assert start is not None and start.hex() == root
+    plain = chain_keys(ns, [1, 2, -3, 2**40, 7])
+    assert set(chain_keys(ns, [1, 2, -3, 2**40, 7], start)).isdisjoint(plain)
+
+
+def test_request_root_chains_are_frozen() -> None:
+    ns = Namespace(model="m", dtype="d", block_tokens=2)
+    tokens = [1, 2, -3, 2**40, 7]
+    assert [k.hex() for k in chain_keys(ns, tokens, chain_root(ns, "sql"))] == [
+        "104a8fa8357bd675fae97086363bacfa",
+        "96200fb87cfa552d4fd6d4bc0ddf45af",
+    ]
+    assert [k.hex() for k in chain_keys(ns, tokens, chain_root(ns, salt="s3cret"))] == [
+        "b6d5e2e2474dd4f26af359cfd9c1997c",
+        "000c8f30499b8239ffe2d3e6aba3f99f",
+    ]
+    # Neither an adapter nor a salt: the namespace is the root, keys as without a request root.
+    assert chain_root(ns) is None and chain_root(ns, None, "") is None
+    tenant = Namespace(model="m", dtype="d", block_tokens=2, tenant="acme")
+    assert chain_root(tenant, "sql") != chain_root(ns, "sql")
 
 
 def test_bad_namespace_values_name_the_field():
