@@ -10,6 +10,7 @@ import math
 from collections import defaultdict
 
 import pytest
+from support import require
 
 from kvtier.demo import (
     BLOCK_TOKENS,
@@ -209,8 +210,8 @@ def test_model_sizes() -> None:
 
 
 def test_write_model_matches_its_config(tmp_path: pytest.TempPathFactory) -> None:
-    torch = pytest.importorskip("torch")
-    safetensors = pytest.importorskip("safetensors.torch")
+    torch = require.importorskip("torch", "vllm")
+    safetensors = require.importorskip("safetensors.torch", "vllm")
     from pathlib import Path
 
     from kvtier.demo import write_model

@@ -7,9 +7,9 @@ import json
 import re
 from pathlib import Path
 
-import pytest
+from support import require
 
-prometheus_client = pytest.importorskip("prometheus_client")
+prometheus_client = require.importorskip("prometheus_client", "extras")
 
 from kvtier import series  # noqa: E402
 from kvtier.prometheus import PrometheusExporter  # noqa: E402

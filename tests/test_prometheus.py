@@ -12,8 +12,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support import require
 
-prometheus_client = pytest.importorskip("prometheus_client")
+prometheus_client = require.importorskip("prometheus_client", "extras")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -32,7 +31,17 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from support import require
+from support.redis_servers import RedisServer, binaries_missing
 
+from chaos.faults import (
+    ChaosProxy,
+    DiskFiller,
+    FileFault,
+    ProxyMode,
+    WriterProcess,
+    inject_file_fault,
+)
 from kvtier.config import load_config
 from kvtier.keys import BlockKey, keys_from_hashes
 from kvtier.manager import SecondaryTier, TieredCache
@@ -44,17 +53,6 @@ from kvtier.sim.trace import bundled_trace_path, read_trace
 from kvtier.tiers.base import WriteMode
 from kvtier.tiers.fs import FsTier
 from kvtier.tiers.redis import RedisTier
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "redis"))
-from faults import (
-    ChaosProxy,
-    DiskFiller,
-    FileFault,
-    ProxyMode,
-    WriterProcess,
-    inject_file_fault,
-)
-from redis_servers import RedisServer, binaries_missing
 
 pytestmark = pytest.mark.redis
 
@@ -297,7 +295,7 @@ class Injector:
 def test_chaos_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     reason = binaries_missing()
     if reason is not None:
-        pytest.skip(reason)
+        require.missing("redis", reason)
     rng = random.Random(SEED)
     report = Report(SEED, SOAK_S)
     requests = read_trace(bundled_trace_path())

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from support import require
 
-torch = pytest.importorskip("torch")
+torch = require.importorskip("torch", "vllm")
 
 from kvtier.copy.base import SKIP, CopyJob, Direction  # noqa: E402
 from kvtier.copy.cpu import CpuCopyBackend  # noqa: E402

@@ -15,13 +15,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support import require
 
 from kvtier.copy.base import SKIP, CopyJob, Direction
 from kvtier.copy.cuda_plan import KVLayout
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+torch = require.importorskip("torch", "gpu", "PyTorch is not installed")
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+    require.missing("gpu", "no CUDA device", module=True)
 
 from kvtier.copy.cuda import CudaCopyBackend, CudaCopyOptions  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402

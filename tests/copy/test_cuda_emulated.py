@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from emulated_cuda import COMPUTE_STREAM, EmulatedBackend, FakeRuntime, FakeTensor
-from kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
+from support.emulated_cuda import COMPUTE_STREAM, EmulatedBackend, FakeRuntime, FakeTensor
+from support.kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
 
 from kvtier.copy.base import SKIP, CopyJob, Direction
 from kvtier.copy.cuda import CudaCopyOptions

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from emulated_cuda import EmulatedBackend, FakeRuntime, FakeTensor
+from support.emulated_cuda import EmulatedBackend, FakeRuntime, FakeTensor
 
 from kvtier.copy import cuda_executor
 from kvtier.copy.base import CopyJob, Direction

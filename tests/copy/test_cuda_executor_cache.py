@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import require
 
 from kvtier.copy import cuda_executor
 
@@ -24,8 +25,8 @@ __attribute__((constructor)) static void planted(void) {
 }
 """
 
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("cc") or shutil.which("gcc")), reason="needs a C compiler"
+pytestmark = require.unless(
+    "cc", None if shutil.which("cc") or shutil.which("gcc") else "needs a C compiler"
 )
 
 

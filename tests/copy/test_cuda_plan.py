@@ -7,8 +7,8 @@ import ctypes
 
 import numpy as np
 import pytest
-from emulated_cuda import FakeTensor
-from kv_reference import block_bytes, engine_arrays, logical_blocks
+from support.emulated_cuda import FakeTensor
+from support.kv_reference import block_bytes, engine_arrays, logical_blocks
 
 from kvtier.copy.cuda_plan import (
     KVLayout,
@@ -138,7 +138,7 @@ def test_copy_list_moves_every_byte(layout: KVLayout, to_host: bool) -> None:
             assert host[s, : geo.block_bytes].tobytes() == block_bytes(logical, int(b))
         assert (host[4] == 0xAB).all() and (host[:, geo.block_bytes :] == 0xAB).all()
     else:
-        from kv_reference import to_logical
+        from support.kv_reference import to_logical
 
         got = to_logical(arrays, layout)
         for b in range(9):
@@ -213,7 +213,7 @@ def test_kernel_params_drive_the_emulated_kernel(layout: KVLayout, to_host: bool
             assert host[s].tobytes() == block_bytes(logical, int(b))
         assert (host[1] == 0xCD).all()
     else:
-        from kv_reference import to_logical
+        from support.kv_reference import to_logical
 
         got = to_logical(arrays, layout)
         for b in range(10):

@@ -14,10 +14,11 @@ import types
 from collections.abc import Iterator
 
 import pytest
+from support import require
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+torch = require.importorskip("torch", "gpu", "PyTorch is not installed")
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+    require.missing("gpu", "no CUDA device", module=True)
 
 pytestmark = pytest.mark.gpu
 

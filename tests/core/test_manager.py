@@ -2,14 +2,13 @@ from __future__ import annotations
 
 import pytest
 
+from core.conftest import keys_for
+from core.scripted_tier import ScriptedTier
 from kvtier.events import EventKind
 from kvtier.manager import SecondaryTier, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.tiers.base import WriteMode
-
-from .conftest import keys_for
-from .scripted_tier import ScriptedTier
 
 
 def store(cache: TieredCache, keys: list[bytes], fill: bytes | None = None) -> list[bytes]:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from core.conftest import keys_for
+from core.scripted_tier import ScriptedTier
 from kvtier.keys import BlockKey, Namespace
 from kvtier.manager import MAX_EVENTS, SecondaryTier, TieredCache
 from kvtier.policies import LRUPolicy
@@ -19,9 +21,6 @@ from kvtier.pool import HostPool
 from kvtier.sim.replay import Replayer
 from kvtier.sim.trace import bundled_trace_path, read_trace
 from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
-
-from .conftest import keys_for
-from .scripted_tier import ScriptedTier
 
 
 def store(cache: TieredCache, keys: Sequence[BlockKey]) -> list[BlockKey]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from core.conftest import keys_for
+from core.scripted_tier import ScriptedTier
 from kvtier.manager import SecondaryTier, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.tiers.base import WriteMode
-
-from .conftest import keys_for
-from .scripted_tier import ScriptedTier
 
 
 def _store(cache: TieredCache, keys: list[bytes]) -> None:

@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SKIP_REASON, VLLM_MISSING
+from support import require
 
 from kvtier.demo import MODELS, build_workload, engine_blocks_for, simulate
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON),
+    require.unless("vllm", require.vllm_missing()),
     pytest.mark.timeout(300),
 ]
 

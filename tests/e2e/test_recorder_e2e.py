@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SKIP_REASON, VLLM_MISSING
+from support import require
 
 from kvtier.demo import (
     BLOCK_TOKENS,
@@ -23,7 +23,7 @@ from kvtier.demo import (
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON),
+    require.unless("vllm", require.vllm_missing()),
     pytest.mark.timeout(400),
 ]
 
@@ -33,7 +33,7 @@ POOL_BLOCKS = 96
 
 
 def test_recorded_trace_replays_to_the_engine_hit_ratio(tmp_path: Path) -> None:
-    import vllm_harness as h
+    from e2e import vllm_harness as h
 
     size = MODELS["tiny"]
     workload = build_workload(REQUESTS, CONCURRENCY, vocab=size.vocab_size)

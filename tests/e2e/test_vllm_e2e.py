@@ -14,17 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SKIP_REASON, VLLM_MISSING
+from support import require
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON),
+    require.unless("vllm", require.vllm_missing()),
     pytest.mark.timeout(240),
 ]
 
-if not VLLM_MISSING:
-    import vllm_harness as h
-    import vllm_jobs as jobs
+if require.vllm_missing() is None:
+    from e2e import vllm_harness as h
+    from e2e import vllm_jobs as jobs
 
 Ref = dict[str, list[list[int]]]
 
@@ -88,7 +88,7 @@ def test_b_warm_restart_multiprocess(
     # Process 2: a new Python process, vLLM's default multi-process mode, empty host pool.
     extra = jobs.kvtier_config(tmp_path / "stats2.json", tiers=[fs_tier])
     result = h.run_in_fresh_process(
-        "vllm_jobs:run_rounds", str(model_dir), extra, ["basic"], True, timeout=200
+        "e2e.vllm_jobs:run_rounds", str(model_dir), extra, ["basic"], True, timeout=200
     )
     assert result["outputs"][0] == reference["basic"]
     cache = result["stats"]["cache"]

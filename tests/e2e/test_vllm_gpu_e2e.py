@@ -13,37 +13,30 @@ loads and failures come from kvtier's stats file. Skipped without a CUDA device 
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import require
 
 GPU_ENV = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 """For this module's engines only (the CPU build has no batch-invariant kernels): FlashInfer is
 optional and absent from the offline wheelhouse."""
 
 
-def _cuda() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-GPU_MISSING = importlib.util.find_spec("vllm") is None or not _cuda()
+GPU_MISSING = require.vllm_missing() or require.cuda_missing()
+"""Why this module cannot run here (vLLM's CUDA build and a CUDA device), or None."""
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.gpu,
-    pytest.mark.skipif(GPU_MISSING, reason="needs an NVIDIA GPU and vLLM's CUDA build"),
+    require.unless("gpu", GPU_MISSING),
     pytest.mark.timeout(600),
 ]
 
-if not GPU_MISSING:
-    import vllm_harness as h
-    import vllm_jobs as jobs
+if GPU_MISSING is None:
+    from e2e import vllm_harness as h
+    from e2e import vllm_jobs as jobs
 
 Ref = dict[str, list[list[int]]]
 KV_CACHE_BYTES = 64 << 20
@@ -224,7 +217,7 @@ def _recovery_broken() -> bool:
 
 @pytest.mark.parametrize("async_scheduling", [None, False], ids=["vllm-default", "sync"])
 @pytest.mark.xfail(
-    condition=not GPU_MISSING and _recovery_broken(), reason=RECOVERY_BUG, strict=True
+    condition=GPU_MISSING is None and _recovery_broken(), reason=RECOVERY_BUG, strict=True
 )
 def test_d_copy_failures_are_recomputed(
     gpu_model: Path,

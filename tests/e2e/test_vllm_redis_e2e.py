@@ -6,22 +6,18 @@ hits from redis (promotions) and its outputs equal the no-kvtier reference.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SKIP_REASON, VLLM_MISSING
-
-# tests/redis has no __init__.py on purpose: import its helpers by path.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "redis"))
-from redis_servers import RedisServer, binaries_missing
+from support import require
+from support.redis_servers import RedisServer, binaries_missing
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.redis,
-    pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON),
+    require.unless("vllm", require.vllm_missing()),
     pytest.mark.timeout(240),
 ]
 
@@ -30,7 +26,7 @@ pytestmark = [
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     missing = binaries_missing()
     if missing:
-        pytest.skip(missing)
+        require.missing("redis", missing)
     srv = RedisServer(tmp_path / "redis").start()
     yield srv
     srv.kill()
@@ -39,8 +35,8 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def test_two_engines_share_redis(
     model_dir: Path, reference: dict[str, list[list[int]]], tmp_path: Path, redis_server: Any
 ) -> None:
-    import vllm_harness as h
-    import vllm_jobs as jobs
+    from e2e import vllm_harness as h
+    from e2e import vllm_jobs as jobs
 
     tier = {"kind": "redis", "name": "shared", "url": redis_server.url(), "ttl_s": 600}
     results = []
@@ -48,7 +44,7 @@ def test_two_engines_share_redis(
         extra = jobs.kvtier_config(tmp_path / f"stats{i}.json", tiers=[tier])
         results.append(
             h.run_in_fresh_process(
-                "vllm_jobs:run_rounds", str(model_dir), extra, ["basic"], False, timeout=200
+                "e2e.vllm_jobs:run_rounds", str(model_dir), extra, ["basic"], False, timeout=200
             )
         )
     first, second = results

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -24,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SKIP_REASON, VLLM_MISSING
+from support import require
+from support.ports import free_port
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON),
+    require.unless("vllm", require.vllm_missing()),
     pytest.mark.timeout(420),
 ]
 
@@ -42,14 +42,8 @@ TURNS = 3
 MODEL = "tiny"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_command(model_dir: Path, port: int, transfer: dict[str, Any]) -> list[str]:
-    from vllm_harness import TINY_LLAMA
+    from e2e.vllm_harness import TINY_LLAMA
 
     block_bytes = TINY_LLAMA.block_bytes * BLOCK // 32  # float32 K+V of a block, all layers
     return [
@@ -85,7 +79,7 @@ def server_command(model_dir: Path, port: int, transfer: dict[str, Any]) -> list
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    import vllm_harness as h
+    from e2e import vllm_harness as h
 
     model_dir = h.write_tiny_llama(tmp_path / "model", weights="dummy")
     stats_path = tmp_path / "stats.json"

@@ -26,17 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SKIP_REASON, VLLM_MISSING
+from support import require
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON),
+    require.unless("vllm", require.vllm_missing()),
     pytest.mark.timeout(300),
 ]
 
-if not VLLM_MISSING:
-    import vllm_harness as h
-    import vllm_jobs as jobs
+if require.vllm_missing() is None:
+    from e2e import vllm_harness as h
+    from e2e import vllm_jobs as jobs
 
 TP = 2
 PROMPTS = "basic"  # 3 prompts of 9 whole kvtier blocks + 12 tokens

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import vllm_harness as h
+from e2e import vllm_harness as h
 
 CONNECTOR = "KVTierConnector"
 MODULE = "kvtier.integrations.vllm"

@@ -7,6 +7,7 @@ import ctypes
 from types import SimpleNamespace
 
 import pytest
+from support import require
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm import compat
@@ -40,7 +41,7 @@ def test_a_release_outside_the_tested_range_is_refused(monkeypatch: pytest.Monke
 def test_the_connector_refuses_to_start_on_an_untested_release(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    vllm = pytest.importorskip("vllm")
+    vllm = require.importorskip("vllm", "vllm")
     from kvtier.integrations.vllm import KVTierConnector
 
     monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
@@ -90,7 +91,7 @@ def test_cross_layer_views_are_the_layers_and_a_block_is_one_copy() -> None:
     """0.25.1 allocates ``[num_blocks, num_layers, 2, block_size, heads, head_size]`` and hands
     connectors that one tensor: each view is one layer's ``[num_blocks, 2, ...]`` (what its
     attention layer reads), and the CUDA planner moves a block of all layers as one piece."""
-    torch = pytest.importorskip("torch")
+    torch = require.importorskip("torch", "vllm")
     from kvtier.copy.cuda_plan import describe_kv, merge_regions
     from kvtier.integrations.vllm.worker import cuda_layout
 
@@ -117,7 +118,7 @@ def test_cross_layer_views_are_the_layers_and_a_block_is_one_copy() -> None:
 
 
 def test_cross_layer_views_refuse_a_stride_order_of_another_rank() -> None:
-    torch = pytest.importorskip("torch")
+    torch = require.importorskip("torch", "vllm")
 
     class Bad:
         @staticmethod

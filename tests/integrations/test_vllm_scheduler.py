@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
+from support import require
 
-pytest.importorskip("vllm")
+require.importorskip("vllm", "vllm")
 
-from kvtier.integrations.vllm.scheduler import BlockTables, fresh_blocks
+from kvtier.integrations.vllm.scheduler import BlockTables, fresh_blocks  # noqa: E402
 
 
 def test_fresh_blocks_are_every_block_handed_out_this_step() -> None:

@@ -10,14 +10,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support import require
 
-pytest.importorskip("vllm")
+require.importorskip("vllm", "vllm")
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from integrations import test_vllm_tp
-from integrations.test_vllm_tp import (
+from integrations import test_vllm_tp  # noqa: E402
+from integrations.test_vllm_tp import (  # noqa: E402
     A_BLOCKS,
     B_BLOCKS,
     BLOCK_TOKENS,
@@ -30,9 +31,9 @@ from integrations.test_vllm_tp import (
     Rig,
     store_prompt,
 )
-from kvtier import series
-from kvtier.integrations.vllm import KVTierConnector
-from kvtier.integrations.vllm.stats import KVTierStats
+from kvtier import series  # noqa: E402
+from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
+from kvtier.integrations.vllm.stats import KVTierStats  # noqa: E402
 
 make_rig = test_vllm_tp.make_rig  # the fixture
 

@@ -30,9 +30,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support import require
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
+torch = require.importorskip("torch", "vllm")
+require.importorskip("vllm", "vllm")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402

@@ -10,15 +10,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support import require
 
-pytest.importorskip("vllm")
+require.importorskip("vllm", "vllm")
 
-from kvtier.copy.base import CopyBackend, CopyJob, CopyResults, Direction
-from kvtier.copy.cuda_plan import KVLayout
-from kvtier.integrations.vllm import worker as worker_module
-from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata
-from kvtier.integrations.vllm.worker import WorkerSide, cuda_layout
-from kvtier.pool import HostPool
+from kvtier.copy.base import CopyBackend, CopyJob, CopyResults, Direction  # noqa: E402
+from kvtier.copy.cuda_plan import KVLayout  # noqa: E402
+from kvtier.integrations.vllm import worker as worker_module  # noqa: E402
+from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata  # noqa: E402
+from kvtier.integrations.vllm.worker import WorkerSide, cuda_layout  # noqa: E402
+from kvtier.pool import HostPool  # noqa: E402
 
 
 class AsyncBackend(CopyBackend):

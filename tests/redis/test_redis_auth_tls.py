@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from redis_helpers import Driver, make_tier
-from redis_servers import RedisServer, TlsFiles
-from tiers.helpers import make_keys
+from support import require
+from support.blocks import make_keys
+from support.drivers import Driver
+from support.redis_servers import RedisServer, TlsFiles
+from support.redis_tier import make_tier
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
@@ -142,5 +144,5 @@ def _tls_server(make_server: object, tls_files: TlsFiles, *config: str) -> Redis
         return make_server(*config, tls=tls_files)  # type: ignore[operator,no-any-return]
     except RuntimeError as exc:
         if "TLS" in str(exc) and "support" in str(exc):
-            pytest.skip(f"this redis-server has no TLS: {exc}")
+            require.missing("redis", f"this redis-server has no TLS: {exc}")
         raise

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis_helpers import Driver, make_tier, wait_for
-from redis_servers import RedisCluster, binaries_missing
-from tiers.helpers import make_keys
+from support import require
+from support.blocks import make_keys
+from support.drivers import Driver, wait_for
+from support.redis_servers import RedisCluster, binaries_missing
+from support.redis_tier import make_tier
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
@@ -90,7 +92,7 @@ def test_standalone_server_with_cluster_flag(
 def auth_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     reason = binaries_missing()
     if reason is not None:
-        pytest.skip(reason)
+        require.missing("redis", reason)
     directory: Path = tmp_path_factory.mktemp("auth-cluster")
     nodes = RedisCluster(directory, config=["requirepass cl-pw", "masterauth cl-pw"]).start()
     yield nodes

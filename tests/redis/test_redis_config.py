@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from redis_servers import RedisServer
-from tiers.helpers import payload_for
+from support.blocks import payload_for
+from support.redis_servers import RedisServer
 
 from kvtier.config import parse_config
 from kvtier.errors import ConfigError

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from redis_helpers import Driver, make_tier, wait_for
-from redis_servers import RedisServer
-from tiers.helpers import make_keys
+from support.blocks import make_keys
+from support.drivers import Driver, wait_for
+from support.redis_servers import RedisServer
+from support.redis_tier import make_tier
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool

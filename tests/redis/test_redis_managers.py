@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from redis_helpers import make_tier
-from redis_servers import RedisServer
-from tiers.helpers import payload_for
+from support.blocks import payload_for
+from support.redis_servers import RedisServer
+from support.redis_tier import make_tier
 
 from kvtier.keys import Namespace, chain_keys
 from kvtier.manager import SecondaryTier, TieredCache

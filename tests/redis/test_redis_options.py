@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from redis.connection import PythonRespSerializer
-from redis_helpers import options
+from support.redis_tier import options
 
 from kvtier.config import options_class
 from kvtier.errors import ConfigError

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import require
 
 from kvtier.cli import main
 from kvtier.config import load_config
@@ -56,7 +57,7 @@ def test_cli_prints_the_table_and_writes_json(
 
 
 def test_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
+    require.importorskip("matplotlib", "extras")
     png = tmp_path / "sweep.png"
     args = ["simulate", "--sweep", "100,1000", "--limit", "100", "--no-progress"]
     assert main([*args, "--sweep-png", str(png)]) == 0

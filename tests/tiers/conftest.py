@@ -4,14 +4,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.drivers import run_job as _run_job
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobResult, Tier, TierJob
 from kvtier.tiers.fs import FsTier, Options
 from kvtier.tiers.payload import HEADER_BYTES
-
-from .helpers import run_job as _run_job
 
 SLOT_BYTES = 4000
 """Not a multiple of the pool's 256-byte slot alignment, on purpose."""
@@ -22,20 +21,8 @@ MakeTier = Callable[..., FsTier]
 
 
 @pytest.fixture
-def pool() -> Iterator[HostPool]:
-    pool = HostPool.create(NUM_SLOTS, SLOT_BYTES)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture
-def namespace() -> Namespace:
-    return Namespace(model="test-model", dtype="float16", block_tokens=16)
-
-
-@pytest.fixture
-def other_namespace() -> Namespace:
-    return Namespace(model="test-model", dtype="float16", block_tokens=16, tenant="other")
+def pool(make_pool: Callable[..., HostPool]) -> HostPool:
+    return make_pool(NUM_SLOTS, SLOT_BYTES)
 
 
 @pytest.fixture

@@ -9,14 +9,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support import require
+from support.blocks import make_keys
+from support.drivers import Driver
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers import fs as fs_module
 from kvtier.tiers.fs import FsTier, Options
-
-from .fs_helpers import FILE_BYTES, block_files, disk_bytes
-from .helpers import Driver, make_keys
+from tiers.fs_helpers import FILE_BYTES, block_files, disk_bytes
 
 MountSmall = Callable[[int], Path]
 
@@ -27,7 +28,7 @@ def mount_small(tmp_path: Path) -> Iterator[MountSmall]:
 
     def mount(size: int) -> Path:
         if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root")
+            require.missing("root", "mounting a tmpfs needs root")
         where = tmp_path / f"small{len(mounts)}"
         where.mkdir()
         done = subprocess.run(
@@ -37,7 +38,7 @@ def mount_small(tmp_path: Path) -> Iterator[MountSmall]:
             check=False,
         )
         if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+            require.missing("root", f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounts.append(where)
         return where
 

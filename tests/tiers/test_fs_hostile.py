@@ -14,15 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import require
+from support.blocks import make_keys
+from support.drivers import Driver
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.fs import FsTier, Options
 from kvtier.validation import Section
-
-from .fs_helpers import FILE_BYTES, MakeTier, block_file, block_files, disk_bytes
-from .helpers import Driver, make_keys
+from tiers.fs_helpers import FILE_BYTES, MakeTier, block_file, block_files, disk_bytes
 
 # -- FIFOs and other non-regular files (finding 3) -----------------------------------------------
 
@@ -270,7 +271,7 @@ def immutable() -> Iterator[list[Path]]:
 def _make_immutable(path: Path, paths: list[Path]) -> None:
     done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        pytest.skip(f"chattr +i is not possible here: {done.stderr.strip()}")
+        require.missing("root", f"chattr +i is not possible here: {done.stderr.strip()}")
     paths.append(path)
     try:
         path.rename(path)  # a no-op rename still needs a mutable file

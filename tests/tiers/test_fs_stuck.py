@@ -11,12 +11,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from support.blocks import fill, make_keys
+from support.drivers import Driver
 
 from kvtier.tiers import fs as fs_module
 from kvtier.tiers.base import JobKind
-
-from .fs_helpers import MakeTier
-from .helpers import Driver, fill, make_keys
+from tiers.fs_helpers import MakeTier
 
 TIMEOUT_S = 0.3
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.blocks import fill, make_key, make_keys, payload_for, poison
+from support.drivers import Driver
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
@@ -21,9 +23,7 @@ from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
 from kvtier.tiers.fs import FsTier, Options
 from kvtier.tiers.payload import HEADER_BYTES
 from kvtier.validation import Section
-
-from .conftest import NUM_SLOTS, SLOT_BYTES
-from .helpers import Driver, fill, make_key, make_keys, payload_for, poison
+from tiers.conftest import NUM_SLOTS, SLOT_BYTES
 
 FILE_BYTES = HEADER_BYTES + SLOT_BYTES
 MakeTier = Callable[..., FsTier]

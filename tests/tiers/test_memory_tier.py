@@ -4,6 +4,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from support.blocks import fill, make_key, make_keys, payload_for, poison
+from support.drivers import Driver
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
@@ -12,9 +14,7 @@ from kvtier.tiers import tier_class
 from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
 from kvtier.tiers.memory import MemoryTier, Options
 from kvtier.validation import Section
-
-from .conftest import SLOT_BYTES
-from .helpers import Driver, fill, make_key, make_keys, payload_for, poison
+from tiers.conftest import SLOT_BYTES
 
 MakeTier = Callable[..., MemoryTier]
 

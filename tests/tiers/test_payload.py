@@ -3,6 +3,7 @@ from __future__ import annotations
 import struct
 
 import pytest
+from support.blocks import make_key, payload_for
 
 from kvtier.keys import FORMAT_VERSION, Namespace
 from kvtier.tiers.payload import (
@@ -14,8 +15,6 @@ from kvtier.tiers.payload import (
     header_matches,
     payload_matches,
 )
-
-from .helpers import make_key, payload_for
 
 KEY = make_key(1)
 PAYLOAD = payload_for(KEY, 5000)

@@ -14,7 +14,7 @@ import threading
 import time
 from enum import Enum
 
-from redis_servers import free_port
+from support.ports import free_port
 
 
 class Mode(Enum):

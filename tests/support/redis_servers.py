@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+
+from support.ports import free_port
 
 START_TIMEOUT_S = 15.0
 CLUSTER_TIMEOUT_S = 30.0
@@ -30,12 +31,6 @@ def binaries_missing() -> str | None:
         if shutil.which(name) is None:
             return f"{name} not installed (Debian: apt-get install -y redis-server redis-tools)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)
