@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None, help="default: the bundled trace")
     parser.add_argument("--capacities", type=int, nargs="+", default=list(CAPACITIES))
     parser.add_argument(
-        "--policies", nargs="+", default=[k.value for k in EvictionKind], help="online policies"
+        "--policies", nargs="+", default=[str(k) for k in EvictionKind], help="online policies"
     )
     parser.add_argument("--json", type=Path, default=Path("docs/results/policy_bench.json"))
     args = parser.parse_args()
@@ -53,7 +53,7 @@ def main() -> None:
         optimum = optimal_hit_ratio(requests, capacity).hit_ratio
         rows.append(Row(capacity, "optimal", optimum, 1.0, time.perf_counter() - start))
         for name in args.policies:
-            config = dataclasses.replace(base, eviction=EvictionKind(name))
+            config = dataclasses.replace(base, eviction=name)
             start = time.perf_counter()
             result = simulate(config, trace, pool_blocks=capacity)
             assert result.mismatched_blocks == 0

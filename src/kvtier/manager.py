@@ -30,6 +30,7 @@ from kvtier.keys import BlockKey
 from kvtier.metrics import CacheCounters, CacheStats
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
 
@@ -217,6 +218,12 @@ class TieredCache:
         for key in keys:
             if key in index:
                 access(key)
+
+    def hint_request(self, keys: Sequence[BlockKey], hint: RequestHint) -> None:
+        """Tell the eviction policy about a served request: its blocks in order and what the
+        engine knows of it (``RequestHint``). Optional; call it when the request finished, after
+        its stores were published: blocks still in flight are not in the pool to be ranked."""
+        self._policy.on_request(keys, hint)
 
     # -- stores ---------------------------------------------------------------------------------
 

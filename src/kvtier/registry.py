@@ -127,6 +127,7 @@ POLICIES = Registry(
         "lru": "kvtier.policies.lru:LRUPolicy",
         "arc": "kvtier.policies.arc:ARCPolicy",
         "segmented": "kvtier.policies.segmented:SegmentedPolicy",
+        "hinted": "kvtier.policies.hinted:HintedPolicy",
     },
 )
 """Eviction policies of the host pool (``eviction``). A policy class is built with the pool's

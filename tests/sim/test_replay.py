@@ -156,8 +156,9 @@ def test_hand_computed_lru(tmp_path: Path) -> None:
     assert (result.requests, result.blocks, result.hit_blocks) == (4, 9, 2)
     assert result.stored_blocks == 2 + 1 + 2 + 1
     assert result.tiers[0].evictions == 2
-    # 4 lookups + 4 prepare/complete_store + one prepare/complete_load for the request with hits
-    assert result.manager_ops == 4 + 8 + 2
+    # 4 lookups + 4 prepare/complete_store + 4 hint_request + one prepare/complete_load for the
+    # request with hits
+    assert result.manager_ops == 4 + 8 + 4 + 2
     assert_consistent(result)
 
 

@@ -12,6 +12,8 @@ from enum import StrEnum
 
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.hinted import HintedPolicy
+from kvtier.policies.hints import RequestHint
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.segmented import SegmentedPolicy
 from kvtier.registry import POLICIES
@@ -24,10 +26,12 @@ class EvictionKind(StrEnum):
     LRU = "lru"
     ARC = "arc"
     SEGMENTED = "segmented"
+    HINTED = "hinted"
 
 
-DEFAULT_EVICTION: str = EvictionKind.SEGMENTED.value
-"""The default policy: above LRU and ARC at every pool size measured (docs/policies.md)."""
+DEFAULT_EVICTION: str = EvictionKind.HINTED.value
+"""The default policy: above LRU, ARC and segmented at every pool size measured, and exactly
+segmented when no request hints arrive (docs/policies.md)."""
 
 
 def policy_class(kind: str, field: str = "eviction") -> type[EvictionPolicy]:
@@ -54,7 +58,9 @@ __all__ = [
     "ARCPolicy",
     "EvictionKind",
     "EvictionPolicy",
+    "HintedPolicy",
     "LRUPolicy",
+    "RequestHint",
     "SegmentedPolicy",
     "make_policy",
     "policy_class",

@@ -7,9 +7,10 @@ A policy orders the keys that are visible in the pool. The manager tells it what
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 from kvtier.keys import BlockKey
+from kvtier.policies.hints import RequestHint
 
 
 class EvictionPolicy(ABC):
@@ -35,6 +36,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def coldest(self, n: int) -> list[BlockKey]:
         """Up to ``n`` keys in the order they would be evicted, pins ignored; nothing changes."""
+
+    def on_request(self, keys: Sequence[BlockKey], hint: RequestHint) -> None:
+        """A request with these blocks (in order) was served; ``hint`` says what the engine knows
+        of it. Optional: the default ignores it, and a policy must work when it never comes."""
+        return None
 
     @abstractmethod
     def __len__(self) -> int: ...

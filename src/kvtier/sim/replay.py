@@ -21,6 +21,7 @@ from typing import Any
 from kvtier.keys import BlockKey, Namespace, keys_from_hashes
 from kvtier.manager import TieredCache
 from kvtier.metrics import TierCounters
+from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
 from kvtier.sim.trace import TraceRequest
 
@@ -82,7 +83,7 @@ class ReplayResult:
     drain_timeouts: int = 0
     """Times tier jobs did not end within ``pending_timeout_s`` after a request."""
     manager_ops: int = 0
-    """Calls of lookup, prepare_load, complete_load, prepare_store, complete_store."""
+    """Calls of lookup, prepare_load, complete_load, prepare_store, complete_store, hint_request."""
     elapsed_s: float = 0.0
     """Wall time of the replay loop (payload writes and checks included)."""
     ops_per_s: float = 0.0
@@ -187,7 +188,7 @@ class Replayer:
         key_of = dict(zip(ids, keys_from_hashes(self.namespace, ids), strict=True))
         start = time.perf_counter()
         for request in requests:
-            self.replay_one([key_of[h] for h in request.hash_ids])
+            self.replay_one([key_of[h] for h in request.hash_ids], request.output_length)
             if on_request is not None:
                 on_request()
         # Let write-through cascades of the last requests finish, so the counters are complete.
@@ -195,8 +196,10 @@ class Replayer:
         self.result.elapsed_s = time.perf_counter() - start
         return self.finish()
 
-    def replay_one(self, keys: list[BlockKey]) -> int:
-        """One request: lookup, load the hit run, store all. Returns the blocks loaded."""
+    def replay_one(self, keys: list[BlockKey], output_tokens: int | None = None) -> int:
+        """One request: lookup, load the hit run, store all, then hint the policy with what an
+        engine knows once the request finished (its hit run, ``output_tokens`` when given).
+        Returns the blocks loaded."""
         cache, r, clock = self.cache, self.result, time.perf_counter
         r.requests += 1
         r.blocks += len(keys)
@@ -244,7 +247,10 @@ class Replayer:
         cache.complete_store(reservation.keys, ok=True)
         cache.step()
         spent += clock() - t0
-        r.manager_ops += 2
+        t0 = clock()
+        cache.hint_request(keys, RequestHint(found.hits, output_tokens))
+        spent += clock() - t0
+        r.manager_ops += 3
         r.manager_s += spent
         r.stored_blocks += len(reservation.keys)
         if not self.overlap:

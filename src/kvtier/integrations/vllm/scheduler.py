@@ -22,8 +22,9 @@ from kvtier.events import POOL_TIER, CacheEvent
 from kvtier.factory import build_cache
 from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.settings import VllmSettings
-from kvtier.keys import BlockKey, Namespace, chain_keys
+from kvtier.keys import BlockKey, Namespace, chain_keys, chain_root
 from kvtier.metrics import CacheStats
+from kvtier.policies.hints import RequestHint
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,9 @@ class SchedulerSide:
         self._keys: dict[str, list[BlockKey]] = {}
         self._plans: dict[str, _LoadPlan] = {}
         self._offered: dict[str, int] = {}
+        self._hit_blocks: dict[str, int] = {}
+        """Requests -> leading blocks cached at their lookup (vLLM's own and kvtier's), for the
+        eviction policy's hint when they finish."""
         self._requests: dict[str, Any] = {}
         self._tables = BlockTables()
         self._loads: list[CopyOrder] = []
@@ -193,6 +197,7 @@ class SchedulerSide:
         start = num_computed // bt
         if start >= limit:
             self.counters.engine_hit_blocks += limit
+            self._hit_blocks[req_id] = start
             return 0, False
         if req_id not in self._deferred_since:
             self.counters.requests_looked_up += 1
@@ -206,6 +211,7 @@ class SchedulerSide:
             return None, False
         self._end_wait(req_id)
         self.counters.engine_hit_blocks += start
+        self._hit_blocks[req_id] = start + result.hits
         hit_keys = keys[start : start + result.hits]
         origins = self.cache.origins(hit_keys) if hit_keys else []
         for origin in origins:
@@ -382,10 +388,24 @@ class SchedulerSide:
         self._hit_sources.pop(req_id, None)
         if self.recorder is not None:
             self.recorder.forget(req_id)
+        self._hint(request)
         self._keys.pop(req_id, None)
         self._offered.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._tables.drop(req_id)
+
+    def _hint(self, request: Any) -> None:
+        """Tell the eviction policy what vLLM knows of a finished request: its prompt's blocks,
+        the leading ones cached at its lookup and the tokens it generated."""
+        req_id = request.request_id
+        keys = self._keys.get(req_id)
+        hits = self._hit_blocks.pop(req_id, None)
+        if not keys or hits is None:
+            return  # never looked up (or not cacheable): nothing was stored for it
+        prompt = keys[: getattr(request, "num_prompt_tokens", 0) // self.block_tokens]
+        output = getattr(request, "num_output_tokens", None)
+        hint = RequestHint(min(hits, len(prompt)), output if isinstance(output, int) else None)
+        self.cache.hint_request(prompt, hint)
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -414,13 +434,8 @@ class SchedulerSide:
     def _root(self, request: Any) -> BlockKey | None:
         """Chain root: the namespace, or the namespace mixed with a LoRA adapter / cache salt."""
         lora = getattr(request, "lora_request", None)
-        salt = getattr(request, "cache_salt", None)
-        if lora is None and not salt:
-            return None
-        import hashlib
-
-        extra = f"lora={getattr(lora, 'lora_name', '')}\0salt={salt or ''}".encode()
-        return hashlib.blake2b(self.namespace.digest + extra, digest_size=16).digest()
+        adapter = None if lora is None else getattr(lora, "lora_name", "")
+        return chain_root(self.namespace, adapter, getattr(request, "cache_salt", None))
 
     # -- reporting ------------------------------------------------------------------------------
 
