@@ -48,7 +48,6 @@ import fcntl
 import hashlib
 import itertools
 import logging
-import operator
 import os
 import socket
 import stat
@@ -63,8 +62,9 @@ from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
+from kvtier.tiers.block_tier import valid_block
 from kvtier.tiers.iovec import advance
-from kvtier.tiers.payload import HEADER_BYTES, encode_header, header_matches, payload_matches
+from kvtier.tiers.payload import HEADER_BYTES, block_matches, encode_header
 from kvtier.tiers.workers import WorkerPool
 from kvtier.validation import Section
 
@@ -365,12 +365,7 @@ class FsTier(Tier):
             return False
         finally:
             os.close(fd)
-        hdr = memoryview(header)
-        if not (
-            complete
-            and header_matches(hdr, self._digest, key, self.pool.slot_bytes)
-            and payload_matches(hdr, view)
-        ):
+        if not (complete and block_matches(memoryview(header), self._digest, key, view)):
             self._drop_corrupt(key)
             return False
         with self._lock:
@@ -693,8 +688,7 @@ class FsTier(Tier):
             self._limit = max(0, min(self.capacity, self._used + free - reserve))
 
     def _valid(self, key: BlockKey, slot: int) -> bool:
-        # Keys are 16 bytes; a longer one would be truncated in the header and could collide.
-        if _valid_block(key, slot, self.pool.num_slots):
+        if valid_block(key, slot, self.pool.num_slots):
             return True
         self._count_error()
         return False
@@ -936,14 +930,6 @@ def _make_dirs(path: str, mode: int) -> None:
 
 
 # -- small I/O helpers (module level so tests can inject faults) --------------------------------
-
-
-def _valid_block(key: object, slot: object, num_slots: int) -> bool:
-    try:
-        index = operator.index(slot)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return isinstance(key, bytes) and len(key) == KEY_BYTES and 0 <= index < num_slots
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:

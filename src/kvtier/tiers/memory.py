@@ -20,7 +20,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import operator
 import random
 import threading
 import time
@@ -28,9 +27,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.keys import KEY_BYTES, BlockKey, Namespace
+from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, Tier, TierJob
+from kvtier.tiers.base import JobKind, TierJob
+from kvtier.tiers.block_tier import BlockTier, Fault, Got, JobState, Put
+from kvtier.tiers.payload import HEADER_BYTES
 from kvtier.validation import Section
 
 log = logging.getLogger(__name__)
@@ -71,15 +72,10 @@ class Options:
         return options
 
 
-@dataclass(slots=True)
-class _Pending:
-    job: TierJob
-    fail: list[bool]
-    corrupt: list[bool]
-
-
-class MemoryTier(Tier):
-    """Blocks as ``bytes`` copies in a dict; see the module docstring."""
+class MemoryTier(BlockTier):
+    """Blocks as ``bytes`` copies in a dict; see the module docstring. Validation, header and
+    checksum, pins and counters are ``BlockTier``'s; this class keeps the dict, its capacity and
+    the latency queue."""
 
     def __init__(
         self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
@@ -87,45 +83,75 @@ class MemoryTier(Tier):
         super().__init__(name, namespace, pool)
         self.options = options if options is not None else Options()
         self._rng = random.Random(self.options.seed)
-        self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        # Guarded by _lock. Ordered oldest -> most recently used.
+        # Guarded by _lock. Ordered oldest -> most recently used; each value a header + payload.
         self._store: OrderedDict[BlockKey, bytes] = OrderedDict()
         self._bytes = 0
-        self._pins: dict[BlockKey, int] = {}
-        self._queue: list[tuple[float, int, _Pending]] = []  # heap by due time
+        """Payload bytes held (headers are not counted against ``capacity``)."""
+        self._queue: list[tuple[float, int, JobState]] = []  # heap by due time
         self._order = itertools.count()
-        self._closed = False
         self._worker: threading.Thread | None = None
 
-    # -- the Tier interface ---------------------------------------------------------------------
+    # -- the storage ----------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool | None]:
         with self._lock:
-            out: list[bool | None] = [key in self._store for key in keys]
-            self.counters.lookups += len(out)
-            self.counters.lookup_hits += sum(1 for hit in out if hit)
-        return out
+            store = self._store
+            return [key in store for key in keys]
 
-    def submit(self, job: TierJob) -> None:
-        pending = self._draw_faults(job)
+    def put(self, key: BlockKey, header: bytes, payload: memoryview) -> Put:
         with self._lock:
-            if job.kind is JobKind.READ:
-                self.counters.read_jobs += 1
-            else:
-                self.counters.write_jobs += 1
-            if self._closed or len(job.keys) != len(job.slots):
-                if len(job.keys) != len(job.slots):
-                    self.counters.errors += len(job.keys)
-                self._finish(job.job_id, [False] * len(job.keys))
-                return
-            for key in job.keys:
-                self._pins[key] = self._pins.get(key, 0) + 1
-            if self.options.latency_ms <= 0:
-                self._run(pending)
-                return
+            if key in self._store:
+                self._store.move_to_end(key)
+                return Put.KEPT
+            if not self._make_room(len(payload)):
+                return Put.REJECTED
+            self._store[key] = header + bytes(payload)
+            self._bytes += len(payload)
+        return Put.STORED
+
+    def get(self, key: BlockKey, header: memoryview, payload: memoryview) -> Got:
+        with self._lock:
+            data = self._store.get(key)
+            if data is None:
+                return Got.MISSING
+            if len(data) != len(header) + len(payload):
+                return Got.DAMAGED
+            self._store.move_to_end(key)
+        header[:] = data[: len(header)]
+        payload[:] = data[len(header) :]
+        return Got.FOUND
+
+    def delete(self, key: BlockKey) -> bool:
+        with self._lock:
+            return self._drop(key)
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def _draw_faults(self, job: TierJob) -> list[Fault] | None:
+        """Drawn in submit order from the seeded generator, so a job sequence fails the same
+        way every run."""
+        rng = self._rng
+        opts = self.options
+        n = len(job.keys)
+        fail = [opts.failure_rate > 0 and rng.random() < opts.failure_rate for _ in range(n)]
+        corrupt = [False] * n
+        if job.kind is JobKind.READ and opts.corrupt_rate > 0:
+            corrupt = [rng.random() < opts.corrupt_rate for _ in range(n)]
+        if not any(fail) and not any(corrupt):
+            return None
+        return [
+            Fault.FAIL if f else Fault.CORRUPT if c else Fault.NONE
+            for f, c in zip(fail, corrupt, strict=True)
+        ]
+
+    def _dispatch(self, state: JobState) -> None:
+        if self.options.latency_ms <= 0:
+            self._run_blocks(state)
+            return
+        with self._lock:
             due = time.monotonic() + self.options.latency_ms / 1000.0
-            heapq.heappush(self._queue, (due, next(self._order), pending))
+            heapq.heappush(self._queue, (due, next(self._order), state))
             if self._worker is None:
                 self._worker = threading.Thread(
                     target=self._work, name=f"kvtier-mem-{self.name}", daemon=True
@@ -133,12 +159,9 @@ class MemoryTier(Tier):
                 self._worker.start()
             self._wake.notify()
 
-    def close(self) -> None:
-        """Complete queued jobs at once (results still arrive through ``poll``); idempotent."""
+    def _close_jobs(self) -> bool:
+        """Complete queued jobs at once (results still arrive through ``poll``)."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             self._wake.notify()
             worker = self._worker
         if worker is not None:
@@ -149,6 +172,8 @@ class MemoryTier(Tier):
                     self.name,
                     CLOSE_TIMEOUT_S,
                 )
+                return True
+        return False
 
     # -- extras ---------------------------------------------------------------------------------
 
@@ -163,96 +188,26 @@ class MemoryTier(Tier):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _draw_faults(self, job: TierJob) -> _Pending:
-        rng = self._rng
-        opts = self.options
-        n = len(job.keys)
-        fail = [opts.failure_rate > 0 and rng.random() < opts.failure_rate for _ in range(n)]
-        corrupt = [False] * n
-        if job.kind is JobKind.READ and opts.corrupt_rate > 0:
-            corrupt = [rng.random() < opts.corrupt_rate for _ in range(n)]
-        return _Pending(job, fail, corrupt)
-
     def _work(self) -> None:
-        with self._wake:
-            while True:
-                if self._queue:
-                    delay = self._queue[0][0] - time.monotonic()
-                    # "not delay > 0": a NaN due time counts as due instead of a busy loop.
-                    if not delay > 0 or self._closed:
-                        self._run(heapq.heappop(self._queue)[2])
-                    else:
+        while True:
+            with self._wake:
+                while True:
+                    if self._queue:
+                        delay = self._queue[0][0] - time.monotonic()
+                        # "not delay > 0": a NaN due time counts as due instead of a busy loop.
+                        if not delay > 0 or self._closed:
+                            state = heapq.heappop(self._queue)[2]
+                            break
                         self._wake.wait(min(delay, MAX_WAIT_S))
-                elif self._closed:
-                    return
-                else:
-                    self._wake.wait()
-
-    def _run(self, pending: _Pending) -> None:
-        """Under the lock: do the job's copies, unpin its keys, hand over the result."""
-        job = pending.job
-        ok: list[bool] = []
-        for i, (key, slot) in enumerate(zip(job.keys, job.slots, strict=True)):
-            try:
-                if job.kind is JobKind.READ:
-                    ok.append(self._read(key, slot, pending.fail[i], pending.corrupt[i]))
-                else:
-                    ok.append(self._write(key, slot, pending.fail[i]))
-            except Exception:  # every job must be reported, as a failure if need be
-                self.counters.errors += 1
-                ok.append(False)
-            pins = self._pins.get(key, 0) - 1
-            if pins > 0:
-                self._pins[key] = pins
-            else:
-                self._pins.pop(key, None)
-        self._finish(job.job_id, ok)
-
-    def _read(self, key: BlockKey, slot: int, fail: bool, corrupt: bool) -> bool:
-        if not self._valid(key, slot):
-            return False
-        data = self._store.get(key)
-        if data is None:
-            return False  # a plain miss
-        view = self.pool.view(slot)
-        if fail:
-            self.counters.errors += 1
-            return False
-        if corrupt or len(data) != len(view):
-            # Land damaged bytes in the slot, as a real torn read would: only ok=False protects it.
-            damaged = bytearray(data[: len(view)].ljust(len(view), b"\0"))
-            damaged[0] ^= 0xFF
-            view[:] = damaged
-            self.counters.corrupt += 1
-            self._drop(key)
-            return False
-        view[:] = data
-        self._store.move_to_end(key)
-        self.counters.read_blocks += 1
-        self.counters.read_bytes += len(data)
-        return True
-
-    def _write(self, key: BlockKey, slot: int, fail: bool) -> bool:
-        if not self._valid(key, slot):
-            return False
-        if key in self._store:
-            self._store.move_to_end(key)
-            return True
-        if fail:
-            self.counters.errors += 1
-            return False
-        size = self.pool.slot_bytes
-        if not self._make_room(size):
-            self.counters.rejected += 1
-            return False
-        self._store[key] = bytes(self.pool.view(slot))
-        self._bytes += size
-        self.counters.write_blocks += 1
-        self.counters.write_bytes += size
-        return True
+                    elif self._closed:
+                        return
+                    else:
+                        self._wake.wait()
+            self._run_blocks(state)  # outside the lock: the storage methods take it
 
     def _make_room(self, size: int) -> bool:
-        """Evict least-recent unpinned blocks until one more of ``size`` fits; all or nothing."""
+        """Under the lock: evict least-recent unpinned blocks until one more of ``size`` payload
+        bytes fits; all or nothing."""
         cap_bytes = self.options.capacity
         cap_blocks = self.options.capacity_blocks
         excess_bytes = 0 if cap_bytes is None else self._bytes + size - cap_bytes
@@ -261,28 +216,23 @@ class MemoryTier(Tier):
         for key, data in self._store.items():
             if excess_bytes <= 0 and excess_blocks <= 0:
                 break
-            if self._pins.get(key):
+            if self.pinned(key):
                 continue
             victims.append(key)
-            excess_bytes -= len(data)
+            excess_bytes -= len(data) - HEADER_BYTES
             excess_blocks -= 1
         if excess_bytes > 0 or excess_blocks > 0:
             return False
         for key in victims:
             self._drop(key)
+            self._report_evicted(key)
             self.counters.evictions += 1
         return True
 
-    def _drop(self, key: BlockKey) -> None:
-        self._bytes -= len(self._store.pop(key))
-        self._report_evicted(key)
-
-    def _valid(self, key: BlockKey, slot: int) -> bool:
-        try:
-            index = operator.index(slot)
-        except TypeError:
-            index = -1
-        if isinstance(key, bytes) and len(key) == KEY_BYTES and 0 <= index < self.pool.num_slots:
-            return True
-        self.counters.errors += 1
-        return False
+    def _drop(self, key: BlockKey) -> bool:
+        """Under the lock: forget ``key``; True when it was held."""
+        data = self._store.pop(key, None)
+        if data is None:
+            return False
+        self._bytes -= len(data) - HEADER_BYTES
+        return True

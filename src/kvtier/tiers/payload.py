@@ -55,3 +55,13 @@ def header_matches(
 def payload_matches(header: bytes | memoryview, payload: bytes | memoryview) -> bool:
     """True when the payload's checksum equals the one in an already-matched header."""
     return bool(HEADER.unpack(header)[6] == checksum(payload))
+
+
+def block_matches(
+    header: bytes | memoryview, namespace_digest: bytes, key: BlockKey, payload: bytes | memoryview
+) -> bool:
+    """The whole check of a block read back: its header is this namespace's, key's and payload
+    length's, and the payload's checksum is the header's."""
+    return header_matches(header, namespace_digest, key, len(payload)) and payload_matches(
+        header, payload
+    )

@@ -47,7 +47,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import operator
 import queue
 import random
 import threading
@@ -61,11 +60,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvtier.keys import KEY_BYTES, BlockKey, Namespace
+from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers import redis_deadline, redis_wire
 from kvtier.tiers.base import JobKind, Tier, TierJob
-from kvtier.tiers.payload import HEADER_BYTES, encode_header, header_matches, payload_matches
+from kvtier.tiers.block_tier import valid_job
+from kvtier.tiers.payload import HEADER_BYTES, block_matches, encode_header
 from kvtier.tiers.redis_client import (
     BlockValue,
     Client,
@@ -292,7 +292,7 @@ class RedisTier(Tier):
         reading = job.kind is JobKind.READ
         self._bump(**{"read_jobs" if reading else "write_jobs": 1})
         try:
-            if self._closed or not self._valid(job):
+            if self._closed or not valid_job(job, self.pool.num_slots):
                 self._bump(errors=n)
                 self._finish(job.job_id, [False] * n)
                 return
@@ -719,9 +719,7 @@ class RedisTier(Tier):
 
     def _verify(self, key: BlockKey, header: memoryview, payload: memoryview) -> bool:
         """A value's header and the checksum of the bytes now in the slot."""
-        if header_matches(header, self._digest, key, len(payload)) and payload_matches(
-            header, payload
-        ):
+        if block_matches(header, self._digest, key, payload):
             self._presence.set(key, True, self._present_until())
             return True
         return self._corrupt(key)
@@ -874,18 +872,3 @@ class RedisTier(Tier):
         with self._lock:
             for name, delta in deltas.items():
                 setattr(counters, name, getattr(counters, name) + delta)
-
-    def _valid(self, job: TierJob) -> bool:
-        if len(job.keys) != len(job.slots):
-            return False
-        num_slots = self.pool.num_slots
-        for key, slot in zip(job.keys, job.slots, strict=True):
-            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-                return False
-            try:
-                index = operator.index(slot)
-            except TypeError:
-                return False
-            if not 0 <= index < num_slots:
-                return False
-        return True
