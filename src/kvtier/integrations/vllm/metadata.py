@@ -1,53 +1,35 @@
-"""What the scheduler half sends the workers each step, and what workers send back.
+"""kvtier's step orders and rank reports as vLLM's connector metadata classes.
 
-Plain dataclasses of ints: vLLM pickles them between processes.
+The records are ``kvtier.engine.orders``'s; vLLM wants its own base classes (it pickles them
+between processes and merges the workers' reports with ``aggregate``). Only the connector imports
+this module: the worker half works on the plain records and imports without vLLM.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.pool import PoolHandle
+from kvtier.engine.orders import CopyOrder, RankReport, StepOrders
+
+__all__ = ["CopyOrder", "KVTierMetadata", "KVTierWorkerMetadata"]
 
 
-@dataclass
-class CopyOrder:
-    job_id: int
-    slots: list[int]
-    engine_blocks: list[int]
-    """``blocks_per_slot`` engine block ids per slot; ``-1`` = already in the engine (loads)."""
-    fail: bool = False
-    """Report these engine blocks as failed loads without copying (the plan went stale)."""
+class KVTierMetadata(StepOrders, KVConnectorMetadata):
+    """One step's orders (``StepOrders``), as vLLM hands them to every worker."""
+
+    __slots__ = ()
 
 
-@dataclass
-class KVTierMetadata(KVConnectorMetadata):
-    pool: PoolHandle
-    loads: list[CopyOrder] = field(default_factory=list)
-    stores: list[CopyOrder] = field(default_factory=list)
-    fresh_blocks: list[int] | None = None
-    """Engine blocks (re)allocated by this step's scheduling: the only blocks whose contents this
-    step may overwrite. None: unknown (the worker then treats every block as fresh)."""
+class KVTierWorkerMetadata(RankReport, KVConnectorWorkerMetadata):
+    """A worker's (or several workers' merged) ``RankReport``, as vLLM collects them."""
 
-
-@dataclass
-class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Per job id, how many ranks finished it well and how many failed."""
-
-    done: dict[int, int] = field(default_factory=dict)
-    failed: dict[int, int] = field(default_factory=dict)
+    __slots__ = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
-        done = dict(self.done)
-        for job, n in other.done.items():
-            done[job] = done.get(job, 0) + n
-        failed = dict(self.failed)
-        for job, n in other.failed.items():
-            failed[job] = failed.get(job, 0) + n
-        return KVTierWorkerMetadata(done, failed)
+        merged = self.merged(other)
+        assert isinstance(merged, KVTierWorkerMetadata)
+        return merged

@@ -1,238 +1,30 @@
-"""The connector's worker half: executes the copy orders of each step on this rank's KV tensors.
+"""The connector's worker half: kvtier's ``Copier`` on this rank's vLLM KV tensors.
 
-Loads run before the forward pass (vLLM calls ``start_load_kv`` first when a step has sync loads)
-and are complete when it returns. Stores are submitted after the forward pass (``wait_for_save``)
-and never waited for on the host: a CPU backend copies at once, a CUDA backend copies on its own
-streams after the forward pass that wrote the blocks. A store still in flight when the next step
-begins may read blocks that vLLM freed and handed to another request meanwhile, so at the start
-of every step (``fence``, from vLLM's ``handle_preemptions``, which runs before anything writes
-KV) the engine's stream waits, on the device, for the stores still in flight that read a block
-this step's scheduling handed out again (``KVTierMetadata.fresh_blocks``); other stores go on
-overlapping the step. Results go back to the scheduler through the worker metadata; failed loads
-are also reported to vLLM as invalid blocks so it recomputes them.
+Everything a worker does lives in ``kvtier.engine.copier`` (and the backend choice in
+``kvtier.engine.backends``); the connector maps vLLM's hooks onto it: ``register_kv_caches``
+(or 0.25.1's cross-layer tensor) -> ``register``, ``handle_preemptions`` -> ``fence``,
+``start_load_kv`` -> ``start_load``, ``wait_for_save`` -> ``save``, ``build_connector_worker_meta``
+-> ``take_meta``, ``get_block_ids_with_load_errors`` -> ``take_load_errors``, and 0.33's
+``unregister_kv_caches`` / ``restore_kv_caches`` -> ``suspend`` / ``resume``. This module imports
+without vLLM: the orders arrive as ``kvtier.engine.orders.StepOrders`` (vLLM's metadata class
+derives from it).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import random
-import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier import series
-from kvtier.copy.base import SKIP, CopyBackend, CopyJob, Direction
-from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata, KVTierWorkerMetadata
-from kvtier.pool import HostPool, PoolHandle
+from kvtier.copy.base import CopyBackend
+from kvtier.engine import backends
+from kvtier.engine.backends import cuda_layout
+from kvtier.engine.copier import FAULT_ENV, Copier
+from kvtier.pool import HostPool
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
 
-FAULT_ENV = "KVTIER_TEST_FAIL_LOADS"
-"""Testing only: a fraction in [0, 1] of load orders this worker fails on purpose."""
-
-
-class WorkerSide:
-    def __init__(
-        self, blocks_per_slot: int, tp_rank: int, tp_size: int, copy_options: Any = None
-    ) -> None:
-        self.blocks_per_slot = blocks_per_slot
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self._copy_options = copy_options
-        """``CudaCopyOptions`` for a CUDA backend (None: its defaults)."""
-        self._kv: list[Any] = []
-        self._pool: HostPool | None = None
-        self._backend: CopyBackend | None = None
-        self._broken: str | None = None
-        self._suspended = False
-        self._done: dict[int, int] = {}
-        self._failed: dict[int, int] = {}
-        self._stores_in_flight: dict[int, frozenset[int]] = {}
-        """Store job -> the engine blocks it reads."""
-        self._store_started: dict[int, tuple[float, int]] = {}
-        """Store job -> (submit time, bytes), for the copy stats."""
-        self._stats = series.empty_payload()
-        """Copy bytes, seconds and jobs per direction since the last ``take_stats``."""
-        self._load_errors: set[int] = set()
-        self._fault_rate = float(os.environ.get(FAULT_ENV, "0") or 0)
-        self._faults = random.Random(1234 + tp_rank)
-
-    def register(self, kv_caches: Sequence[Any]) -> None:
-        """The engine's per-layer KV tensors, in layer order."""
-        self._kv = list(kv_caches)
-
-    def suspend(self) -> None:
-        """The engine's KV memory is about to be released (vLLM's sleep mode): finish every copy
-        that touches it and drop the backend, which holds its addresses. Until ``resume``, loads
-        fail (vLLM recomputes) and stores are dropped. Idempotent."""
-        self._suspended = True
-        self._drop_backend()
-
-    def resume(self) -> None:
-        """The KV memory is back (maybe at other physical pages): the next copy builds a new
-        backend over the same tensors. Idempotent."""
-        self._suspended = False
-
-    def _ensure_backend(self, handle: PoolHandle) -> CopyBackend | None:
-        if self._suspended:
-            return None
-        if self._backend is not None or self._broken is not None:
-            return self._backend
-        try:
-            if self._pool is None:
-                self._pool = HostPool.attach(handle)
-            self._backend = make_backend(
-                self._kv,
-                self._pool,
-                self.blocks_per_slot,
-                self.tp_rank,
-                self.tp_size,
-                self._copy_options,
-            )
-        except Exception as exc:
-            # Every order then fails: loads are recomputed by vLLM, stores are dropped.
-            self._broken = f"{type(exc).__name__}: {exc}"
-            log.error("kvtier worker cannot copy, caching disabled on this rank: %s", exc)
-        return self._backend
-
-    def fence(self, meta: KVTierMetadata | None) -> None:
-        """Before this step writes any KV: its work waits for the stores still in flight that
-        read a block this step may overwrite (``meta.fresh_blocks``, or any when unknown)."""
-        if self._backend is None or not self._stores_in_flight:
-            return
-        self._collect()
-        fresh: set[int] | None = None  # None: unknown, every store in flight counts
-        if meta is not None and meta.fresh_blocks is not None:
-            fresh = set(meta.fresh_blocks)
-            fresh.update(b for order in meta.loads for b in order.engine_blocks if b != SKIP)
-        jobs = [
-            job
-            for job, blocks in self._stores_in_flight.items()
-            if fresh is None or not fresh.isdisjoint(blocks)
-        ]
-        if jobs:
-            self._backend.fence(sorted(jobs))
-
-    def start_load(self, meta: KVTierMetadata) -> None:
-        if not meta.loads:
-            return
-        backend = self._ensure_backend(meta.pool)
-        self.fence(meta)  # in case the engine did not call handle_preemptions this step
-        submitted: list[CopyOrder] = []
-        start = time.perf_counter()
-        for order in meta.loads:
-            if backend is None or order.fail or self._inject_fault():
-                self._fail_load(order)
-                continue
-            backend.submit(CopyJob(order.job_id, Direction.LOAD, order.engine_blocks, order.slots))
-            submitted.append(order)
-        if backend is not None and submitted:
-            backend.wait([o.job_id for o in submitted])
-            seconds = time.perf_counter() - start
-            failed = self._collect()
-            copied = 0
-            for order in submitted:
-                if order.job_id in failed:
-                    self._fail_load(order)
-                else:
-                    copied += self._order_bytes(backend, order)
-            done = len(submitted) - len(failed & {o.job_id for o in submitted})
-            stats = self._stats
-            series.add_counter(stats, "kvtier_copy_bytes", copied, "load")
-            series.add_counter(stats, "kvtier_copy_seconds", seconds, "load")
-            series.add_counter(stats, "kvtier_copy_jobs", done, "load")
-            series.add_sample(stats, "kvtier_load_seconds", seconds)
-
-    def _order_bytes(self, backend: CopyBackend, order: CopyOrder) -> int:
-        """Bytes an order moves on this rank (a skipped position moves none)."""
-        positions = sum(1 for b in order.engine_blocks if b != SKIP)
-        return positions * backend.slot_part_bytes // self.blocks_per_slot
-
-    def save(self, meta: KVTierMetadata) -> None:
-        if not meta.stores:
-            return
-        backend = self._ensure_backend(meta.pool)
-        for order in meta.stores:
-            if backend is None:
-                self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
-                continue
-            self._stores_in_flight[order.job_id] = frozenset(order.engine_blocks)
-            self._store_started[order.job_id] = (
-                time.perf_counter(),
-                self._order_bytes(backend, order),
-            )
-            backend.submit(CopyJob(order.job_id, Direction.STORE, order.engine_blocks, order.slots))
-        if backend is not None:
-            self._collect()
-
-    def _collect(self) -> set[int]:
-        """Record the jobs the backend finished since the last call; returns the failed ones
-        (load failures are the caller's to report)."""
-        assert self._backend is not None
-        results = self._backend.poll()
-        now = time.perf_counter()
-        stats, started = self._stats, self._store_started
-        for job_id in results.done:
-            self._done[job_id] = self._done.get(job_id, 0) + 1
-            self._stores_in_flight.pop(job_id, None)
-            if (store := started.pop(job_id, None)) is not None:
-                # Submit to the poll that saw it end: an asynchronous (CUDA) store's end is seen
-                # at the worker's next poll, so its seconds are an upper bound.
-                series.add_counter(stats, "kvtier_copy_bytes", store[1], "store")
-                series.add_counter(stats, "kvtier_copy_seconds", now - store[0], "store")
-                series.add_counter(stats, "kvtier_copy_jobs", 1, "store")
-        for job_id in results.failed:
-            if self._stores_in_flight.pop(job_id, None) is not None:
-                self._failed[job_id] = self._failed.get(job_id, 0) + 1
-                started.pop(job_id, None)
-                series.add_counter(stats, "kvtier_copy_failed_jobs", 1, "store")
-        return set(results.failed)
-
-    def _fail_load(self, order: CopyOrder) -> None:
-        self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
-        self._load_errors.update(b for b in order.engine_blocks if b != SKIP)
-        series.add_counter(self._stats, "kvtier_copy_failed_jobs", 1, "load")
-
-    def _inject_fault(self) -> bool:
-        return self._fault_rate > 0 and self._faults.random() < self._fault_rate
-
-    def take_meta(self) -> KVTierWorkerMetadata | None:
-        if self._backend is not None and self._stores_in_flight:
-            self._collect()
-        if not self._done and not self._failed:
-            return None
-        meta = KVTierWorkerMetadata(self._done, self._failed)
-        self._done, self._failed = {}, {}
-        return meta
-
-    def take_stats(self) -> series.Payload | None:
-        """This rank's copy stats since the last call (None: nothing happened)."""
-        if self._backend is not None and self._stores_in_flight:
-            self._collect()
-        if series.is_empty(self._stats):
-            return None
-        stats, self._stats = self._stats, series.empty_payload()
-        return stats
-
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def _drop_backend(self) -> None:
-        if self._backend is None:
-            return
-        # Stores in flight read engine memory: let them finish before it goes away.
-        self._backend.wait(sorted(self._stores_in_flight))
-        self._collect()
-        self._backend.close()
-        self._backend = None
-
-    def close(self) -> None:
-        self._drop_backend()
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+__all__ = ["FAULT_ENV", "WorkerSide", "cuda_layout", "make_backend"]
 
 
 def make_backend(
@@ -243,50 +35,32 @@ def make_backend(
     tp_size: int,
     copy_options: Any = None,
 ) -> CopyBackend:
-    """The copy backend for the device the KV tensors live on."""
-    if not kv_caches:
-        raise ValueError("register_kv_caches gave no KV tensors")
-    device = kv_caches[0].device.type
-    if device == "cpu":
-        from kvtier.copy.cpu import CpuCopyBackend
+    """``kvtier.engine.backends.make_backend`` for vLLM's tensors (CPU or CUDA)."""
+    return backends.make_backend(kv_caches, pool, blocks_per_slot, tp_rank, tp_size, copy_options)
 
-        return CpuCopyBackend(
-            kv_caches, pool, blocks_per_slot=blocks_per_slot, tp_rank=tp_rank, tp_size=tp_size
-        )
-    if device == "cuda":
-        from kvtier.copy.cuda import CudaCopyBackend
 
-        return CudaCopyBackend(
-            kv_caches,
-            cuda_layout(kv_caches),
-            pool,
+class WorkerSide(Copier):
+    """One vLLM worker's copier; its backend comes from this module's ``make_backend``."""
+
+    def __init__(
+        self, blocks_per_slot: int, tp_rank: int, tp_size: int, copy_options: Any = None
+    ) -> None:
+        # Looked up when the backend is built, so a replaced make_backend (tests inject a
+        # recording backend) is the one used.
+        super().__init__(
+            blocks_per_slot,
+            tp_rank,
+            tp_size,
             copy_options,
-            blocks_per_slot=blocks_per_slot,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            backend_factory=lambda *args: make_backend(*args),
         )
-    raise NotImplementedError(f"kvtier's vLLM connector has no copy backend for {device!r} KV")
 
+    def take_meta(self) -> KVTierWorkerMetadata | None:
+        """``take_report`` as vLLM's worker metadata class (imported here, where vLLM runs, so
+        that this module imports without it)."""
+        report = self.take_report()
+        if report is None:
+            return None
+        from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
 
-def cuda_layout(kv_caches: Sequence[Any]) -> Any:
-    """Which layout vLLM's per-layer CUDA tensors have (the backend checks their strides):
-    vLLM 0.32's ``[num_blocks, kv_heads, block_size, K + V]`` views, in whichever
-    ``KVCacheLayout`` order, and FlashInfer's older ``[num_blocks, 2, ...]`` are
-    ``LAYER_BLOCKS_FIRST``; FlashAttention's older ``[2, num_blocks, ...]`` is
-    ``LAYER_KV_FIRST``."""
-    from kvtier.copy.cuda_plan import KVLayout
-
-    shapes = {tuple(t.shape) for t in kv_caches}
-    if len(shapes) != 1:
-        raise ValueError(f"KV tensors of different shapes: {sorted(shapes)}")
-    shape = next(iter(shapes))
-    if len(shape) == 4:
-        return KVLayout.LAYER_BLOCKS_FIRST
-    if len(shape) == 5 and shape[0] == 2 and shape[1] != 2:
-        return KVLayout.LAYER_KV_FIRST
-    if len(shape) == 5 and shape[1] == 2 and shape[0] != 2:
-        return KVLayout.LAYER_BLOCKS_FIRST
-    raise ValueError(
-        f"unrecognised per-layer KV shape {shape} (want [blocks, heads, tokens, K+V], "
-        "[2, blocks, ...] or [blocks, 2, ...])"
-    )
+        return KVTierWorkerMetadata(report.done, report.failed)
