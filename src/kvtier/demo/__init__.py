@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.policies import DEFAULT_EVICTION
 from kvtier.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, bundled_trace_path, read_trace
 
 BLOCK_TOKENS = 32
@@ -452,10 +453,14 @@ def unbounded_engine_blocks(workload: Workload) -> int:
     return len(block_ids) + engine_blocks_for(workload)
 
 
-def kvtier_config(workdir: Path, pool_bytes: int, stats_path: Path) -> dict[str, Any]:
-    """The embedded default: a host pool and an fs tier (write-through) in ``workdir/fs``."""
+def kvtier_config(
+    workdir: Path, pool_bytes: int, stats_path: Path, eviction: str = DEFAULT_EVICTION
+) -> dict[str, Any]:
+    """The embedded default: a host pool (evicting by ``eviction``) and an fs tier
+    (write-through) in ``workdir/fs``."""
     return {
         "pool": {"size": pool_bytes},
+        "eviction": eviction,
         "tiers": [{"kind": "fs", "path": str(workdir / "fs"), "capacity": "8GiB"}],
         "vllm": {"stats_path": str(stats_path)},
     }

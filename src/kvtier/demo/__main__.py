@@ -30,6 +30,7 @@ from kvtier.demo import (
     unbounded_engine_blocks,
     write_model,
 )
+from kvtier.policies import DEFAULT_EVICTION
 
 BASELINE = "without kvtier"
 KVTIER = "with kvtier"
@@ -316,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         "--pool-blocks", type=int, default=128, help="kvtier host pool, in 32-token blocks (128)"
     )
     parser.add_argument(
+        "--eviction",
+        default=DEFAULT_EVICTION,
+        help=f"kvtier's eviction policy ({DEFAULT_EVICTION}; docs/policies.md)",
+    )
+    parser.add_argument(
         "--workdir", type=Path, default=Path("kvtier-demo"), help="model, fs tier, results"
     )
     parser.add_argument("--json", type=Path, default=None, help="default: WORKDIR/results.json")
@@ -345,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"caches    vLLM {engine_blocks} blocks of {BLOCK_TOKENS} tokens; kvtier host pool "
-        f"{args.pool_blocks} blocks ({mib(args.pool_blocks * size.block_bytes)}) + fs tier "
-        f"in {args.workdir / 'fs'}"
+        f"{args.pool_blocks} blocks ({mib(args.pool_blocks * size.block_bytes)}, eviction "
+        f"{args.eviction}) + fs tier in {args.workdir / 'fs'}"
     )
     print(
         f"expected  (LRU model) {expected.reusable:.0%} of the prompt tokens reusable: vLLM's "
@@ -365,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": kvtier_config(
-            workdir, args.pool_blocks * size.block_bytes, stats_path
+            workdir, args.pool_blocks * size.block_bytes, stats_path, args.eviction
         ),
     }
     kv = run_engine(KVTIER, model, workload, size, engine_blocks, transfer)
@@ -484,6 +490,7 @@ def report(
             "vllm_blocks": engine_blocks_for(workload),
             "vllm_blocks_for_all": unbounded_engine_blocks(workload),
             "pool_blocks": args.pool_blocks,
+            "eviction": args.eviction,
         },
         "expected_shares": asdict(expected),
         "kvtier": summary,
