@@ -1,8 +1,9 @@
 """kvtier's vLLM integration: ``--kv-transfer-config '{"kv_connector": "KVTierConnector",
 "kv_connector_module_path": "kvtier.integrations.vllm", ...}'``.
 
-The connector is imported on first use, so the worker half and its metadata can be imported
-(and tested) without pulling in the rest of vLLM.
+The connector is imported on first use. What it does is engine-neutral and lives in
+``kvtier.engine`` (the planner, the copier, the step orders and the job ledger); this package only
+translates vLLM's objects and hooks. The worker half (``worker``) imports without vLLM.
 """
 
 from typing import Any

@@ -1,6 +1,7 @@
 """``KVTierConnector``: kvtier as a vLLM V1 KV connector (loaded via ``kv_connector_module_path``).
 
-A thin adapter: it translates vLLM's hooks into ``SchedulerSide`` / ``WorkerSide`` calls. kvtier
+A thin adapter: it translates vLLM's hooks into ``SchedulerSide`` / ``WorkerSide`` calls, vLLM's
+translations of ``kvtier.engine``'s ``Planner`` and ``Copier``. kvtier
 is a best-effort cache: loads are synchronous (done before the step's forward pass), stores never
 delay a request, and a failed load is reported to vLLM, which recomputes those blocks (set vLLM's
 ``kv_load_failure_policy`` to ``"recompute"``; its default fails the request instead).

@@ -1,0 +1,490 @@
+"""The scheduler side of an engine adapter: requests -> kvtier lookups, load plans and store orders.
+
+Runs on the engine's scheduler thread and never waits on I/O: lookups answer from the manager,
+tier jobs run on their own threads and are collected once per engine step (``plan_step``). The
+engine adapter hands it requests (anything with the attributes of ``EngineRequest``), each step's
+scheduled tokens and block tables, and the workers' reports; it says what a request's key chain
+starts from (``key_scope``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvtier import series
+from kvtier.config import KVTierConfig
+from kvtier.copy.base import Direction
+from kvtier.engine.ledger import JobLedger
+from kvtier.engine.orders import SKIP, CopyOrder, RankReport, StepOrders
+from kvtier.events import POOL_TIER, CacheEvent
+from kvtier.factory import build_cache
+from kvtier.keys import BlockKey, Namespace, chain_keys, chain_root
+from kvtier.metrics import CacheStats
+from kvtier.policies.hints import RequestHint
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 1.0
+DEFERRED_WAIT_S = 0.001
+"""After a step that deferred a request and scheduled nothing, the scheduler thread waits up to
+this long for a tier job to end. The engine (vLLM) re-asks a deferred request every step, and
+with nothing else to run its loop spins and holds the GIL: the tier's reader threads then got it
+only every 5 ms (Python's switch interval), so each promotion took several milliseconds more than
+its I/O."""
+
+
+class EngineRequest(Protocol):
+    """What the planner reads of an engine's request (vLLM's ``Request`` has these)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt and generated tokens so far."""
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV the engine holds (before this step's)."""
+
+
+class BlockTableView(Protocol):
+    """Each request's engine block ids as of this step."""
+
+    def get(self, req_id: str) -> Sequence[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KeyScope:
+    """What besides its tokens decides the KV of a request's blocks (``keys.chain_root``)."""
+
+    adapter: str | None = None
+    """The name of the LoRA adapter it runs with (``""``: an adapter without a name)."""
+    salt: str | None = None
+    """A per-request cache salt: only requests with the same salt share blocks."""
+
+
+PLAIN = KeyScope()
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerSettings:
+    blocks_per_slot: int = 1
+    """Engine blocks per kvtier block."""
+    store_generated: bool = False
+    """Also store blocks filled by generated tokens (not only prompt tokens)."""
+    stats_path: str | None = None
+    """Write the stats as JSON to this file (each second and at ``close``)."""
+
+
+@dataclass(slots=True)
+class _LoadPlan:
+    """Blocks pinned for a request between the lookup and the engine's block allocation."""
+
+    keys: list[BlockKey]
+    slots: list[int]
+    first_token: int
+    """First token of the first kvtier block to load."""
+    num_computed: int
+    """Tokens the engine already has (its own prefix cache): engine blocks before this are
+    skipped."""
+    external_tokens: int
+    origins: list[str]
+    """Per slot, the tier its block came from (``pool`` or a secondary tier's name)."""
+
+
+@dataclass(slots=True)
+class PlannerCounters:
+    requests_looked_up: int = 0
+    deferred_lookups: int = 0
+    hit_tokens: int = 0
+    loads_ordered: int = 0
+    load_blocks_failed: int = 0
+    stores_ordered: int = 0
+    store_blocks_failed: int = 0
+    stale_plans: int = 0
+    engine_hit_blocks: int = 0
+    """Blocks the engine's own prefix cache held at a lookup (not looked up in kvtier): with
+    ``cache.hit_blocks`` over ``cache.lookup_blocks`` plus these, the engine's whole prefix hit
+    ratio, what ``kvtier simulate`` predicts from a recorded trace."""
+
+
+class Planner:
+    """One engine's scheduler side: see the module docstring. An engine adapter subclasses it to
+    say what a request's keys depend on (``key_scope``) and calls its methods from the engine's
+    hooks."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        settings: PlannerSettings,
+        namespace: Namespace,
+        slot_bytes: int,
+        engine_block_size: int,
+        tp_size: int,
+    ) -> None:
+        self.settings = settings
+        self.namespace = namespace
+        self.engine_block_size = engine_block_size
+        self.blocks_per_slot = settings.blocks_per_slot
+        self.block_tokens = engine_block_size * settings.blocks_per_slot
+        self.tp_size = tp_size
+        self.pool, self.cache = build_cache(config, namespace, slot_bytes)
+        self.counters = PlannerCounters()
+        self._keys: dict[str, list[BlockKey] | None] = {}
+        """Request -> keys of its full blocks so far; None: not cacheable (``key_scope``)."""
+        self._roots: dict[str, BlockKey | None] = {}
+        """Request -> the start of its key chain (None: the namespace)."""
+        self._plans: dict[str, _LoadPlan] = {}
+        self._offered: dict[str, int] = {}
+        self._hit_blocks: dict[str, int] = {}
+        """Requests -> leading blocks cached at their lookup (the engine's own and kvtier's), for
+        the eviction policy's hint when they finish."""
+        self._requests: dict[str, EngineRequest] = {}
+        self._loads: list[CopyOrder] = []
+        self._jobs = JobLedger(tp_size)
+        self._stats_written = 0.0
+        self._deferred = False
+        self.hits_by_tier: dict[str, int] = {POOL_TIER: 0, **{t.name: 0 for t in config.tiers}}
+        """Hit blocks of final lookups by the tier that held them (``TieredCache.origins``)."""
+        self.hit_tokens_by_tier: dict[str, int] = dict.fromkeys(self.hits_by_tier, 0)
+        """``PlannerCounters.hit_tokens`` by the tier they came from (what an engine's prefix cache
+        hits by source count)."""
+        self._deferred_since: dict[str, float] = {}
+        """Requests waiting for a promotion -> when their first deferred lookup was."""
+        self._hit_sources: dict[str, dict[str, int]] = {}
+        """Requests with a load order -> tokens by the tier they come from, for the engine's
+        prefix cache hit metrics (``take_hit_sources``)."""
+        self._delta = series.DeltaTracker()
+        self._waits: list[float] = []
+        self._last_gauges: series.Values = {}
+        self.recorder: Any = None
+        """A ``TraceRecorder`` told of every request looked up."""
+
+    # -- lookups and loads ----------------------------------------------------------------------
+
+    def on_new_request(self, request: EngineRequest) -> None:
+        self._requests[request.request_id] = request
+
+    def matched_tokens(self, request: EngineRequest, num_computed: int) -> tuple[int | None, bool]:
+        """Tokens loadable beyond ``num_computed`` (vLLM's ``get_num_new_matched_tokens``); the
+        flag is always False (loads are synchronous).
+
+        ``None`` defers the request (a promotion or a shared load is in flight). The engine may
+        call this many times per request; a hit pins its blocks until the allocation (or the next
+        call) so a lookup of another request cannot evict them in between.
+        """
+        req_id = request.request_id
+        self._requests[req_id] = request
+        self._release_plan(req_id)
+        keys = self._request_keys(request)
+        if keys is None:
+            return 0, False
+        bt = self.block_tokens
+        limit = min((request.num_tokens - 1) // bt, len(keys))  # >= 1 token left to compute
+        start = num_computed // bt
+        if start >= limit:
+            self.counters.engine_hit_blocks += limit
+            self._hit_blocks[req_id] = start
+            return 0, False
+        if req_id not in self._deferred_since:
+            self.counters.requests_looked_up += 1
+        if self.recorder is not None:
+            self.recorder.record(request, keys)  # once per request
+        result = self.cache.lookup(keys[start:limit])
+        if not result.final:
+            self.counters.deferred_lookups += 1
+            self._deferred = True
+            self._deferred_since.setdefault(req_id, time.monotonic())
+            return None, False
+        self._end_wait(req_id)
+        self.counters.engine_hit_blocks += start
+        self._hit_blocks[req_id] = start + result.hits
+        hit_keys = keys[start : start + result.hits]
+        origins = self.cache.origins(hit_keys) if hit_keys else []
+        for origin in origins:
+            self.hits_by_tier[origin] = self.hits_by_tier.get(origin, 0) + 1
+        slots = self.cache.prepare_load(hit_keys) if hit_keys else []
+        external = (start + len(slots)) * bt - num_computed
+        if external <= 0:
+            if slots:
+                self.cache.release_load(hit_keys[: len(slots)])
+            return 0, False
+        self._plans[req_id] = _LoadPlan(
+            hit_keys[: len(slots)],
+            slots,
+            start * bt,
+            num_computed,
+            external,
+            origins[: len(slots)],
+        )
+        return external, False
+
+    def _end_wait(self, req_id: str) -> None:
+        since = self._deferred_since.pop(req_id, None)
+        if since is not None:
+            self._waits.append(time.monotonic() - since)
+
+    def after_alloc(
+        self, request: EngineRequest, block_ids: Sequence[int], external_tokens: int
+    ) -> None:
+        """The engine allocated ``block_ids`` for the request, ``external_tokens`` of them to be
+        loaded (vLLM's ``update_state_after_alloc``): turn its plan into a load order."""
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None:
+            return
+        if external_tokens == 0:
+            self._unpin(plan)
+            return
+        bs = self.engine_block_size
+        first = plan.first_token // bs
+        computed = plan.num_computed // bs
+        engine_blocks = [
+            SKIP if first + i < computed else block_ids[first + i]
+            for i in range(len(plan.slots) * self.blocks_per_slot)
+        ]
+        job_id = self._jobs.open(Direction.LOAD, plan.keys)
+        stale = external_tokens != plan.external_tokens
+        if stale:
+            # The engine changed the count we gave it: do not guess which bytes it expects; have
+            # the worker report every block of the range as failed so the engine recomputes them.
+            self.counters.stale_plans += 1
+            log.warning(
+                "the engine allocated %d external tokens, kvtier planned %d: recomputing",
+                external_tokens,
+                plan.external_tokens,
+            )
+        self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, fail=stale))
+        self.counters.loads_ordered += 1
+        self.counters.hit_tokens += 0 if stale else external_tokens
+        if not stale:
+            # The first block's tokens that the engine already holds are not loaded.
+            split: dict[str, int] = {}
+            for i, origin in enumerate(plan.origins):
+                tokens = self.block_tokens
+                if i == 0:
+                    tokens -= plan.num_computed - plan.first_token
+                split[origin] = split.get(origin, 0) + tokens
+            self._hit_sources[request.request_id] = split
+            by_tier = self.hit_tokens_by_tier
+            for origin, tokens in split.items():
+                by_tier[origin] = by_tier.get(origin, 0) + tokens
+
+    def take_hit_sources(self, req_id: str) -> dict[str, int]:
+        """Tokens of the request's load by the tier they come from (empty: no load planned)."""
+        return self._hit_sources.pop(req_id, {})
+
+    def _release_plan(self, req_id: str) -> None:
+        plan = self._plans.pop(req_id, None)
+        if plan is not None:
+            self._unpin(plan)
+
+    def _unpin(self, plan: _LoadPlan) -> None:
+        self.cache.release_load(plan.keys)
+
+    # -- stores, once per engine step -----------------------------------------------------------
+
+    def plan_step(
+        self,
+        scheduled: Mapping[str, int],
+        tables: BlockTableView,
+        fresh_blocks: list[int] | None,
+    ) -> StepOrders:
+        """This step's orders: the loads planned since the last step and a store of every block
+        the step fills. ``scheduled``: tokens scheduled per request; ``tables``: the requests'
+        engine block ids; ``fresh_blocks``: blocks this step's scheduling handed out (None:
+        unknown, see ``StepOrders``)."""
+        if self._deferred and not scheduled:  # a step with work runs the model (frees the GIL)
+            self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended
+        else:
+            self.cache.step()
+        self._deferred = False
+        stores: list[CopyOrder] = []
+        for req_id, num_scheduled in scheduled.items():
+            order = self._store_order(req_id, num_scheduled, tables)
+            if order is not None:
+                stores.append(order)
+        loads, self._loads = self._loads, []
+        self._maybe_write_stats()
+        return StepOrders(self.pool.handle, loads, stores, fresh_blocks)
+
+    def _store_order(
+        self, req_id: str, num_scheduled: int, tables: BlockTableView
+    ) -> CopyOrder | None:
+        request = self._requests.get(req_id)
+        if request is None:
+            return None
+        # num_computed_tokens is still the value before this step.
+        filled = request.num_computed_tokens + num_scheduled
+        if not self.settings.store_generated:
+            filled = min(filled, request.num_prompt_tokens)
+        keys = self._request_keys(request)
+        if keys is None:
+            return None
+        full = min(filled // self.block_tokens, len(keys))
+        offered = self._offered.get(req_id, 0)
+        if full <= offered:
+            return None
+        self._offered[req_id] = full
+        wanted = keys[offered:full]
+        reservation = self.cache.prepare_store(wanted)
+        if not reservation.keys:
+            return None
+        block_ids = tables.get(req_id)
+        position = {key: offered + i for i, key in enumerate(wanted)}
+        bps = self.blocks_per_slot
+        engine_blocks: list[int] = []
+        for key in reservation.keys:
+            first = position[key] * bps
+            engine_blocks.extend(block_ids[first : first + bps])
+        if len(engine_blocks) != len(reservation.keys) * bps:
+            self.cache.complete_store(reservation.keys, ok=False)
+            return None
+        job_id = self._jobs.open(Direction.STORE, reservation.keys)
+        self.counters.stores_ordered += 1
+        return CopyOrder(job_id, reservation.slots, engine_blocks)
+
+    # -- completions from the workers -----------------------------------------------------------
+
+    def on_report(self, report: RankReport | None) -> None:
+        """Settle the jobs every tensor-parallel rank has now reported (``JobLedger``)."""
+        if report is None:
+            return
+        for job in self._jobs.settle(report):
+            if job.direction is Direction.STORE:
+                self.cache.complete_store(job.keys, ok=job.ok)
+                if not job.ok:
+                    self.counters.store_blocks_failed += len(job.keys)
+            else:
+                self.cache.complete_load(job.keys, ok=job.ok)
+                if not job.ok:
+                    self.counters.load_blocks_failed += len(job.keys)
+
+    def request_finished(self, request: EngineRequest) -> None:
+        req_id = request.request_id
+        self._release_plan(req_id)
+        self._end_wait(req_id)
+        self._hit_sources.pop(req_id, None)
+        if self.recorder is not None:
+            self.recorder.forget(req_id)
+        self._hint(request)
+        self._keys.pop(req_id, None)
+        self._roots.pop(req_id, None)
+        self._offered.pop(req_id, None)
+        self._requests.pop(req_id, None)
+
+    def _hint(self, request: EngineRequest) -> None:
+        """Tell the eviction policy what the engine knows of a finished request: its prompt's
+        blocks, the leading ones cached at its lookup and the tokens it generated."""
+        req_id = request.request_id
+        keys = self._keys.get(req_id)
+        hits = self._hit_blocks.pop(req_id, None)
+        if not keys or hits is None:
+            return  # never looked up (or not cacheable): nothing was stored for it
+        prompt = keys[: getattr(request, "num_prompt_tokens", 0) // self.block_tokens]
+        output = getattr(request, "num_output_tokens", None)
+        hint = RequestHint(min(hits, len(prompt)), output if isinstance(output, int) else None)
+        self.cache.hint_request(prompt, hint)
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def key_scope(self, request: EngineRequest) -> KeyScope | None:
+        """What the request's keys depend on besides its tokens; None: its KV does not follow
+        from token ids (e.g. multimodal inputs), so it is never cached. Engine adapters override
+        this; asked once per request."""
+        return PLAIN
+
+    def _request_keys(self, request: EngineRequest) -> list[BlockKey] | None:
+        """Keys of the request's full kvtier blocks (cached, extended as tokens arrive); None
+        for a request that is not cached (``key_scope``)."""
+        req_id = request.request_id
+        if req_id not in self._keys:
+            scope = self.key_scope(request)
+            if scope is None:
+                self._keys[req_id] = None
+                return None
+            self._keys[req_id] = []
+            self._roots[req_id] = chain_root(self.namespace, scope.adapter, scope.salt)
+        keys = self._keys[req_id]
+        if keys is None:
+            return None
+        tokens = request.all_token_ids
+        bt = self.block_tokens
+        have = len(keys)
+        full = len(tokens) // bt
+        if full > have:
+            start = keys[-1] if keys else self._roots[req_id]
+            keys.extend(chain_keys(self.namespace, tokens[have * bt : full * bt], start))
+        return keys
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def take_events(self) -> list[CacheEvent]:
+        return self.cache.take_events()
+
+    def stats(self) -> dict[str, Any]:
+        snapshot: CacheStats = self.cache.stats()
+        out = snapshot.to_dict()
+        out["connector"] = {
+            name: getattr(self.counters, name) for name in PlannerCounters.__slots__
+        }
+        out["hits_by_tier"] = dict(self.hits_by_tier)
+        out["hit_tokens_by_tier"] = dict(self.hit_tokens_by_tier)
+        out["jobs_in_flight"] = len(self._jobs)
+        out["pinned_plans"] = len(self._plans)
+        return out
+
+    def take_stats(self) -> series.Payload | None:
+        """What changed since the last call, as a :mod:`kvtier.series` payload (None: nothing).
+        The engine asks once per step."""
+        snapshot = self.cache.stats()
+        cumulative = series.cache_counters(snapshot, self.hits_by_tier)
+        c = self.counters
+        cumulative["kvtier_requests_looked_up"] = {"": c.requests_looked_up}
+        cumulative["kvtier_deferred_lookups"] = {"": c.deferred_lookups}
+        cumulative["kvtier_hit_tokens"] = {"": c.hit_tokens}
+        cumulative["kvtier_engine_hit_blocks"] = {"": c.engine_hit_blocks}
+        payload = series.empty_payload()
+        payload["counters"] = self._delta.delta(cumulative)
+        gauges = series.pool_gauges(snapshot)
+        gauges["kvtier_jobs_in_flight"] = {"": len(self._jobs)}
+        if gauges != self._last_gauges:
+            payload["gauges"] = self._last_gauges = gauges
+        if self._waits:
+            payload["histograms"]["kvtier_promotion_wait_seconds"] = {"": self._waits}
+            self._waits = []
+        return None if series.is_empty(payload) else payload
+
+    def _maybe_write_stats(self, force: bool = False) -> None:
+        path = self.settings.stats_path
+        if path is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._stats_written < STATS_INTERVAL_S:
+            return
+        self._stats_written = now
+        target = Path(path)
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self.stats(), indent=1))
+            tmp.replace(target)
+        except OSError:
+            log.exception("cannot write kvtier stats to %s", path)
+
+    def close(self) -> None:
+        for req_id in list(self._plans):
+            self._release_plan(req_id)
+        if self.recorder is not None:
+            self.recorder.close()
+        self.cache.close()
+        self._maybe_write_stats(force=True)
+        self.pool.close()
