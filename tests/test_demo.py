@@ -24,7 +24,7 @@ from kvtier.demo import (
     conversation,
     engine_blocks_for,
     interleave,
-    simulate,
+    predict_shares,
     trace_groups,
     unbounded_engine_blocks,
 )
@@ -157,39 +157,39 @@ def test_expected_reuse_share(workload: Workload) -> None:
     resent = sum(t.resent // BLOCK_TOKENS * BLOCK_TOKENS for t in workload.turns)
     share = resent / workload.prompt_tokens
     assert share >= 0.5
-    shares = simulate(workload.prompts, engine_blocks_for(workload), pool_blocks=128)
+    shares = predict_shares(workload.prompts, engine_blocks_for(workload), pool_blocks=128)
     assert shares.reusable == pytest.approx(share, abs=0.01)
     # vLLM's own small cache serves next to nothing; the pool and the fs tier both a lot.
     assert shares.engine <= 0.02
     assert shares.pool >= 0.2 and shares.fs >= 0.2
     assert shares.engine + shares.pool + shares.fs == pytest.approx(shares.reusable)
-    everything = simulate(workload.prompts, engine_blocks_for(workload), pool_blocks=10**6)
+    everything = predict_shares(workload.prompts, engine_blocks_for(workload), pool_blocks=10**6)
     assert everything.fs == 0 and everything.pool == pytest.approx(shares.reusable, abs=0.02)
 
 
-def test_simulate_small_case() -> None:
+def test_predict_shares_small_case() -> None:
     a = list(range(100, 100 + 3 * BLOCK_TOKENS + 5))
     b = list(range(1000, 1000 + 3 * BLOCK_TOKENS + 5))
     a2 = [*a, 7, 8, 9]
     total = len(a) + len(b) + len(a2)
     # A big engine cache keeps a's 3 blocks.
-    assert simulate([a, b, a2], engine_blocks=100, pool_blocks=100).engine == pytest.approx(
+    assert predict_shares([a, b, a2], engine_blocks=100, pool_blocks=100).engine == pytest.approx(
         3 * BLOCK_TOKENS / total
     )
     block = BLOCK_TOKENS / total
     # An engine cache of 5 blocks: b (4 blocks while it runs) evicts a's last two blocks (vLLM
     # frees a request's blocks tail first), so the pool serves those.
-    s = simulate([a, b, a2], engine_blocks=5, pool_blocks=100)
+    s = predict_shares([a, b, a2], engine_blocks=5, pool_blocks=100)
     assert (s.engine, s.pool, s.fs) == (pytest.approx(block), pytest.approx(2 * block), 0)
     # 4 blocks: a is gone from vLLM's cache entirely.
-    s = simulate([a, b, a2], engine_blocks=4, pool_blocks=100)
+    s = predict_shares([a, b, a2], engine_blocks=4, pool_blocks=100)
     assert (s.engine, s.pool, s.fs) == (0, pytest.approx(3 * block), 0)
     # A pool of 3 blocks holds only b: a comes back from the fs tier.
-    s = simulate([a, b, a2], engine_blocks=4, pool_blocks=3)
+    s = predict_shares([a, b, a2], engine_blocks=4, pool_blocks=3)
     assert (s.engine, s.pool, s.fs) == (0, 0, pytest.approx(3 * block))
     # At most the full blocks before the last token: a prompt of exactly 3 blocks uses 2.
     exact = a[: 3 * BLOCK_TOKENS]
-    s = simulate([exact, exact], engine_blocks=100, pool_blocks=100)
+    s = predict_shares([exact, exact], engine_blocks=100, pool_blocks=100)
     assert s.reusable == pytest.approx(2 * BLOCK_TOKENS / (6 * BLOCK_TOKENS))
 
 
@@ -269,6 +269,6 @@ def test_unbounded_engine_cache_serves_all_the_reuse(workload: Workload) -> None
         for b in range(len(t.tokens) // BLOCK_TOKENS)
     }
     assert blocks == len(distinct) + engine_blocks_for(workload)
-    shares = simulate(workload.prompts, blocks, pool_blocks=128)
+    shares = predict_shares(workload.prompts, blocks, pool_blocks=128)
     assert shares.engine == pytest.approx(shares.reusable)
     assert shares.pool == shares.fs == 0

@@ -9,7 +9,7 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
-from kvtier.manager import SecondaryTier, TieredCache
+from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import make_policy
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.pool import HostPool, ShmDirError
@@ -49,12 +49,12 @@ def build_cache(
         raise ConfigError("pool.shm_dir", config.pool.shm_dir, str(exc)) from exc
     tiers: list[Any] = []
     try:
-        secondary: list[SecondaryTier] = []
+        secondary: list[TierBinding] = []
         for tier_config in config.tiers:
             cls = tier_class(tier_config.kind)
             tier = cls(tier_config.name, namespace, pool, tier_config.options)
             tiers.append(tier)
-            secondary.append(SecondaryTier(tier, tier_config.write))
+            secondary.append(TierBinding(tier, tier_config.write))
         admission = (
             AdmissionFilter(config.admission.min_seen, config.admission.max_tracked)
             if config.admission.enabled

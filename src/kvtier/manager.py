@@ -63,13 +63,17 @@ class StoreReservation(NamedTuple):
 
 
 @dataclass(slots=True)
-class SecondaryTier:
+class TierBinding:
+    """A secondary tier as the cache uses it: the tier and when blocks are written to it."""
+
     tier: Tier
     write_mode: WriteMode = WriteMode.THROUGH
 
 
 @dataclass(slots=True)
-class _Job:
+class _OpenTierJob:
+    """A tier job (a promotion's read or a cascade's write) submitted and not yet finished."""
+
     tier_index: int
     kind: JobKind
     keys: list[BlockKey]
@@ -86,7 +90,7 @@ class TieredCache:
         self,
         pool: HostPool,
         policy: EvictionPolicy,
-        secondary: Sequence[SecondaryTier] = (),
+        secondary: Sequence[TierBinding] = (),
         admission: AdmissionFilter | None = None,
         job_timeout_s: float = 30.0,
         record_events: bool = True,
@@ -123,7 +127,7 @@ class TieredCache:
         self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
         self._dirty: set[BlockKey] = set()
         """Visible keys not yet copied to the write-on-evict tiers (empty without such tiers)."""
-        self._jobs: dict[tuple[int, int], _Job] = {}
+        self._jobs: dict[tuple[int, int], _OpenTierJob] = {}
         self._next_job_id = 0
         self._failed_promotions: OrderedDict[tuple[int, BlockKey], float] = OrderedDict()
         """(tier index, key) whose promotion from that tier failed -> until when not to retry."""
@@ -598,7 +602,9 @@ class TieredCache:
     ) -> None:
         job_id = self._next_job_id
         self._next_job_id += 1
-        job = _Job(tier_index, kind, keys, slots, self._clock() + self._job_timeout_s, holds)
+        job = _OpenTierJob(
+            tier_index, kind, keys, slots, self._clock() + self._job_timeout_s, holds
+        )
         self._jobs[(tier_index, job_id)] = job
         tier = self._tiers[tier_index]
         try:
@@ -621,7 +627,7 @@ class TieredCache:
             return [False] * len(keys)
         return answer
 
-    def _finish_job(self, job: _Job, ok: list[bool]) -> None:
+    def _finish_job(self, job: _OpenTierJob, ok: list[bool]) -> None:
         if len(ok) != len(job.keys):
             ok = [False] * len(job.keys)  # a malformed report proves nothing: treat as failed
         if job.kind is JobKind.READ:
@@ -629,7 +635,7 @@ class TieredCache:
         else:
             self._finish_write(job, ok)
 
-    def _finish_promotion(self, job: _Job, ok: list[bool]) -> None:
+    def _finish_promotion(self, job: _OpenTierJob, ok: list[bool]) -> None:
         if job.abandoned:
             self._release_held(job.slots)
             return
@@ -658,7 +664,7 @@ class TieredCache:
             counters.promotion_failures += len(free)
             self._pool.free(free)
 
-    def _finish_write(self, job: _Job, ok: list[bool]) -> None:
+    def _finish_write(self, job: _OpenTierJob, ok: list[bool]) -> None:
         writing = self._writing[job.tier_index]
         writing.difference_update(job.keys)
         if job.holds_slots:
@@ -680,7 +686,7 @@ class TieredCache:
     def _writeback_due(self) -> bool:
         return self._writeback_delay == 0.0 or self._clock() >= self._writeback_paused_until
 
-    def _settle_write_back(self, job: _Job, ok: list[bool]) -> None:
+    def _settle_write_back(self, job: _OpenTierJob, ok: list[bool]) -> None:
         """A write-back copy ended: failed keys are dirty again, and write-back pauses (doubling
         per failure, up to ``job_timeout_s``) so that a tier failing every copy at once is not
         retried every step (a busy loop for whoever steps until jobs end)."""

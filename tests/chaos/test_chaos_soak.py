@@ -44,7 +44,7 @@ from chaos.faults import (
 )
 from kvtier.config import load_config
 from kvtier.keys import BlockKey, keys_from_hashes
-from kvtier.manager import SecondaryTier, TieredCache
+from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.sim.replay import payload_for
@@ -336,7 +336,7 @@ def test_chaos_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
         cache = TieredCache(
             pool,
             LRUPolicy(),
-            [SecondaryTier(fs_tier), SecondaryTier(redis_tier, WriteMode.ON_EVICT)],
+            [TierBinding(fs_tier), TierBinding(redis_tier, WriteMode.ON_EVICT)],
             job_timeout_s=JOB_TIMEOUT_S,
         )
         prefix = f"kvtier:{namespace.hex}:".encode()

@@ -5,7 +5,7 @@ import pytest
 from core.conftest import keys_for
 from core.scripted_tier import ScriptedTier
 from kvtier.events import EventKind
-from kvtier.manager import SecondaryTier, TieredCache
+from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.tiers.base import WriteMode
@@ -94,7 +94,7 @@ def test_admission_filter_stores_on_nth_offer(ns, make_pool):
 def test_promotion_from_secondary_tier(ns, make_pool):
     pool = make_pool(8)
     tier = ScriptedTier("slow", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier, WriteMode.THROUGH)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier, WriteMode.THROUGH)])
     keys = keys_for(ns, 4)
     store(cache, keys)
     tier.release()
@@ -122,7 +122,7 @@ def test_promotion_waits_for_writes_that_pin_the_whole_pool(ns, make_pool):
     free their slots when they end), not a final miss; with no write in flight, it is final."""
     pool = make_pool(4)
     tier = ScriptedTier("slow", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier, WriteMode.THROUGH)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier, WriteMode.THROUGH)])
     wanted = keys_for(ns, 2, seed=1)
     tier.stored = {k: k * (pool.slot_bytes // len(k)) for k in wanted}
     store(cache, keys_for(ns, 4, seed=2))  # four writes in flight pin every slot
@@ -134,7 +134,7 @@ def test_promotion_waits_for_writes_that_pin_the_whole_pool(ns, make_pool):
     cache.step()
     assert cache.lookup(wanted) == (2, True)
 
-    other = TieredCache(make_pool(2), LRUPolicy(), [SecondaryTier(tier, WriteMode.THROUGH)])
+    other = TieredCache(make_pool(2), LRUPolicy(), [TierBinding(tier, WriteMode.THROUGH)])
     other.prepare_load(store(other, keys_for(ns, 2, seed=3)))  # pinned by loads, no write
     tier.release()
     other.step()
@@ -144,7 +144,7 @@ def test_promotion_waits_for_writes_that_pin_the_whole_pool(ns, make_pool):
 def test_failed_promotion_is_a_miss_and_not_retried_at_once(ns, make_pool):
     pool = make_pool(8)
     tier = ScriptedTier("slow", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
     keys = keys_for(ns, 2)
     tier.stored = {k: b"x" * 64 for k in keys}
     tier.fail_keys = {keys[0]}
@@ -159,7 +159,7 @@ def test_failed_promotion_is_a_miss_and_not_retried_at_once(ns, make_pool):
 def test_unknown_answer_is_pending(ns, make_pool):
     pool = make_pool(8)
     tier = ScriptedTier("remote", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
     keys = keys_for(ns, 2)
     tier.unknown = set(keys)
     assert cache.lookup(keys) == (0, False)
@@ -171,7 +171,7 @@ def test_tier_exceptions_never_reach_the_caller(ns, make_pool):
     pool = make_pool(8)
     tier = ScriptedTier("broken", ns, pool)
     tier.raise_on = {"lookup", "submit", "poll"}
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
     keys = keys_for(ns, 3)
     assert cache.lookup(keys) == (0, True)
     store(cache, keys)  # write-through submit raises
@@ -185,7 +185,7 @@ def test_tier_exceptions_never_reach_the_caller(ns, make_pool):
 def test_write_on_evict_holds_slot_until_written(ns, make_pool):
     pool = make_pool(2)
     tier = ScriptedTier("disk", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier, WriteMode.ON_EVICT)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier, WriteMode.ON_EVICT)])
     a = keys_for(ns, 2, seed=1)
     store(cache, a)
     assert tier.submitted == []
@@ -204,7 +204,7 @@ def test_stuck_promotion_times_out_and_keeps_slots_quarantined(ns, make_pool):
     pool = make_pool(4)
     tier = ScriptedTier("stuck", ns, pool)
     cache = TieredCache(
-        pool, LRUPolicy(), [SecondaryTier(tier)], job_timeout_s=5, clock=lambda: now[0]
+        pool, LRUPolicy(), [TierBinding(tier)], job_timeout_s=5, clock=lambda: now[0]
     )
     keys = keys_for(ns, 2)
     tier.stored = {k: b"y" * 64 for k in keys}
@@ -224,7 +224,7 @@ def test_stuck_promotion_times_out_and_keeps_slots_quarantined(ns, make_pool):
 def test_close_settles_running_jobs(ns, make_pool, mode):
     pool = make_pool(2)
     tier = ScriptedTier("disk", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier, mode)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier, mode)])
     store(cache, keys_for(ns, 2, seed=1))
     store(cache, keys_for(ns, 2, seed=2))
     cache.close()
@@ -239,7 +239,7 @@ def test_write_back_copies_coldest_blocks_ahead_so_eviction_frees_at_once(ns, ma
     cache = TieredCache(
         pool,
         LRUPolicy(),
-        [SecondaryTier(tier, WriteMode.ON_EVICT)],
+        [TierBinding(tier, WriteMode.ON_EVICT)],
         writeback_window=2,
         clock=lambda: now[0],
     )

@@ -15,7 +15,7 @@ import pytest
 from core.conftest import keys_for
 from core.scripted_tier import ScriptedTier
 from kvtier.keys import BlockKey, Namespace
-from kvtier.manager import MAX_EVENTS, SecondaryTier, TieredCache
+from kvtier.manager import MAX_EVENTS, TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.sim.replay import Replayer
@@ -80,7 +80,7 @@ def test_a_failed_promotion_from_one_tier_tries_the_next(ns, make_pool):
     """Before: the failure blocked the key for 30 s in every tier."""
     pool = make_pool(8)
     fast, slow = ScriptedTier("fast", ns, pool), ScriptedTier("slow", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(fast), SecondaryTier(slow)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(fast), TierBinding(slow)])
     keys = keys_for(ns, 3)
     for tier in (fast, slow):
         tier.stored = {k: k * (pool.slot_bytes // len(k)) for k in keys}
@@ -100,7 +100,7 @@ def test_a_failed_promotion_from_one_tier_tries_the_next(ns, make_pool):
 def test_a_key_failing_in_every_tier_is_a_miss_not_retried_at_once(ns, make_pool):
     pool = make_pool(8)
     fast, slow = ScriptedTier("fast", ns, pool), ScriptedTier("slow", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(fast), SecondaryTier(slow)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(fast), TierBinding(slow)])
     keys = keys_for(ns, 2)
     for tier in (fast, slow):
         tier.stored = {k: b"x" * 64 for k in keys}
@@ -143,7 +143,7 @@ class InstantTier(Tier):
 
 
 def _replay_hit_ratio(pool: HostPool, tiers: list[Tier], ns: Namespace) -> tuple[float, int]:
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(t) for t in tiers])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(t) for t in tiers])
     replayer = Replayer(cache, pool, ns, pending_timeout_s=5)
     result = replayer.run(read_trace(bundled_trace_path(), 400))
     cache.close()
@@ -171,7 +171,7 @@ def test_a_stuck_write_is_given_up_but_its_pinned_slots_are_never_reused(ns, mak
     pool = make_pool(4)
     tier = ScriptedTier("stuck", ns, pool)
     cache = TieredCache(
-        pool, LRUPolicy(), [SecondaryTier(tier)], job_timeout_s=5, clock=lambda: now[0]
+        pool, LRUPolicy(), [TierBinding(tier)], job_timeout_s=5, clock=lambda: now[0]
     )
     a = keys_for(ns, 2, seed=1)
     store(cache, a)  # the write-through job never returns (until released below)
@@ -204,7 +204,7 @@ def test_a_stuck_write_on_evict_holds_its_slots_until_the_tier_returns(ns, make_
     cache = TieredCache(
         pool,
         LRUPolicy(),
-        [SecondaryTier(tier, WriteMode.ON_EVICT)],
+        [TierBinding(tier, WriteMode.ON_EVICT)],
         job_timeout_s=5,
         clock=lambda: now[0],
     )
@@ -235,7 +235,7 @@ def test_close_returns_within_its_bound_whatever_the_tiers_do(ns, make_pool, cap
     """Before: a tier whose close() hangs hung close() for good."""
     pool = make_pool(4)
     hanging = [HangingCloseTier(f"nfs{i}", ns, pool) for i in range(2)]
-    cache = TieredCache(pool, LRUPolicy(), [SecondaryTier(t) for t in hanging], job_timeout_s=0.5)
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(t) for t in hanging], job_timeout_s=0.5)
     store(cache, keys_for(ns, 2))
     closer = threading.Thread(target=cache.close, daemon=True)
     t0 = time.monotonic()
@@ -273,7 +273,7 @@ def test_write_back_to_a_tier_rejecting_every_copy_does_not_spin(ns, make_pool, 
     cache = TieredCache(
         pool,
         LRUPolicy(),
-        [SecondaryTier(tier, WriteMode.ON_EVICT)],
+        [TierBinding(tier, WriteMode.ON_EVICT)],
         job_timeout_s=1.0,
         writeback_window=8,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from core.conftest import keys_for
 from core.scripted_tier import ScriptedTier
-from kvtier.manager import SecondaryTier, TieredCache
+from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.tiers.base import WriteMode
 
@@ -21,7 +21,7 @@ def test_origins_name_the_promoting_tier_until_the_block_leaves_the_pool(ns, mak
     cache = TieredCache(
         pool,
         LRUPolicy(),
-        [SecondaryTier(fast, WriteMode.THROUGH), SecondaryTier(slow, WriteMode.THROUGH)],
+        [TierBinding(fast, WriteMode.THROUGH), TierBinding(slow, WriteMode.THROUGH)],
     )
     a, b = keys_for(ns, 2), keys_for(ns, 2, seed=5)
     _store(cache, a)

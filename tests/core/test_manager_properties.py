@@ -10,7 +10,7 @@ from support.blocks import payload_for
 from core.scripted_tier import ScriptedTier
 from kvtier.events import POOL_TIER, EventKind
 from kvtier.keys import Namespace, chain_keys
-from kvtier.manager import SecondaryTier, TieredCache
+from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import EvictionKind, make_policy
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobKind, WriteMode
@@ -35,7 +35,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def start(self, policy: EvictionKind, mode: WriteMode | None) -> None:
         self.pool = HostPool.create(SLOTS, SLOT_BYTES)
         self.tier = ScriptedTier("tier", NS, self.pool)
-        secondary = [SecondaryTier(self.tier, mode)] if mode is not None else []
+        secondary = [TierBinding(self.tier, mode)] if mode is not None else []
         self.cache = TieredCache(self.pool, make_policy(policy, SLOTS), secondary)
         self.visible: set[bytes] = set()
         self.reserved: list[tuple[list[bytes], list[int]]] = []

@@ -11,7 +11,7 @@ from support.redis_servers import RedisServer
 from support.redis_tier import make_tier
 
 from kvtier.keys import Namespace, chain_keys
-from kvtier.manager import SecondaryTier, TieredCache
+from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.tiers.base import WriteMode
@@ -45,8 +45,8 @@ def test_second_engine_reuses_the_first_engines_prefix(
 ) -> None:
     tier_a = make_tier(pool, namespace, name="shared", url=server.url())
     tier_b = make_tier(pool_b, namespace, name="shared", url=server.url())
-    engine_a = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier_a, mode)])
-    engine_b = TieredCache(pool_b, LRUPolicy(), [SecondaryTier(tier_b, mode)])
+    engine_a = TieredCache(pool, LRUPolicy(), [TierBinding(tier_a, mode)])
+    engine_b = TieredCache(pool_b, LRUPolicy(), [TierBinding(tier_b, mode)])
     try:
         prompt = list(range(1000, 1000 + 16 * 12))
         keys = chain_keys(namespace, prompt)
@@ -88,7 +88,7 @@ def test_engine_goes_on_without_a_dead_redis(
     server: RedisServer, pool: HostPool, namespace: Namespace
 ) -> None:
     tier = make_tier(pool, namespace, url=server.url(), timeout_s=0.5)
-    engine = TieredCache(pool, LRUPolicy(), [SecondaryTier(tier)])
+    engine = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
     try:
         server.kill()
         keys = chain_keys(namespace, list(range(16 * 4)))

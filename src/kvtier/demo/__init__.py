@@ -34,7 +34,7 @@ The workload, derived from the bundled trace
     end the last ones would otherwise send their turns back to back). Between two turns of a
     conversation the others send thousands of tokens, more than vLLM's deliberately small KV
     cache holds: its own prefix cache has evicted the conversation, and the reuse has to come
-    from kvtier. :func:`simulate` predicts the shares from an LRU model of each cache.
+    from kvtier. :func:`predict_shares` predicts the shares from an LRU model of each cache.
 
 The run
     The identical request sequence runs four times, each in a fresh engine warmed up with
@@ -370,7 +370,9 @@ class _BlockIds:
         return len(self._ids)
 
 
-def simulate(prompts: Sequence[Sequence[int]], engine_blocks: int, pool_blocks: int) -> Shares:
+def predict_shares(
+    prompts: Sequence[Sequence[int]], engine_blocks: int, pool_blocks: int
+) -> Shares:
     """Replay the prompts through an LRU model of vLLM's prefix cache, the host pool and an
     unbounded fs tier, each request alone, as the demo sends them.
 

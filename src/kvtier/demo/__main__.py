@@ -25,8 +25,8 @@ from kvtier.demo import (
     build_workload,
     engine_blocks_for,
     kvtier_config,
+    predict_shares,
     prepare_env,
-    simulate,
     unbounded_engine_blocks,
     write_model,
 )
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine_blocks = engine_blocks_for(workload)
     all_blocks = unbounded_engine_blocks(workload)
-    expected = simulate(workload.prompts, engine_blocks, args.pool_blocks)
+    expected = predict_shares(workload.prompts, engine_blocks, args.pool_blocks)
     model = write_model(workdir / "model", size)
     print(
         f"model     Llama, hidden {size.hidden_size}, {size.num_hidden_layers} layers, "
