@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support import require
 
-from kvtier.demo import MODELS, build_workload, engine_blocks_for, simulate
+from kvtier.demo import MODELS, build_workload, engine_blocks_for, predict_shares
 
 pytestmark = [
     pytest.mark.e2e,
@@ -67,7 +67,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     # find the pool full of blocks pinned by those writes and give up (kvtier never waits):
     # the measured share may fall short of the model, here by a few blocks, not by half.
     workload = build_workload(12, 3, vocab=MODELS["tiny"].vocab_size)
-    expected = simulate(workload.prompts, engine_blocks_for(workload), 96)
+    expected = predict_shares(workload.prompts, engine_blocks_for(workload), 96)
     tokens = result["tokens"]
     assert tokens["prompt"] == workload.prompt_tokens
     share = tokens["loaded_from_kvtier"] / tokens["prompt"]
