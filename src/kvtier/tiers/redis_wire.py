@@ -39,6 +39,8 @@ _IOV_MAX = 512
 """Buffers per sendmsg call (Linux allows 1024)."""
 MAX_ARRAY = 1024
 """Entries of an array reply (CONFIG GET answers a few)."""
+INFO_MAX_BYTES = 256 * 1024
+"""Largest INFO or CONFIG reply read (INFO server is ~2 KiB)."""
 _MAX_DEPTH = 2
 
 
@@ -317,6 +319,24 @@ def _integer(line: bytes) -> int:
     if not 0 < len(digits) <= 20 or not unsigned.isdigit():
         raise ProtocolError(f"bad number in reply {line[:40]!r}")
     return int(digits)
+
+
+def ask(lane: Lane, client: Any, commands: Sequence[tuple[bytes, ...]], max_bulk: int) -> list[Any]:
+    """``commands`` in one round trip on ``lane``, their replies (errors as ``ResponseError``
+    values, bulk replies up to ``max_bulk`` bytes), within the command deadline of the caller.
+    Like a batch, it runs once more on a fresh connection when a kept one was closed while idle
+    (the tier sends only idempotent commands this way)."""
+    data = b"".join(command(*args) for args in commands)
+    for attempt in (1, 2):
+        try:
+            with lane.on(client) as wire:
+                wire.send([data])
+                return [wire.reply(max_bulk) for _ in commands]
+        except RedisConnectionError:
+            deadline = redis_deadline.current()
+            if attempt == 2 or not lane.reused or (deadline is not None and deadline.fired):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def command(*args: bytes) -> bytes:
