@@ -1,8 +1,9 @@
 """The fs tier with I/O that does not return (a hung NFS server): stuck threads are bounded and
 observable, other work fails fast instead of queueing behind them, close() returns in time.
 
-The hang is injected where the tier's threads move block bytes (``_read_exact``/``_write_all``),
-as a wait on an event the test releases at the end: Python cannot interrupt a real stuck read."""
+The hang is injected where the tier's threads move block bytes (``fs_files.read_exact`` and
+``write_all``), as a wait on an event the test releases at the end: Python cannot interrupt a real
+stuck read."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from support.blocks import fill, make_keys
 from support.drivers import Driver
 
-from kvtier.tiers import fs as fs_module
+from kvtier.tiers import fs_files
 from kvtier.tiers.base import JobKind
 from tiers.fs_helpers import MakeTier
 
@@ -25,13 +26,13 @@ TIMEOUT_S = 0.3
 def hang(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """While the event is clear, every block read hangs; set at the end so threads come back."""
     release = threading.Event()
-    real = fs_module._read_exact
+    real = fs_files.read_exact
 
     def stuck_read(fd: int, buffers: list[memoryview]) -> bool:
         release.wait(60)
         return real(fd, buffers)
 
-    monkeypatch.setattr(fs_module, "_read_exact", stuck_read)
+    monkeypatch.setattr(fs_files, "read_exact", stuck_read)
     yield release
     release.set()
 
@@ -87,7 +88,7 @@ def test_one_stuck_thread_leaves_the_others_working(
 ) -> None:
     drive, keys = _stored(make_fs, 4)
     release = threading.Event()
-    real = fs_module._read_exact
+    real = fs_files.read_exact
     victim = threading.Event()
 
     def first_read_hangs(fd: int, buffers: list[memoryview]) -> bool:
@@ -96,7 +97,7 @@ def test_one_stuck_thread_leaves_the_others_working(
             release.wait(60)
         return real(fd, buffers)
 
-    monkeypatch.setattr(fs_module, "_read_exact", first_read_hangs)
+    monkeypatch.setattr(fs_files, "read_exact", first_read_hangs)
     try:
         stuck = drive.submit(JobKind.READ, [keys[0]], [10])
         assert victim.wait(5)

@@ -4,6 +4,8 @@ import errno
 import os
 import random
 import shutil
+import stat
+import struct
 import subprocess
 import threading
 import time
@@ -11,14 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 from support.blocks import fill, make_key, make_keys, payload_for, poison
 from support.drivers import Driver
 
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers import fs as fs_module
-from kvtier.tiers import tier_class
+from kvtier.tiers import fs_files, tier_class
 from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
 from kvtier.tiers.fs import FsTier, Options
 from kvtier.tiers.payload import HEADER_BYTES
@@ -79,7 +81,7 @@ class DiskMeter:
     def __init__(self, tier: FsTier, monkeypatch: pytest.MonkeyPatch) -> None:
         self.lock = threading.Lock()
         self.bytes = self.peak = disk_bytes(tier)
-        write_all, unlink = fs_module._write_all, fs_module._unlink
+        write_all, unlink = fs_files.write_all, fs_files.unlink
 
         def counted_write(fd: int, buffers: list[memoryview]) -> None:
             self.add(sum(b.nbytes for b in buffers))
@@ -96,8 +98,8 @@ class DiskMeter:
                     self.bytes -= size
             return gone
 
-        monkeypatch.setattr(fs_module, "_write_all", counted_write)
-        monkeypatch.setattr(fs_module, "_unlink", counted_unlink)
+        monkeypatch.setattr(fs_files, "write_all", counted_write)
+        monkeypatch.setattr(fs_files, "unlink", counted_unlink)
 
     def add(self, n: int) -> None:
         with self.lock:
@@ -219,6 +221,33 @@ def test_restart_finds_every_block(make_tier: MakeTier) -> None:
     assert second.counters.corrupt == 0
 
 
+def test_block_files_keep_their_format(
+    make_tier: MakeTier, store_dir: Path, namespace: Namespace
+) -> None:
+    """The on-disk format, spelled out here rather than taken from kvtier: a file laid out by
+    hand is read, and a file the tier writes is byte for byte that layout, so stores written by
+    earlier versions stay readable."""
+    old, new = make_keys(2)
+
+    def laid_out(key: bytes) -> bytes:
+        payload = payload_for(key, SLOT_BYTES)
+        digest = xxhash.xxh3_128_digest(payload)
+        head = struct.pack(
+            "<4sHH16s16sQ16s", b"KVTB", 1, 0, namespace.digest, key, SLOT_BYTES, digest
+        )
+        return head + payload
+
+    shard = store_dir / namespace.hex / old.hex()[:2]
+    shard.mkdir(parents=True)
+    (shard / f"{old.hex()}.kvb").write_bytes(laid_out(old))
+    tier = make_tier()
+    drive = Driver(tier)
+    assert drive.load_exact(old)
+    assert drive.store(new)
+    assert block_file(tier, new).read_bytes() == laid_out(new)
+    assert stat.S_IMODE(block_file(tier, new).stat().st_mode) == 0o600
+
+
 def test_restart_over_capacity_keeps_the_newest(make_tier: MakeTier) -> None:
     first = make_tier()
     keys = make_keys(6)
@@ -242,7 +271,7 @@ def test_temp_files_cleaned_at_start(make_tier: MakeTier) -> None:
     assert Driver(tier).store(key)
     tier.close()
     shard = block_file(tier, key).parent
-    host = fs_module._host_tag()
+    host = fs_files.host_tag()
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale_own = shard / f"{key.hex()}.{host}.{dead.pid}.0.tmp"
@@ -251,7 +280,7 @@ def test_temp_files_cleaned_at_start(make_tier: MakeTier) -> None:
     live_peer = shard / f"{key.hex()}.0badc0de.12345.7.tmp"
     for path in (stale_own, stale_old, live_own, live_peer):
         path.write_bytes(b"partial")
-    old = time.time() - fs_module.STALE_TMP_S - 60
+    old = time.time() - fs_files.STALE_TMP_S - 60
     os.utime(stale_old, (old, old))
 
     again = make_tier()
@@ -348,14 +377,14 @@ def test_short_read_is_corrupt(make_tier: MakeTier, monkeypatch: pytest.MonkeyPa
     drive = Driver(tier)
     key = make_key(0)
     assert drive.store(key)
-    real = fs_module._read_exact
+    real = fs_files.read_exact
     path = block_file(tier, key)
 
     def shrinking(fd: int, buffers: list[memoryview]) -> bool:
         os.truncate(path, 100)
         return real(fd, buffers)
 
-    monkeypatch.setattr(fs_module, "_read_exact", shrinking)
+    monkeypatch.setattr(fs_files, "read_exact", shrinking)
     assert drive.load_exact(key) is False
     assert tier.counters.corrupt == 1
 
@@ -482,14 +511,14 @@ def test_blocks_in_flight_are_not_evicted(
 
     release = threading.Event()
     reading = threading.Event()
-    real = fs_module._read_exact
+    real = fs_files.read_exact
 
     def slow_read(fd: int, buffers: list[memoryview]) -> bool:
         reading.set()
         assert release.wait(10)
         return real(fd, buffers)
 
-    monkeypatch.setattr(fs_module, "_read_exact", slow_read)
+    monkeypatch.setattr(fs_files, "read_exact", slow_read)
     poison(pool, 30)
     read_a = drive.submit(JobKind.READ, [a], [30])
     assert reading.wait(10)
@@ -510,13 +539,13 @@ def test_all_pinned_means_rejected(
     a, b = make_keys(2)
     assert drive.store(a)
     release = threading.Event()
-    real = fs_module._read_exact
+    real = fs_files.read_exact
 
     def slow_read(fd: int, buffers: list[memoryview]) -> bool:
         assert release.wait(10)
         return real(fd, buffers)
 
-    monkeypatch.setattr(fs_module, "_read_exact", slow_read)
+    monkeypatch.setattr(fs_files, "read_exact", slow_read)
     read_a = drive.submit(JobKind.READ, [a], [30])
     assert drive.store(b) is False
     assert tier.counters.rejected == 1
@@ -533,14 +562,14 @@ def test_key_invisible_until_renamed(
     key = make_key(0)
     writing = threading.Event()
     release = threading.Event()
-    real = fs_module._write_all
+    real = fs_files.write_all
 
     def slow_write(fd: int, buffers: list[memoryview]) -> None:
         real(fd, buffers)
         writing.set()
         assert release.wait(10)
 
-    monkeypatch.setattr(fs_module, "_write_all", slow_write)
+    monkeypatch.setattr(fs_files, "write_all", slow_write)
     fill(pool, 0, key)
     job = drive.submit(JobKind.WRITE, [key], [0])
     assert writing.wait(10)
@@ -565,7 +594,7 @@ def test_disk_full_evicts_and_retries_once(
     drive = Driver(tier)
     old_key, new_key = make_keys(2)
     assert drive.store(old_key)
-    real = fs_module._write_all
+    real = fs_files.write_all
     calls = []
 
     def full_once(fd: int, buffers: list[memoryview]) -> None:
@@ -575,7 +604,7 @@ def test_disk_full_evicts_and_retries_once(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, buffers)
 
-    monkeypatch.setattr(fs_module, "_write_all", full_once)
+    monkeypatch.setattr(fs_files, "write_all", full_once)
     assert drive.store(new_key)  # ...removed; the least recent block makes room; retried
     assert len(calls) == 2 and tier.counters.errors == 0 and tier.counters.evictions == 1
     assert tier.lookup([old_key, new_key]) == [False, True]
@@ -596,7 +625,7 @@ def test_disk_full_for_good_fails_the_write_only(
         os.write(fd, bytes(buffers[0][:10]))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(fs_module, "_write_all", full)
+    monkeypatch.setattr(fs_files, "write_all", full)
     assert drive.store(keys[1]) is False  # neither submit nor poll raise
     assert tier.counters.errors == 1 and tier.counters.evictions == 1  # tried to make room
     assert files(tier) == [] and tier.used_bytes == 0
@@ -647,7 +676,7 @@ def test_read_io_error_is_a_miss_and_keeps_the_block(
     def eio(fd: int, buffers: list[memoryview]) -> bool:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(fs_module, "_read_exact", eio)
+    monkeypatch.setattr(fs_files, "read_exact", eio)
     assert drive.load_exact(key) is False
     assert tier.counters.errors == 1 and tier.counters.corrupt == 0
     monkeypatch.undo()
@@ -663,6 +692,11 @@ def test_unwritable_path_is_a_config_error(
         FsTier("disk", namespace, pool, Options(str(regular / "kv"), 10**6))
     assert err.value.field == "fs.path"
     assert "writable directory" in str(err.value)
+    # The I/O threads started for the tier are stopped again, not left idle for the process.
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("kvtier-disk") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.01)
 
 
 # -- names and namespaces -------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import logging
 import operator
 import threading
 from abc import abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -215,6 +215,11 @@ class BlockTier(Tier):
         abandoned = self._close_jobs()
         self._close_storage(abandoned)
 
+    @property
+    def stuck_threads(self) -> int:
+        """I/O threads busy on one block for longer than ``stuck_after_s`` (0 without threads)."""
+        return 0 if self._workers is None else self._workers.stuck
+
     # -- hooks ----------------------------------------------------------------------------------
 
     def _draw_faults(self, job: TierJob) -> list[Fault] | None:
@@ -239,6 +244,14 @@ class BlockTier(Tier):
             started += 1
         if started == 0:
             self._fail_rest(state)
+
+    def _run_on_worker(self, run: Callable[[], None], fail: Callable[[], None], label: str) -> bool:
+        """Queue a task of the tier's own (a rescan, say) on its I/O threads; False (nothing
+        queued) when the tier has no threads, is closed or every thread is stuck. ``fail`` runs
+        instead of ``run`` when the task expires in the queue or the tier closes first."""
+        if self._workers is None or self._closed:
+            return False
+        return self._workers.submit(run, fail, label)
 
     def _close_jobs(self) -> bool:
         """Finish or fail queued jobs; True when some block was abandoned on a stuck thread."""
