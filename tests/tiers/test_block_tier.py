@@ -204,6 +204,8 @@ def test_every_thread_stuck_fails_new_jobs_at_once_and_close_returns(pool: HostP
     pool.view(0)[:] = payload(key(1))
     tier.submit(TierJob(1, JobKind.WRITE, [key(1)], [0]))
     time.sleep(0.3)
+    assert tier.stuck_threads == 1
+    assert not tier._run_on_worker(lambda: None, lambda: None, "own task")  # nobody to take it
     started = time.monotonic()
     assert run(tier, JobKind.WRITE, [key(2)], [1]) == [False]  # refused, not queued
     assert time.monotonic() - started < 0.2
@@ -223,3 +225,22 @@ def test_closed_tier_fails_jobs_without_touching_storage(pool: HostPool) -> None
     tier.close()
     assert store(tier, pool, [key(1)]) == [False]
     assert tier.blocks == {}
+
+
+def test_a_tiers_own_tasks_run_on_its_threads(pool: HostPool) -> None:
+    inline = DictStorage(pool)
+    assert not inline._run_on_worker(lambda: None, lambda: None, "own task")
+    assert inline.stuck_threads == 0
+    tier = DictStorage(pool, threads=2)
+    ran_on: list[str] = []
+    done = threading.Event()
+
+    def task() -> None:
+        ran_on.append(threading.current_thread().name)
+        done.set()
+
+    assert tier._run_on_worker(task, lambda: None, "own task")
+    assert done.wait(5) and ran_on[0].startswith("kvtier-dict-")
+    assert tier.stuck_threads == 0
+    tier.close()
+    assert not tier._run_on_worker(task, lambda: None, "after close") and len(ran_on) == 1
