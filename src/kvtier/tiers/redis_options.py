@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from kvtier.errors import ConfigError
 from kvtier.validation import Section
@@ -97,104 +97,24 @@ class Options:
 
     @classmethod
     def parse(cls, section: Section) -> Options:
+        # Keys are read in one fixed order, so the first bad one is the one reported.
         path = section.path or "redis"
         defaults = cls()
 
         def where(key: str) -> str:
             return f"{path}.{key}"
 
-        url = section.string("url", defaults.url)
-        if _CONTROL.search(url):
-            raise ConfigError(where("url"), masked_url(url), "a URL without control characters")
-        try:
-            # urlsplit checks brackets ("[::1"); port and hostname are parsed when first read.
-            parts = urlsplit(url)
-            port, hostname = parts.port, parts.hostname
-        except ValueError as exc:
-            raise ConfigError(where("url"), masked_url(url), f"a valid URL ({exc})") from exc
-        if parts.scheme not in SCHEMES:
-            raise ConfigError(where("url"), masked_url(url), "a redis://, rediss:// or unix:// URL")
-        if parts.scheme != "unix" and not hostname:
-            raise ConfigError(where("url"), masked_url(url), "a URL with a host name")
-        if port is not None and not 1 <= port <= 65535:
-            raise ConfigError(where("url"), masked_url(url), "a port in 1..65535")
-        cluster = section.boolean("cluster", False)
-        if cluster and parts.scheme == "unix":
-            raise ConfigError(
-                where("url"), masked_url(url), "redis:// or rediss:// in cluster mode"
-            )
-        if cluster and parts.path not in ("", "/", "/0"):
-            raise ConfigError(where("url"), masked_url(url), "database 0 in cluster mode")
-
-        username = section.optional_string("username")
-        raw_password = section.data.get("password")
-        if raw_password is not None and not isinstance(raw_password, str):
-            # Not section.optional_string: its error would print the value.
-            raise ConfigError(where("password"), "***", "a string")
-        password = section.optional_string("password")
-        password_env = section.optional_string("password_env")
-        if password is not None and password_env is not None:
-            raise ConfigError(
-                where("password_env"), password_env, "either password or password_env"
-            )
-        if password_env is not None:
-            password = os.environ.get(password_env)
-            if password is None:
-                raise ConfigError(
-                    where("password_env"), password_env, "the name of a set environment variable"
-                )
-        if password is not None and parts.password is not None:
-            raise ConfigError(
-                where("password"),
-                "***",
-                "no password key when the URL holds one (give it in one place)",
-            )
-        if username is not None and parts.username:
-            raise ConfigError(
-                where("username"),
-                username,
-                "no username key when the URL holds one (give it in one place)",
-            )
-
-        ttl_s = None
-        if section.has("ttl_s") and section.data["ttl_s"] is not None:
-            ttl_s = section.number("ttl_s", minimum=0.001, maximum=MAX_TTL_S)
-        else:
-            section.optional_string("ttl_s")  # marks the (null) key as read
-        io_threads = section.integer("io_threads", defaults.io_threads, minimum=1, maximum=64)
-        max_connections = section.integer("max_connections", 0, minimum=0, maximum=10_000)
-        if max_connections and max_connections < io_threads + 2:
-            raise ConfigError(
-                where("max_connections"),
-                max_connections,
-                f"0 (automatic) or at least io_threads + 2 = {io_threads + 2}",
-            )
+        url, parts, cluster = _parse_url(section, where, defaults.url)
+        username, password = _parse_credentials(section, where, parts)
+        ttl_s = _parse_ttl(section)
+        io_threads, max_connections = _parse_threads(section, where, defaults.io_threads)
         key_prefix = section.string("key_prefix", defaults.key_prefix)
         if not _PREFIX.match(key_prefix):
             raise ConfigError(
                 where("key_prefix"), key_prefix, "1-64 of letters, digits, '_', '.', ':', '-'"
             )
-        tls_ca_file = _existing_file(section, "tls_ca_file", where)
-        tls_cert_file = _existing_file(section, "tls_cert_file", where)
-        tls_key_file = _existing_file(section, "tls_key_file", where)
-        tls_verify = section.boolean("tls_verify", True)
-        uses_tls = tls_ca_file or tls_cert_file or tls_key_file or not tls_verify
-        if uses_tls and parts.scheme != "rediss":
-            raise ConfigError(where("url"), masked_url(url), "a rediss:// URL when tls_* is set")
-        if (tls_cert_file is None) != (tls_key_file is None):
-            raise ConfigError(
-                where("tls_key_file"), tls_key_file, "set together with tls_cert_file"
-            )
-        reconnect_initial_s = section.number(
-            "reconnect_initial_s", defaults.reconnect_initial_s, minimum=0.001, maximum=60.0
-        )
-        reconnect_max_s = section.number(
-            "reconnect_max_s", defaults.reconnect_max_s, minimum=0.001, maximum=3600.0
-        )
-        if reconnect_max_s < reconnect_initial_s:
-            raise ConfigError(
-                where("reconnect_max_s"), reconnect_max_s, "at least reconnect_initial_s"
-            )
+        tls = _parse_tls(section, where, url, parts.scheme)
+        reconnect_initial_s, reconnect_max_s = _parse_reconnect(section, where, defaults)
         options = cls(
             url=url,
             username=username,
@@ -214,10 +134,10 @@ class Options:
             presence_entries=section.integer(
                 "presence_entries", defaults.presence_entries, minimum=1, maximum=100_000_000
             ),
-            tls_ca_file=tls_ca_file,
-            tls_cert_file=tls_cert_file,
-            tls_key_file=tls_key_file,
-            tls_verify=tls_verify,
+            tls_ca_file=tls.ca_file,
+            tls_cert_file=tls.cert_file,
+            tls_key_file=tls.key_file,
+            tls_verify=tls.verify,
             health_interval_s=section.number(
                 "health_interval_s", defaults.health_interval_s, minimum=0.01, maximum=3600.0
             ),
@@ -234,7 +154,126 @@ class Options:
         return None if self.ttl_s is None else max(1, math.ceil(self.ttl_s * 1000))
 
 
-def _existing_file(section: Section, key: str, where: Callable[[str], str]) -> str | None:
+Where = Callable[[str], str]
+"""A key's full config path (``tiers[1].url``), for errors."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Tls:
+    ca_file: str | None
+    cert_file: str | None
+    key_file: str | None
+    verify: bool
+
+
+def _parse_url(section: Section, where: Where, default: str) -> tuple[str, SplitResult, bool]:
+    """``url`` (checked, never shown with its password) and ``cluster``, which limits it."""
+    url = section.string("url", default)
+    if _CONTROL.search(url):
+        raise ConfigError(where("url"), masked_url(url), "a URL without control characters")
+    try:
+        # urlsplit checks brackets ("[::1"); port and hostname are parsed when first read.
+        parts = urlsplit(url)
+        port, hostname = parts.port, parts.hostname
+    except ValueError as exc:
+        raise ConfigError(where("url"), masked_url(url), f"a valid URL ({exc})") from exc
+    if parts.scheme not in SCHEMES:
+        raise ConfigError(where("url"), masked_url(url), "a redis://, rediss:// or unix:// URL")
+    if parts.scheme != "unix" and not hostname:
+        raise ConfigError(where("url"), masked_url(url), "a URL with a host name")
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(where("url"), masked_url(url), "a port in 1..65535")
+    cluster = section.boolean("cluster", False)
+    if cluster and parts.scheme == "unix":
+        raise ConfigError(where("url"), masked_url(url), "redis:// or rediss:// in cluster mode")
+    if cluster and parts.path not in ("", "/", "/0"):
+        raise ConfigError(where("url"), masked_url(url), "database 0 in cluster mode")
+    return url, parts, cluster
+
+
+def _parse_credentials(
+    section: Section, where: Where, parts: SplitResult
+) -> tuple[str | None, str | None]:
+    """``username`` and the password (``password`` or ``password_env``), each given in one
+    place only (the key or the URL)."""
+    username = section.optional_string("username")
+    raw_password = section.data.get("password")
+    if raw_password is not None and not isinstance(raw_password, str):
+        # Not section.optional_string: its error would print the value.
+        raise ConfigError(where("password"), "***", "a string")
+    password = section.optional_string("password")
+    password_env = section.optional_string("password_env")
+    if password is not None and password_env is not None:
+        raise ConfigError(where("password_env"), password_env, "either password or password_env")
+    if password_env is not None:
+        password = os.environ.get(password_env)
+        if password is None:
+            raise ConfigError(
+                where("password_env"), password_env, "the name of a set environment variable"
+            )
+    if password is not None and parts.password is not None:
+        raise ConfigError(
+            where("password"),
+            "***",
+            "no password key when the URL holds one (give it in one place)",
+        )
+    if username is not None and parts.username:
+        raise ConfigError(
+            where("username"),
+            username,
+            "no username key when the URL holds one (give it in one place)",
+        )
+    return username, password
+
+
+def _parse_ttl(section: Section) -> float | None:
+    if section.has("ttl_s") and section.data["ttl_s"] is not None:
+        return section.number("ttl_s", minimum=0.001, maximum=MAX_TTL_S)
+    section.optional_string("ttl_s")  # marks the (null) key as read
+    return None
+
+
+def _parse_threads(section: Section, where: Where, default: int) -> tuple[int, int]:
+    """``io_threads`` and ``max_connections`` (room for every thread's connection)."""
+    io_threads = section.integer("io_threads", default, minimum=1, maximum=64)
+    max_connections = section.integer("max_connections", 0, minimum=0, maximum=10_000)
+    if max_connections and max_connections < io_threads + 2:
+        raise ConfigError(
+            where("max_connections"),
+            max_connections,
+            f"0 (automatic) or at least io_threads + 2 = {io_threads + 2}",
+        )
+    return io_threads, max_connections
+
+
+def _parse_tls(section: Section, where: Where, url: str, scheme: str) -> _Tls:
+    tls = _Tls(
+        _existing_file(section, "tls_ca_file", where),
+        _existing_file(section, "tls_cert_file", where),
+        _existing_file(section, "tls_key_file", where),
+        section.boolean("tls_verify", True),
+    )
+    uses_tls = tls.ca_file or tls.cert_file or tls.key_file or not tls.verify
+    if uses_tls and scheme != "rediss":
+        raise ConfigError(where("url"), masked_url(url), "a rediss:// URL when tls_* is set")
+    if (tls.cert_file is None) != (tls.key_file is None):
+        raise ConfigError(where("tls_key_file"), tls.key_file, "set together with tls_cert_file")
+    return tls
+
+
+def _parse_reconnect(section: Section, where: Where, defaults: Options) -> tuple[float, float]:
+    initial = section.number(
+        "reconnect_initial_s", defaults.reconnect_initial_s, minimum=0.001, maximum=60.0
+    )
+    most = section.number(
+        "reconnect_max_s", defaults.reconnect_max_s, minimum=0.001, maximum=3600.0
+    )
+    if most < initial:
+        raise ConfigError(where("reconnect_max_s"), most, "at least reconnect_initial_s")
+    return initial, most
+
+
+def _existing_file(section: Section, key: str, where: Where) -> str | None:
     value = section.optional_file_path(key)
     if value is not None and not os.path.isfile(value):
         raise ConfigError(where(key), value, "a readable file")
