@@ -176,7 +176,11 @@ class BlockTier(Tier):
         except Exception:  # the contract: never raise into the engine's thread
             log.exception("tier %s: lookup failed", self.name)
             out = [False] * len(keys)
-        self._count(lookups=len(out), lookup_hits=sum(1 for hit in out if hit))
+        hits = out.count(True)  # answers are True, False or None
+        counters = self.counters
+        with self._lock:  # counted inline: lookups are the manager's hot path
+            counters.lookups += len(out)
+            counters.lookup_hits += hits
         return out
 
     def submit(self, job: TierJob) -> None:
