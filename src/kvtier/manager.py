@@ -18,13 +18,14 @@ failures become misses or failed jobs, never exceptions into the caller.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import replace
 
+from kvtier import invariants
+from kvtier.cache_records import LookupResult, OpenTierJob, StoreReservation, TierBinding
+from kvtier.closing import close_tiers
+from kvtier.event_log import MAX_EVENTS, EventLog
 from kvtier.events import POOL_TIER, CacheEvent, EventKind
 from kvtier.keys import BlockKey
 from kvtier.metrics import CacheCounters, CacheStats
@@ -32,57 +33,16 @@ from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
+from kvtier.retry import Backoff, FailedPromotions
 from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
+
+__all__ = ["MAX_EVENTS", "LookupResult", "StoreReservation", "TierBinding", "TieredCache"]
 
 log = logging.getLogger(__name__)
 
-# A key whose promotion from a tier failed is not promoted from that tier again for this long: a
-# tier that keeps claiming a block it cannot deliver must not defer a request forever. Other tiers
-# holding the key are still tried (a flaky fast tier must not hide a good slow one).
-PROMOTION_RETRY_S = 30.0
-MAX_FAILED_PROMOTIONS = 100_000
-MAX_EVENTS = 65_536
-"""Events kept for ``take_events()``; older ones are dropped (counted in ``events_dropped``) so
-that nobody consuming them costs memory without bound (about 210 bytes per event)."""
 WRITEBACK_RETRY_MIN_S = 0.05
 """First pause of write-back after a failed copy to a write-on-evict tier; it doubles per failure
 up to ``job_timeout_s`` (a tier that rejects every copy at once must not be retried every step)."""
-
-
-class LookupResult(NamedTuple):
-    hits: int
-    """Leading keys available in the pool now."""
-    final: bool
-    """False: blocks are being promoted or loaded; call ``step()`` and ask again."""
-
-
-class StoreReservation(NamedTuple):
-    keys: list[BlockKey]
-    """The keys to write (not yet present, admitted, with a slot), in request order."""
-    slots: list[int]
-
-
-@dataclass(slots=True)
-class TierBinding:
-    """A secondary tier as the cache uses it: the tier and when blocks are written to it."""
-
-    tier: Tier
-    write_mode: WriteMode = WriteMode.THROUGH
-
-
-@dataclass(slots=True)
-class _OpenTierJob:
-    """A tier job (a promotion's read or a cascade's write) submitted and not yet finished."""
-
-    tier_index: int
-    kind: JobKind
-    keys: list[BlockKey]
-    slots: list[int]
-    deadline: float
-    holds_slots: bool = False
-    """The job owns its slots (write-on-evict copies of evicted keys, abandoned promotions):
-    they are freed when the job ends, not before."""
-    abandoned: bool = False
 
 
 class TieredCache:
@@ -127,15 +87,13 @@ class TieredCache:
         self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
         self._dirty: set[BlockKey] = set()
         """Visible keys not yet copied to the write-on-evict tiers (empty without such tiers)."""
-        self._jobs: dict[tuple[int, int], _OpenTierJob] = {}
+        self._jobs: dict[tuple[int, int], OpenTierJob] = {}
         self._next_job_id = 0
-        self._failed_promotions: OrderedDict[tuple[int, BlockKey], float] = OrderedDict()
-        """(tier index, key) whose promotion from that tier failed -> until when not to retry."""
-        self._events: deque[CacheEvent] = deque(maxlen=max_events)
+        self._failed_promotions = FailedPromotions()
+        self._events = EventLog(max_events)
         self._late = [False] * len(self._secondary)
         """Per tier: a job of it timed out and none has ended in time since (warned once)."""
-        self._writeback_delay = 0.0
-        self._writeback_paused_until = 0.0
+        self._writeback_pause = Backoff(WRITEBACK_RETRY_MIN_S, job_timeout_s)
         self._counters = CacheCounters()
         self._promoted = {t.name: 0 for t in self._tiers}
         self._origin: dict[BlockKey, int] = {}
@@ -289,7 +247,7 @@ class TieredCache:
             self._counters.store_failed += len(failed_slots)
         self._counters.stored_blocks += len(stored)
         if self._record and stored:
-            self._add_events(EventKind.STORED, stored, POOL_TIER)
+            self._events.add(EventKind.STORED, stored, POOL_TIER)
         if stored and self._through:
             for tier_index in self._through:
                 self._submit_write(tier_index, stored)
@@ -321,10 +279,10 @@ class TieredCache:
                     self._finish_job(job, result.ok)
                     ended += 1
             if evicted and self._record:
-                self._add_events(EventKind.EVICTED, evicted, tier.name)
+                self._events.add(EventKind.EVICTED, evicted, tier.name)
         if self._jobs:
             self._time_out_jobs()
-        if self._dirty and self._writeback_window and self._writeback_due():
+        if self._dirty and self._writeback_window and self._writeback_pause.ready(self._clock()):
             self._write_back()
         return ended
 
@@ -344,11 +302,10 @@ class TieredCache:
     def take_events(self) -> list[CacheEvent]:
         """Events since the last call, oldest first (at most ``max_events``: when nobody takes
         them, the oldest are dropped and counted in ``stats().cache.events_dropped``)."""
-        events = list(self._events)
-        self._events.clear()
-        return events
+        return self._events.take()
 
     def stats(self) -> CacheStats:
+        self._counters.events_dropped = self._events.dropped
         return CacheStats(
             cache=replace(self._counters),
             pool_slots=self._pool.num_slots,
@@ -386,34 +343,20 @@ class TieredCache:
         return out
 
     def check_invariants(self, settled: bool = False) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant (for tests and soaks; it
-        walks every slot, so not for the hot path).
-
-        Every slot is in exactly one place (visible, being written, held by a job, free); the
-        policy tracks exactly the visible keys; every pin is on a visible key. ``settled``: no job
-        runs any more, so no pin, load or held slot may be left.
-        """
-        index = set(self._index.values())
-        inflight = set(self._inflight.values())
-        held = set(self._held)
-        free_list = self._pool.free_slots()
-        free = set(free_list)
-        _require(len(free_list) == len(free), "a slot was freed twice")
-        _require(len(index) == len(self._index), "two visible keys share a slot")
-        places = (index, inflight, held, free)
-        for i, a in enumerate(places):
-            for b in places[i + 1 :]:
-                _require(not a & b, f"slots in two places at once: {sorted(a & b)[:5]}")
-        _require(
-            index | inflight | held | free == set(range(self._pool.num_slots)), "a slot leaked"
+        """Raise ``AssertionError`` naming the first broken slot or pin invariant (for tests and
+        soaks: it walks every slot). See ``kvtier.invariants.check``."""
+        state = invariants.CacheState(
+            num_slots=self._pool.num_slots,
+            visible=self._index,
+            inflight=self._inflight,
+            held=self._held.keys(),
+            free=self._pool.free_slots(),
+            policy_size=len(self._policy),
+            pins=self._pins,
+            loading=self._loading,
+            jobs=len(self._jobs),
         )
-        _require(len(self._policy) == len(self._index), "the policy tracks other keys")
-        _require(all(key in self._index for key in self._pins), "a pinned key is not visible")
-        _require(self._loading.keys() <= self._pins.keys(), "a load without a pin")
-        if settled:
-            _require(not self._jobs, f"{len(self._jobs)} jobs still running")
-            _require(not self._pins, f"{len(self._pins)} pins left")
-            _require(not self._held, f"{len(self._held)} slots still held")
+        invariants.check(state, settled)
 
     def close(self) -> None:
         """Close the secondary tiers (they finish running jobs) and settle what they report.
@@ -428,23 +371,7 @@ class TieredCache:
         if self._closed:
             return
         self._closed = True
-        closers = [
-            threading.Thread(
-                target=_close_tier, args=(tier,), name=f"kvtier-close-{tier.name}", daemon=True
-            )
-            for tier in self._tiers
-        ]
-        for thread in closers:
-            thread.start()
-        deadline = time.monotonic() + self._close_timeout_s
-        for tier, thread in zip(self._tiers, closers, strict=True):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                log.warning(
-                    "tier %s did not close within %g s; going on without it",
-                    tier.name,
-                    self._close_timeout_s,
-                )
+        close_tiers(self._tiers, self._close_timeout_s)
         self.step()
 
     # -- internals ------------------------------------------------------------------------------
@@ -476,7 +403,7 @@ class TieredCache:
                 self._origin.pop(key, None)
         self._counters.pool_evictions += len(victims)
         if self._record:
-            self._add_events(EventKind.EVICTED, victims, POOL_TIER)
+            self._events.add(EventKind.EVICTED, victims, POOL_TIER)
         dirty = self._dirty
         if dirty:
             pairs = [(k, s) for k, s in zip(victims, slots, strict=True) if k in dirty]
@@ -541,7 +468,7 @@ class TieredCache:
         answers = [self._safe_lookup(tier, rest) for tier in self._tiers]
         failed = self._failed_promotions
         if failed:
-            self._expire_failed_promotions()
+            failed.expire(self._clock())
         run: list[tuple[BlockKey, int]] = []  # (key, tier index or -1 when already in the pool)
         unknown = False
         for i, key in enumerate(rest):
@@ -602,9 +529,7 @@ class TieredCache:
     ) -> None:
         job_id = self._next_job_id
         self._next_job_id += 1
-        job = _OpenTierJob(
-            tier_index, kind, keys, slots, self._clock() + self._job_timeout_s, holds
-        )
+        job = OpenTierJob(tier_index, kind, keys, slots, self._clock() + self._job_timeout_s, holds)
         self._jobs[(tier_index, job_id)] = job
         tier = self._tiers[tier_index]
         try:
@@ -627,7 +552,7 @@ class TieredCache:
             return [False] * len(keys)
         return answer
 
-    def _finish_job(self, job: _OpenTierJob, ok: list[bool]) -> None:
+    def _finish_job(self, job: OpenTierJob, ok: list[bool]) -> None:
         if len(ok) != len(job.keys):
             ok = [False] * len(job.keys)  # a malformed report proves nothing: treat as failed
         if job.kind is JobKind.READ:
@@ -635,7 +560,7 @@ class TieredCache:
         else:
             self._finish_write(job, ok)
 
-    def _finish_promotion(self, job: _OpenTierJob, ok: list[bool]) -> None:
+    def _finish_promotion(self, job: OpenTierJob, ok: list[bool]) -> None:
         if job.abandoned:
             self._release_held(job.slots)
             return
@@ -653,10 +578,10 @@ class TieredCache:
                 insert(key)
                 self._origin[key] = job.tier_index
                 if self._record:
-                    self._add_events(EventKind.STORED, (key,), POOL_TIER)
+                    self._events.add(EventKind.STORED, (key,), POOL_TIER)
             else:
                 free.append(slot)
-                self._remember_failed_promotion(job.tier_index, key, now)
+                self._failed_promotions.remember(job.tier_index, key, now)
         promoted = len(job.keys) - len(free)
         self._promoted[tier_name] += promoted
         counters.promoted_blocks += promoted
@@ -664,7 +589,7 @@ class TieredCache:
             counters.promotion_failures += len(free)
             self._pool.free(free)
 
-    def _finish_write(self, job: _OpenTierJob, ok: list[bool]) -> None:
+    def _finish_write(self, job: OpenTierJob, ok: list[bool]) -> None:
         writing = self._writing[job.tier_index]
         writing.difference_update(job.keys)
         if job.holds_slots:
@@ -679,45 +604,30 @@ class TieredCache:
         self._counters.cascade_failures += len(ok) - good
         if self._record and good:
             name = self._tiers[job.tier_index].name
-            self._add_events(
+            self._events.add(
                 EventKind.STORED, [k for k, k_ok in zip(job.keys, ok, strict=True) if k_ok], name
             )
 
-    def _writeback_due(self) -> bool:
-        return self._writeback_delay == 0.0 or self._clock() >= self._writeback_paused_until
-
-    def _settle_write_back(self, job: _OpenTierJob, ok: list[bool]) -> None:
+    def _settle_write_back(self, job: OpenTierJob, ok: list[bool]) -> None:
         """A write-back copy ended: failed keys are dirty again, and write-back pauses (doubling
         per failure, up to ``job_timeout_s``) so that a tier failing every copy at once is not
         retried every step (a busy loop for whoever steps until jobs end)."""
         if all(ok):
-            self._writeback_delay = 0.0
+            self._writeback_pause.succeeded()
             return
         index = self._index
         self._dirty.update(
             k for k, k_ok in zip(job.keys, ok, strict=True) if not k_ok and k in index
         )
-        first = self._writeback_delay == 0.0
-        delay = min(max(2 * self._writeback_delay, WRITEBACK_RETRY_MIN_S), self._job_timeout_s)
-        self._writeback_delay = delay
-        self._writeback_paused_until = self._clock() + delay
-        if first:
+        if self._writeback_pause.failed(self._clock()):
             log.warning(
                 "tier %s: %d of %d block copies failed; write-back paused (retried after %g s, "
                 "then less often while copies fail)",
                 self._tiers[job.tier_index].name,
                 len(ok) - sum(ok),
                 len(ok),
-                delay,
+                self._writeback_pause.delay,
             )
-
-    def _add_events(self, kind: EventKind, keys: Sequence[BlockKey], tier: str) -> None:
-        events = self._events
-        assert events.maxlen is not None
-        overflow = len(events) + len(keys) - events.maxlen
-        if overflow > 0:
-            self._counters.events_dropped += overflow  # the deque drops the oldest
-        events.extend(CacheEvent(kind, key, tier) for key in keys)
 
     def _release_held(self, slots: list[int]) -> None:
         held = self._held
@@ -757,36 +667,8 @@ class TieredCache:
                 for key, slot in zip(job.keys, job.slots, strict=True):
                     self._inflight.pop(key, None)
                     self._promoting.discard(key)
-                    self._remember_failed_promotion(job.tier_index, key, now)
+                    self._failed_promotions.remember(job.tier_index, key, now)
                     held[slot] = held.get(slot, 0) + 1
                 self._counters.promotion_failures += len(job.keys)
             # A stuck write keeps its pins: its thread may still be reading the slots, and a
             # reused slot would be copied torn (with a checksum that matches the torn bytes).
-
-    def _remember_failed_promotion(self, tier_index: int, key: BlockKey, now: float) -> None:
-        failed = self._failed_promotions
-        failed[tier_index, key] = now + PROMOTION_RETRY_S
-        failed.move_to_end((tier_index, key))
-        if len(failed) > MAX_FAILED_PROMOTIONS:
-            failed.popitem(last=False)
-
-    def _expire_failed_promotions(self) -> None:
-        failed = self._failed_promotions
-        now = self._clock()
-        while failed:
-            key, until = next(iter(failed.items()))
-            if until > now:
-                break
-            del failed[key]
-
-
-def _require(condition: bool, what: str) -> None:
-    if not condition:
-        raise AssertionError(f"TieredCache invariant broken: {what}")
-
-
-def _close_tier(tier: Tier) -> None:
-    try:
-        tier.close()
-    except Exception:
-        log.exception("closing tier %s failed", tier.name)
