@@ -61,6 +61,7 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobKind, Tier, TierJob
 from kvtier.tiers.block_tier import valid_job
+from kvtier.tiers.redis_blocks import Parts
 from kvtier.tiers.redis_client import close_client
 from kvtier.tiers.redis_deadline import Watchdog
 from kvtier.tiers.redis_health import Health
@@ -92,18 +93,17 @@ class RedisTier(Tier):
         self._closed = False
         self._watchdog = Watchdog(f"kvtier-redis-{name}-watchdog")
         self._health = Health(name, opts, self._keys, self._presence, self._watchdog, self._bump)
-        self._jobs = Runner(
+        parts = Parts(
             name,
             opts,
             pool,
             self._keys,
             self._presence,
             self._health,
-            self._watchdog,
             self._bump,
-            self._finish,
             self._report_evicted,
         )
+        self._jobs = Runner(parts, self._watchdog, self._finish)
         try:
             self._health.connect_at_start()
         except BaseException:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -32,34 +33,39 @@ from kvtier.tiers.redis_presence import Presence, clock, present_until
 log = logging.getLogger("kvtier.tiers.redis")
 
 
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What the parts of one tier share."""
+
+    name: str
+    options: Options
+    pool: HostPool
+    keys: KeySpace
+    presence: Presence
+    health: Health
+    count: Count
+    """The tier's counter update."""
+    report_evicted: Callable[[BlockKey], None]
+    """Hand a key the tier dropped to ``take_evicted``."""
+
+
 class BlockStore:
     """Batches of blocks in one tier's namespace; see the module docstring.
 
     ``delete_later`` queues keys whose values turned out corrupt for a ``DEL`` off the data path.
     Failed commands go to ``health.failed`` (counted; unreachable -> unhealthy)."""
 
-    def __init__(
-        self,
-        name: str,
-        options: Options,
-        pool: HostPool,
-        keys: KeySpace,
-        presence: Presence,
-        health: Health,
-        count: Count,
-        report_evicted: Callable[[BlockKey], None],
-        delete_later: Callable[[list[BlockKey]], None],
-    ) -> None:
-        self.name = name
-        self.options = options
-        self.pool = pool
-        self._keys = keys
-        self._presence = presence
-        self._health = health
-        self._count = count
-        self._report_evicted = report_evicted
+    def __init__(self, parts: Parts, delete_later: Callable[[list[BlockKey]], None]) -> None:
+        self.name = parts.name
+        self.options = parts.options
+        self.pool = parts.pool
+        self._keys = parts.keys
+        self._presence = parts.presence
+        self._health = parts.health
+        self._count = parts.count
+        self._report_evicted = parts.report_evicted
         self._delete_later = delete_later
-        self._wire = not options.cluster
+        self._wire = not parts.options.cluster
         """Standalone: blocks move on the socket directly (redis_wire); cluster: redis-py
         pipelines, which route each key to its node."""
 

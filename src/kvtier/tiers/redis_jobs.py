@@ -23,16 +23,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.keys import BlockKey
-from kvtier.pool import HostPool
 from kvtier.tiers import redis_wire
 from kvtier.tiers.base import JobKind, TierJob
-from kvtier.tiers.redis_blocks import BlockStore
+from kvtier.tiers.redis_blocks import BlockStore, Parts
 from kvtier.tiers.redis_client import is_timeout
 from kvtier.tiers.redis_deadline import Watchdog
-from kvtier.tiers.redis_health import Count, Health
-from kvtier.tiers.redis_keys import KeySpace
-from kvtier.tiers.redis_options import Options
-from kvtier.tiers.redis_presence import Presence
 
 log = logging.getLogger("kvtier.tiers.redis")
 
@@ -69,29 +64,17 @@ class Runner:
     """Queues, threads and batches of one tier; see the module docstring."""
 
     def __init__(
-        self,
-        name: str,
-        options: Options,
-        pool: HostPool,
-        keys: KeySpace,
-        presence: Presence,
-        health: Health,
-        watchdog: Watchdog,
-        count: Count,
-        finish: Callable[[int, list[bool]], None],
-        report_evicted: Callable[[BlockKey], None],
+        self, parts: Parts, watchdog: Watchdog, finish: Callable[[int, list[bool]], None]
     ) -> None:
-        self.name = name
-        self.options = options
-        self._presence = presence
-        self._health = health
+        self.name = parts.name
+        self.options = parts.options
+        self._presence = parts.presence
+        self._health = parts.health
         self._watchdog = watchdog
-        self._count = count
+        self._count = parts.count
         self._finish = finish
-        self._batch_blocks = options.batch_blocks(pool.slot_bytes)
-        self.store = BlockStore(
-            name, options, pool, keys, presence, health, count, report_evicted, self.delete_later
-        )
+        self._batch_blocks = parts.options.batch_blocks(parts.pool.slot_bytes)
+        self.store = BlockStore(parts, self.delete_later)
         self._lock = threading.Lock()
         """Guards job states and ``_running``."""
         self._data_q: queue.PriorityQueue[tuple[int, int, Batch | None]] = queue.PriorityQueue()
