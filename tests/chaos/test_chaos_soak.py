@@ -420,9 +420,12 @@ def test_chaos_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     assert stats.cache.hit_blocks >= report.loaded_blocks
     assert stats.cache.lookup_blocks >= stats.cache.hit_blocks
     assert report.loaded_blocks > 0
-    # Both tiers served and failed under the faults: the soak exercised what it claims.
-    assert stats.tiers["fs"].corrupt + stats.tiers["fs"].errors > 0
-    assert stats.tiers["redis"].errors + stats.tiers["redis"].timeouts > 0
+    # Both tiers met their failure paths under the faults: the soak exercised what it claims. (A
+    # Redis fault that lands while no batch is in flight shows as refusals while the tier is
+    # unhealthy, not as errors, so every failure counter counts.)
+    for name in ("fs", "redis"):
+        c = stats.tiers[name]
+        assert c.corrupt + c.errors + c.timeouts + c.rejected > 0, (name, c)
 
 
 def replay_one(timed: TimedCache, pool: HostPool, keys: list[BlockKey], report: Report) -> None:
