@@ -33,16 +33,13 @@ from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
-from kvtier.retry import Backoff, FailedPromotions
+from kvtier.retry import FailedPromotions
 from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
+from kvtier.write_back import WriteBack
 
 __all__ = ["MAX_EVENTS", "LookupResult", "StoreReservation", "TierBinding", "TieredCache"]
 
 log = logging.getLogger(__name__)
-
-WRITEBACK_RETRY_MIN_S = 0.05
-"""First pause of write-back after a failed copy to a write-on-evict tier; it doubles per failure
-up to ``job_timeout_s`` (a tier that rejects every copy at once must not be retried every step)."""
 
 
 class TieredCache:
@@ -65,9 +62,9 @@ class TieredCache:
         self._tiers = [s.tier for s in self._secondary]
         modes = [s.write_mode for s in self._secondary]
         self._through = [i for i, mode in enumerate(modes) if mode is WriteMode.THROUGH]
-        self._on_evict = [i for i, mode in enumerate(modes) if mode is WriteMode.ON_EVICT]
         self._admission = admission if admission is not None and admission.min_seen > 1 else None
-        self._writeback_window = writeback_window if self._on_evict else 0
+        on_evict = [i for i, mode in enumerate(modes) if mode is WriteMode.ON_EVICT]
+        self._writeback = WriteBack(on_evict, writeback_window, job_timeout_s, clock)
         self._job_timeout_s = job_timeout_s
         self._close_timeout_s = job_timeout_s if close_timeout_s is None else close_timeout_s
         self._record = record_events
@@ -85,15 +82,12 @@ class TieredCache:
         self._held: dict[int, int] = {}
         """Slots owned by running jobs after their key left the pool -> number of such jobs."""
         self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
-        self._dirty: set[BlockKey] = set()
-        """Visible keys not yet copied to the write-on-evict tiers (empty without such tiers)."""
         self._jobs: dict[tuple[int, int], OpenTierJob] = {}
         self._next_job_id = 0
         self._failed_promotions = FailedPromotions()
         self._events = EventLog(max_events)
         self._late = [False] * len(self._secondary)
         """Per tier: a job of it timed out and none has ended in time since (warned once)."""
-        self._writeback_pause = Backoff(WRITEBACK_RETRY_MIN_S, job_timeout_s)
         self._counters = CacheCounters()
         self._promoted = {t.name: 0 for t in self._tiers}
         self._origin: dict[BlockKey, int] = {}
@@ -251,8 +245,8 @@ class TieredCache:
         if stored and self._through:
             for tier_index in self._through:
                 self._submit_write(tier_index, stored)
-        if stored and self._on_evict:
-            self._dirty.update(stored)
+        if stored:
+            self._writeback.stored(stored)
 
     # -- engine-step housekeeping ---------------------------------------------------------------
 
@@ -282,8 +276,10 @@ class TieredCache:
                 self._events.add(EventKind.EVICTED, evicted, tier.name)
         if self._jobs:
             self._time_out_jobs()
-        if self._dirty and self._writeback_window and self._writeback_pause.ready(self._clock()):
-            self._write_back()
+        if self._writeback.due():
+            candidates = self._writeback.take_coldest(self._policy.coldest)
+            for tier_index in self._writeback.tiers if candidates else ():
+                self._submit_write(tier_index, candidates)
         return ended
 
     def wait(self, timeout_s: float) -> bool:
@@ -404,29 +400,11 @@ class TieredCache:
         self._counters.pool_evictions += len(victims)
         if self._record:
             self._events.add(EventKind.EVICTED, victims, POOL_TIER)
-        dirty = self._dirty
-        if dirty:
-            pairs = [(k, s) for k, s in zip(victims, slots, strict=True) if k in dirty]
-            if pairs:
-                dirty.difference_update(k for k, _ in pairs)
-                for tier_index in self._on_evict:
-                    self._submit_write(tier_index, [k for k, _ in pairs], [s for _, s in pairs])
+        dirty_keys, dirty_slots = self._writeback.take_evicted(victims, slots)
+        for tier_index in self._writeback.tiers if dirty_keys else ():
+            self._submit_write(tier_index, dirty_keys, dirty_slots)
         held = self._held
         self._pool.free([slot for slot in slots if slot not in held] if held else slots)
-
-    def _write_back(self) -> None:
-        """Copy the coldest dirty blocks to the write-on-evict tiers ahead of their eviction.
-
-        Blocks never change once stored, so an early copy is never stale; it lets the eviction
-        of a clean block free its slot at once instead of holding it until a copy finished.
-        """
-        dirty = self._dirty
-        candidates = [k for k in self._policy.coldest(self._writeback_window) if k in dirty]
-        if not candidates:
-            return
-        dirty.difference_update(candidates)
-        for tier_index in self._on_evict:
-            self._submit_write(tier_index, candidates)
 
     def _submit_write(
         self, tier_index: int, keys: list[BlockKey], evicted_slots: list[int] | None = None
@@ -597,8 +575,9 @@ class TieredCache:
         else:
             for key in job.keys:
                 self._unpin(key)
-        if not job.holds_slots and self._writeback_window and job.tier_index in self._on_evict:
-            self._settle_write_back(job, ok)
+        if self._writeback.settles(job.tier_index, job.holds_slots):
+            name = self._tiers[job.tier_index].name
+            self._writeback.settle(name, job.keys, ok, self._index)
         good = sum(ok)
         self._counters.cascade_writes += good
         self._counters.cascade_failures += len(ok) - good
@@ -606,27 +585,6 @@ class TieredCache:
             name = self._tiers[job.tier_index].name
             self._events.add(
                 EventKind.STORED, [k for k, k_ok in zip(job.keys, ok, strict=True) if k_ok], name
-            )
-
-    def _settle_write_back(self, job: OpenTierJob, ok: list[bool]) -> None:
-        """A write-back copy ended: failed keys are dirty again, and write-back pauses (doubling
-        per failure, up to ``job_timeout_s``) so that a tier failing every copy at once is not
-        retried every step (a busy loop for whoever steps until jobs end)."""
-        if all(ok):
-            self._writeback_pause.succeeded()
-            return
-        index = self._index
-        self._dirty.update(
-            k for k, k_ok in zip(job.keys, ok, strict=True) if not k_ok and k in index
-        )
-        if self._writeback_pause.failed(self._clock()):
-            log.warning(
-                "tier %s: %d of %d block copies failed; write-back paused (retried after %g s, "
-                "then less often while copies fail)",
-                self._tiers[job.tier_index].name,
-                len(ok) - sum(ok),
-                len(ok),
-                self._writeback_pause.delay,
             )
 
     def _release_held(self, slots: list[int]) -> None:
