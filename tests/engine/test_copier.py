@@ -8,8 +8,9 @@ import sys
 import textwrap
 
 import pytest
+from support import require
 
-torch = pytest.importorskip("torch")
+torch = require.importorskip("torch", "vllm")
 
 from kvtier.engine.backends import make_backend  # noqa: E402
 from kvtier.engine.copier import Copier  # noqa: E402

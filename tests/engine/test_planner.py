@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
+from support import require
 
-torch = pytest.importorskip("torch")
+torch = require.importorskip("torch", "vllm")
 
 from kvtier.config import load_config  # noqa: E402
 from kvtier.engine.copier import Copier  # noqa: E402
