@@ -34,7 +34,8 @@ from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
 from kvtier.retry import FailedPromotions
-from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
+from kvtier.tier_jobs import TierJobs
+from kvtier.tiers.base import JobKind, Tier, WriteMode
 from kvtier.write_back import WriteBack
 
 __all__ = ["MAX_EVENTS", "LookupResult", "StoreReservation", "TierBinding", "TieredCache"]
@@ -65,7 +66,6 @@ class TieredCache:
         self._admission = admission if admission is not None and admission.min_seen > 1 else None
         on_evict = [i for i, mode in enumerate(modes) if mode is WriteMode.ON_EVICT]
         self._writeback = WriteBack(on_evict, writeback_window, job_timeout_s, clock)
-        self._job_timeout_s = job_timeout_s
         self._close_timeout_s = job_timeout_s if close_timeout_s is None else close_timeout_s
         self._record = record_events
         self._clock = clock
@@ -82,12 +82,9 @@ class TieredCache:
         self._held: dict[int, int] = {}
         """Slots owned by running jobs after their key left the pool -> number of such jobs."""
         self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
-        self._jobs: dict[tuple[int, int], OpenTierJob] = {}
-        self._next_job_id = 0
+        self._jobs = TierJobs(self._tiers, job_timeout_s, clock)
         self._failed_promotions = FailedPromotions()
         self._events = EventLog(max_events)
-        self._late = [False] * len(self._secondary)
-        """Per tier: a job of it timed out and none has ended in time since (warned once)."""
         self._counters = CacheCounters()
         self._promoted = {t.name: 0 for t in self._tiers}
         self._origin: dict[BlockKey, int] = {}
@@ -265,11 +262,8 @@ class TieredCache:
                 tier.counters.errors += 1
                 continue
             for result in results:
-                job = self._jobs.pop((tier_index, result.job_id), None)
+                job = self._jobs.settle(tier_index, result.job_id)
                 if job is not None:
-                    if not job.abandoned and self._late[tier_index]:
-                        self._late[tier_index] = False
-                        log.warning("tier %s: jobs end in time again", tier.name)
                     self._finish_job(job, result.ok)
                     ended += 1
             if evicted and self._record:
@@ -331,12 +325,7 @@ class TieredCache:
 
     def jobs_waiting(self) -> dict[str, int]:
         """Per tier name: jobs not reported yet and not timed out (what is worth waiting for)."""
-        out: dict[str, int] = {}
-        for job in self._jobs.values():
-            if not job.abandoned:
-                name = self._tiers[job.tier_index].name
-                out[name] = out.get(name, 0) + 1
-        return out
+        return self._jobs.waiting()
 
     def check_invariants(self, settled: bool = False) -> None:
         """Raise ``AssertionError`` naming the first broken slot or pin invariant (for tests and
@@ -475,7 +464,7 @@ class TieredCache:
         if not slots:
             # The pool is full of pinned blocks. Tier writes in flight release theirs when they
             # end: wait for them; with none, nothing frees a slot soon, so go on without.
-            return not any(job.kind is JobKind.WRITE for job in self._jobs.values())
+            return not self._jobs.any_writes()
         by_tier: dict[int, tuple[list[BlockKey], list[int]]] = {}
         for (key, tier_index), slot in zip(wanted, slots, strict=False):
             tier_keys, tier_slots = by_tier.setdefault(tier_index, ([], []))
@@ -505,18 +494,9 @@ class TieredCache:
     def _submit(
         self, tier_index: int, kind: JobKind, keys: list[BlockKey], slots: list[int], holds: bool
     ) -> None:
-        job_id = self._next_job_id
-        self._next_job_id += 1
-        job = OpenTierJob(tier_index, kind, keys, slots, self._clock() + self._job_timeout_s, holds)
-        self._jobs[(tier_index, job_id)] = job
-        tier = self._tiers[tier_index]
-        try:
-            tier.submit(TierJob(job_id, kind, keys, slots))
-        except Exception:
-            log.exception("tier %s rejected a job", tier.name)
-            tier.counters.errors += 1
-            del self._jobs[(tier_index, job_id)]
-            self._finish_job(job, [False] * len(keys))
+        refused = self._jobs.submit(tier_index, kind, keys, slots, holds)
+        if refused is not None:
+            self._finish_job(refused, [False] * len(keys))
 
     def _safe_lookup(self, tier: Tier, keys: Sequence[BlockKey]) -> list[bool | None]:
         try:
@@ -601,23 +581,8 @@ class TieredCache:
 
     def _time_out_jobs(self) -> None:
         now = self._clock()
-        for job in self._jobs.values():
-            if job.abandoned or job.deadline > now:
-                continue
-            job.abandoned = True
+        for job in self._jobs.time_out(now):
             self._counters.job_timeouts += 1
-            tier = self._tiers[job.tier_index]
-            tier.counters.timeouts += 1
-            if not self._late[job.tier_index]:
-                self._late[job.tier_index] = True
-                log.warning(
-                    "tier %s: a %s job of %d blocks did not end within job_timeout_s=%g s; "
-                    "given up (its slots stay reserved until the tier returns)",
-                    tier.name,
-                    job.kind.value,
-                    len(job.keys),
-                    self._job_timeout_s,
-                )
             if job.kind is JobKind.READ:
                 # The request stops waiting (the keys become misses), but the slots stay owned by
                 # the job: its thread may still write into them.
