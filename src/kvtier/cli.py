@@ -65,7 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvtier {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_simulate(commands)
+    _add_check_config(commands)
+    _add_stats(commands)
+    return parser
 
+
+_Commands = argparse._SubParsersAction  # the type add_subparsers returns (no public name)
+
+
+def _add_simulate(commands: _Commands[argparse.ArgumentParser]) -> None:
     sim = commands.add_parser(
         "simulate",
         help="replay a Mooncake-format trace through the real cache manager",
@@ -78,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--trace", type=Path, default=None, help="trace file (default: the bundled synthetic one)"
     )
+    _add_cache_arguments(sim)
+    _add_run_arguments(sim)
+    sim.set_defaults(func=cmd_simulate)
+
+
+def _add_cache_arguments(sim: argparse.ArgumentParser) -> None:
+    """simulate's options that say what cache to build (config, pool, policy, tiers)."""
     sim.add_argument(
         "--config", type=Path, default=None, help="JSON or YAML config (default: embedded)"
     )
@@ -130,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"real bytes per simulated block (default {DEFAULT_PAYLOAD_BYTES})",
     )
+
+
+def _add_run_arguments(sim: argparse.ArgumentParser) -> None:
+    """simulate's options that say how to replay and what to report."""
     sim.add_argument(
         "--overlap",
         action="store_true",
@@ -173,18 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep serving the final metrics this long after the replay (default 0)",
     )
     sim.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    sim.set_defaults(func=cmd_simulate)
 
+
+def _add_check_config(commands: _Commands[argparse.ArgumentParser]) -> None:
     check = commands.add_parser("check-config", help="validate a config file and print it")
     check.add_argument("config", type=Path)
     check.set_defaults(func=cmd_check_config)
 
+
+def _add_stats(commands: _Commands[argparse.ArgumentParser]) -> None:
     stats = commands.add_parser(
         "stats", help="print a stats snapshot (the vLLM connector's vllm.stats_path file)"
     )
     stats.add_argument("file", type=Path)
     stats.set_defaults(func=cmd_stats)
-    return parser
 
 
 def package_version() -> str:
