@@ -456,14 +456,19 @@ def unbounded_engine_blocks(workload: Workload) -> int:
 
 
 def kvtier_config(
-    workdir: Path, pool_bytes: int, stats_path: Path, eviction: str = DEFAULT_EVICTION
+    workdir: Path,
+    pool_bytes: int,
+    stats_path: Path,
+    eviction: str = DEFAULT_EVICTION,
+    fs_tier: bool = True,
 ) -> dict[str, Any]:
     """The embedded default: a host pool (evicting by ``eviction``) and an fs tier
-    (write-through) in ``workdir/fs``."""
+    (write-through) in ``workdir/fs``; without ``fs_tier`` the host pool alone."""
+    tiers = [{"kind": "fs", "path": str(workdir / "fs"), "capacity": "8GiB"}] if fs_tier else []
     return {
         "pool": {"size": pool_bytes},
         "eviction": eviction,
-        "tiers": [{"kind": "fs", "path": str(workdir / "fs"), "capacity": "8GiB"}],
+        "tiers": tiers,
         "vllm": {"stats_path": str(stats_path)},
     }
 

@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"kvtier's eviction policy ({DEFAULT_EVICTION}; docs/policies.md)",
     )
     parser.add_argument(
+        "--no-fs", action="store_true", help="the host pool alone, without the fs tier"
+    )
+    parser.add_argument(
         "--workdir", type=Path, default=Path("kvtier-demo"), help="model, fs tier, results"
     )
     parser.add_argument("--json", type=Path, default=None, help="default: WORKDIR/results.json")
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"caches    vLLM {engine_blocks} blocks of {BLOCK_TOKENS} tokens; kvtier host pool "
         f"{args.pool_blocks} blocks ({mib(args.pool_blocks * size.block_bytes)}, eviction "
-        f"{args.eviction}) + fs tier in {args.workdir / 'fs'}"
+        f"{args.eviction})" + ("" if args.no_fs else f" + fs tier in {args.workdir / 'fs'}")
     )
     print(
         f"expected  (LRU model) {expected.reusable:.0%} of the prompt tokens reusable: vLLM's "
@@ -371,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": kvtier_config(
-            workdir, args.pool_blocks * size.block_bytes, stats_path, args.eviction
+            workdir,
+            args.pool_blocks * size.block_bytes,
+            stats_path,
+            args.eviction,
+            fs_tier=not args.no_fs,
         ),
     }
     kv = run_engine(KVTIER, model, workload, size, engine_blocks, transfer)
@@ -491,6 +498,7 @@ def report(
             "vllm_blocks_for_all": unbounded_engine_blocks(workload),
             "pool_blocks": args.pool_blocks,
             "eviction": args.eviction,
+            "fs_tier": not args.no_fs,
         },
         "expected_shares": asdict(expected),
         "kvtier": summary,
