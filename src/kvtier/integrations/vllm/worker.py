@@ -12,14 +12,10 @@ derives from it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.copy.base import CopyBackend
-from kvtier.engine import backends
-from kvtier.engine.backends import cuda_layout
+from kvtier.engine.backends import cuda_layout, make_backend
 from kvtier.engine.copier import FAULT_ENV, Copier
-from kvtier.pool import HostPool
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
@@ -27,20 +23,10 @@ if TYPE_CHECKING:
 __all__ = ["FAULT_ENV", "WorkerSide", "cuda_layout", "make_backend"]
 
 
-def make_backend(
-    kv_caches: Sequence[Any],
-    pool: HostPool,
-    blocks_per_slot: int,
-    tp_rank: int,
-    tp_size: int,
-    copy_options: Any = None,
-) -> CopyBackend:
-    """``kvtier.engine.backends.make_backend`` for vLLM's tensors (CPU or CUDA)."""
-    return backends.make_backend(kv_caches, pool, blocks_per_slot, tp_rank, tp_size, copy_options)
-
-
 class WorkerSide(Copier):
-    """One vLLM worker's copier; its backend comes from this module's ``make_backend``."""
+    """One vLLM worker's copier; its backend comes from this module's ``make_backend`` (the
+    engine-neutral ``kvtier.engine.backends.make_backend``, re-exported: vLLM's tensors need no
+    translation)."""
 
     def __init__(
         self, blocks_per_slot: int, tp_rank: int, tp_size: int, copy_options: Any = None
