@@ -140,5 +140,5 @@ def test_every_eviction_kind_has_its_own_policy_and_unknown_ones_fail() -> None:
     assert classes[EvictionKind.LRU] is LRUPolicy
     assert classes[EvictionKind.ARC] is ARCPolicy
     assert classes[EvictionKind.SEGMENTED] is SegmentedPolicy
-    with pytest.raises(ValueError, match="one of .lru., .arc., .segmented."):
+    with pytest.raises(ValueError, match=r"one of .lru., .arc., .segmented."):
         make_policy("mru", 8)  # type: ignore[arg-type]
