@@ -46,6 +46,8 @@ from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.policies.segmented import GHOST_FACTOR, PROBATION_FRACTION
+from kvtier.policies.segments import oldest_unpinned, remember_evicted, segment_sizes
+from kvtier.policies.segments import take as _take
 
 PROMOTE_RATIO = 1.3
 DEMOTE_RATIO = 0.7
@@ -75,15 +77,9 @@ class HintedPolicy(EvictionPolicy):
         probation_fraction: float = PROBATION_FRACTION,
         ghost_factor: float = GHOST_FACTOR,
     ) -> None:
-        if capacity <= 0:
-            raise ValueError(f"hinted policy capacity must be positive, got {capacity}")
-        if not 0.0 < probation_fraction < 1.0:
-            raise ValueError(f"probation_fraction must be in (0, 1), got {probation_fraction}")
-        if ghost_factor < 0.0:
-            raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
+        sizes = segment_sizes("hinted", capacity, probation_fraction, ghost_factor)
         self.capacity = capacity
-        self.probation_target = max(1, int(probation_fraction * capacity))
-        self.ghost_capacity = int(ghost_factor * capacity)
+        self.probation_target, self.ghost_capacity = sizes
         # Oldest first in each (OrderedDict: popping from the front of a dict leaves tombstones).
         self._dead: OrderedDict[BlockKey, None] = OrderedDict()
         self._probation: OrderedDict[BlockKey, None] = OrderedDict()
@@ -179,23 +175,13 @@ class HintedPolicy(EvictionPolicy):
             _take(probation, n - len(victims), pinned, victims)
         if pending and len(victims) < n:
             self._take_pending(n - len(victims), pinned, victims)
-        ghost = self._ghost
-        if self.ghost_capacity:
-            for key in victims:
-                ghost[key] = None
-            for _ in range(max(0, len(ghost) - self.ghost_capacity)):
-                ghost.popitem(last=False)
+        remember_evicted(self._ghost, victims, self.ghost_capacity)
         return victims
 
     def _take_pending(self, n: int, pinned: Container[BlockKey], victims: list[BlockKey]) -> None:
-        """``_take`` for the pending segment, remembering the victims' insert numbers."""
+        """``take`` for the pending segment, remembering the victims' insert numbers."""
         pending, missed = self._pending, self._missed
-        taken: list[BlockKey] = []
-        for key in pending:
-            if key not in pinned:
-                taken.append(key)
-                if len(taken) == n:
-                    break
+        taken = oldest_unpinned(pending, n, pinned)
         for key in taken:
             missed[key] = pending.pop(key)
         for _ in range(len(missed) - self.capacity):
@@ -336,21 +322,3 @@ class HintedPolicy(EvictionPolicy):
                 reused[i] /= 2.0
             self._inserted_total /= 2.0
             self._reused_total /= 2.0
-
-
-def _take(
-    order: OrderedDict[BlockKey, None],
-    n: int,
-    pinned: Container[BlockKey],
-    victims: list[BlockKey],
-) -> None:
-    """Move up to ``n`` unpinned keys, oldest first, from ``order`` to ``victims``."""
-    taken: list[BlockKey] = []
-    for key in order:
-        if key not in pinned:
-            taken.append(key)
-            if len(taken) == n:
-                break
-    for key in taken:
-        del order[key]
-    victims.extend(taken)

@@ -25,6 +25,8 @@ from collections.abc import Container
 
 from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.segments import remember_evicted, segment_sizes
+from kvtier.policies.segments import take as _take
 
 PROBATION_FRACTION = 0.05
 GHOST_FACTOR = 4.0
@@ -37,15 +39,9 @@ class SegmentedPolicy(EvictionPolicy):
         probation_fraction: float = PROBATION_FRACTION,
         ghost_factor: float = GHOST_FACTOR,
     ) -> None:
-        if capacity <= 0:
-            raise ValueError(f"segmented policy capacity must be positive, got {capacity}")
-        if not 0.0 < probation_fraction < 1.0:
-            raise ValueError(f"probation_fraction must be in (0, 1), got {probation_fraction}")
-        if ghost_factor < 0.0:
-            raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
+        sizes = segment_sizes("segmented", capacity, probation_fraction, ghost_factor)
         self.capacity = capacity
-        self.probation_target = max(1, int(probation_fraction * capacity))
-        self.ghost_capacity = int(ghost_factor * capacity)
+        self.probation_target, self.ghost_capacity = sizes
         # Oldest first in each (OrderedDict: popping from the front of a dict leaves tombstones).
         self._probation: OrderedDict[BlockKey, None] = OrderedDict()
         self._protected: OrderedDict[BlockKey, None] = OrderedDict()
@@ -88,13 +84,7 @@ class SegmentedPolicy(EvictionPolicy):
             _take(protected, n - len(victims), pinned, victims)
         if len(victims) < n:
             _take(probation, n - len(victims), pinned, victims)
-        ghost = self._ghost
-        if self.ghost_capacity:
-            for key in victims:
-                ghost[key] = None
-            excess = len(ghost) - self.ghost_capacity
-            for _ in range(max(0, excess)):
-                ghost.popitem(last=False)
+        remember_evicted(self._ghost, victims, self.ghost_capacity)
         return victims
 
     def coldest(self, n: int) -> list[BlockKey]:
@@ -106,21 +96,3 @@ class SegmentedPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected)
-
-
-def _take(
-    order: OrderedDict[BlockKey, None],
-    n: int,
-    pinned: Container[BlockKey],
-    victims: list[BlockKey],
-) -> None:
-    """Move up to ``n`` unpinned keys, oldest first, from ``order`` to ``victims``."""
-    taken: list[BlockKey] = []
-    for key in order:
-        if key not in pinned:
-            taken.append(key)
-            if len(taken) == n:
-                break
-    for key in taken:
-        del order[key]
-    victims.extend(taken)

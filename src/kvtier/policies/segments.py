@@ -1,0 +1,62 @@
+"""What the segmented policies (``segmented``, ``hinted``) share: their options' validation, taking
+the oldest unpinned keys of a segment, and the ghost history of evicted keys."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Iterable
+
+from kvtier.keys import BlockKey
+
+
+def segment_sizes(
+    policy: str, capacity: int, probation_fraction: float, ghost_factor: float
+) -> tuple[int, int]:
+    """(probation target, ghost capacity) in keys for a pool of ``capacity`` blocks; a
+    ``ValueError`` naming the bad option (and ``policy``, for a bad capacity) otherwise."""
+    if capacity <= 0:
+        raise ValueError(f"{policy} policy capacity must be positive, got {capacity}")
+    if not 0.0 < probation_fraction < 1.0:
+        raise ValueError(f"probation_fraction must be in (0, 1), got {probation_fraction}")
+    if ghost_factor < 0.0:
+        raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
+    return max(1, int(probation_fraction * capacity)), int(ghost_factor * capacity)
+
+
+def oldest_unpinned(
+    order: Iterable[BlockKey], n: int, pinned: Container[BlockKey]
+) -> list[BlockKey]:
+    """Up to ``n`` keys of ``order`` (a segment, oldest first) not in ``pinned``; the segment is
+    unchanged."""
+    taken: list[BlockKey] = []
+    for key in order:
+        if key not in pinned:
+            taken.append(key)
+            if len(taken) == n:
+                break
+    return taken
+
+
+def take(
+    order: OrderedDict[BlockKey, None],
+    n: int,
+    pinned: Container[BlockKey],
+    victims: list[BlockKey],
+) -> None:
+    """Move up to ``n`` unpinned keys, oldest first, from ``order`` to ``victims``."""
+    taken = oldest_unpinned(order, n, pinned)
+    for key in taken:
+        del order[key]
+    victims.extend(taken)
+
+
+def remember_evicted(
+    ghost: OrderedDict[BlockKey, None], victims: list[BlockKey], capacity: int
+) -> None:
+    """Add ``victims`` to the ghost history, forgetting the oldest keys beyond ``capacity``
+    (0: no history)."""
+    if capacity:
+        for key in victims:
+            ghost[key] = None
+        for _ in range(max(0, len(ghost) - capacity)):
+            ghost.popitem(last=False)
