@@ -43,10 +43,8 @@ from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
 
 from kvtier.keys import BlockKey
-from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
-from kvtier.policies.segmented import GHOST_FACTOR, PROBATION_FRACTION
-from kvtier.policies.segments import oldest_unpinned, remember_evicted, segment_sizes
+from kvtier.policies.segments import SegmentedBase, oldest_unpinned, remember_evicted
 from kvtier.policies.segments import take as _take
 
 PROMOTE_RATIO = 1.3
@@ -70,21 +68,14 @@ _POSITIONS = 3
 _CLASSES = _OUTPUT_BUCKETS * _POSITIONS * 2
 
 
-class HintedPolicy(EvictionPolicy):
-    def __init__(
-        self,
-        capacity: int,
-        probation_fraction: float = PROBATION_FRACTION,
-        ghost_factor: float = GHOST_FACTOR,
-    ) -> None:
-        sizes = segment_sizes("hinted", capacity, probation_fraction, ghost_factor)
-        self.capacity = capacity
-        self.probation_target, self.ghost_capacity = sizes
-        # Oldest first in each (OrderedDict: popping from the front of a dict leaves tombstones).
+class HintedPolicy(SegmentedBase):
+    """Options, probation, protected and the ghost history: ``SegmentedBase``."""
+
+    kind = "hinted"
+
+    def _setup(self) -> None:
         self._dead: OrderedDict[BlockKey, None] = OrderedDict()
-        self._probation: OrderedDict[BlockKey, None] = OrderedDict()
-        self._protected: OrderedDict[BlockKey, None] = OrderedDict()
-        self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
+        """Evicted before anything else (oldest first, like every segment)."""
         # Engine timing. Until the first hint, new blocks go to probation (exactly segmented);
         # from then on they wait in pending (key -> insert number) until a hint covers them.
         self._hints_seen = False
@@ -100,7 +91,7 @@ class HintedPolicy(EvictionPolicy):
         comes, its lag is still measured, so a reserve that was too small grows."""
         # Learning: followed key -> class; per class, new blocks followed and reuses seen.
         self._followed: OrderedDict[BlockKey, int] = OrderedDict()
-        self._follow_limit = max(MIN_FOLLOWED, int(TRACK_FACTOR * capacity / SAMPLE))
+        self._follow_limit = max(MIN_FOLLOWED, int(TRACK_FACTOR * self.capacity / SAMPLE))
         self._since_halving = 0
         self._inserted = [0.0] * _CLASSES
         self._reused = [0.0] * _CLASSES

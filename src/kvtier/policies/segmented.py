@@ -20,32 +20,18 @@ every capacity and is not used.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Container
 
 from kvtier.keys import BlockKey
-from kvtier.policies.base import EvictionPolicy
-from kvtier.policies.segments import remember_evicted, segment_sizes
+from kvtier.policies.segments import SegmentedBase, remember_evicted
 from kvtier.policies.segments import take as _take
 
-PROBATION_FRACTION = 0.05
-GHOST_FACTOR = 4.0
 
+class SegmentedPolicy(SegmentedBase):
+    """Options and segments: ``SegmentedBase`` (``policies/segments.py``, with the defaults,
+    ``PROBATION_FRACTION`` and ``GHOST_FACTOR``)."""
 
-class SegmentedPolicy(EvictionPolicy):
-    def __init__(
-        self,
-        capacity: int,
-        probation_fraction: float = PROBATION_FRACTION,
-        ghost_factor: float = GHOST_FACTOR,
-    ) -> None:
-        sizes = segment_sizes("segmented", capacity, probation_fraction, ghost_factor)
-        self.capacity = capacity
-        self.probation_target, self.ghost_capacity = sizes
-        # Oldest first in each (OrderedDict: popping from the front of a dict leaves tombstones).
-        self._probation: OrderedDict[BlockKey, None] = OrderedDict()
-        self._protected: OrderedDict[BlockKey, None] = OrderedDict()
-        self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
+    kind = "segmented"
 
     def insert(self, key: BlockKey) -> None:
         ghost = self._ghost

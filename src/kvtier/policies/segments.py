@@ -1,12 +1,17 @@
-"""What the segmented policies (``segmented``, ``hinted``) share: their options' validation, taking
-the oldest unpinned keys of a segment, and the ghost history of evicted keys."""
+"""What the segmented policies (``segmented``, ``hinted``) share: their options and segments,
+taking the oldest unpinned keys of a segment, and the ghost history of evicted keys."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable
+from typing import ClassVar
 
 from kvtier.keys import BlockKey
+from kvtier.policies.base import EvictionPolicy
+
+PROBATION_FRACTION = 0.05
+GHOST_FACTOR = 4.0
 
 
 def segment_sizes(
@@ -21,6 +26,32 @@ def segment_sizes(
     if ghost_factor < 0.0:
         raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
     return max(1, int(probation_fraction * capacity)), int(ghost_factor * capacity)
+
+
+class SegmentedBase(EvictionPolicy):
+    """Probation, protected and the ghost history, sized from the options. A subclass sets up
+    what it adds in ``_setup`` (called last by ``__init__``)."""
+
+    kind: ClassVar[str] = "segmented"
+    """The policy's name in errors."""
+
+    def __init__(
+        self,
+        capacity: int,
+        probation_fraction: float = PROBATION_FRACTION,
+        ghost_factor: float = GHOST_FACTOR,
+    ) -> None:
+        sizes = segment_sizes(self.kind, capacity, probation_fraction, ghost_factor)
+        self.capacity = capacity
+        self.probation_target, self.ghost_capacity = sizes
+        # Oldest first in each (OrderedDict: popping from the front of a dict leaves tombstones).
+        self._probation: OrderedDict[BlockKey, None] = OrderedDict()
+        self._protected: OrderedDict[BlockKey, None] = OrderedDict()
+        self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
+        self._setup()
+
+    def _setup(self) -> None:
+        """A subclass's own state (none here)."""
 
 
 def oldest_unpinned(
