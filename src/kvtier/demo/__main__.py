@@ -298,7 +298,7 @@ def ms(seconds: list[float]) -> tuple[float, float, float]:
     return sum(seconds), statistics.mean(seconds) * 1e3, statistics.median(seconds) * 1e3
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kvtier.demo",
         description="vLLM (CPU) with kvtier on a multi-turn workload from the bundled trace: "
@@ -328,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir", type=Path, default=Path("kvtier-demo"), help="model, fs tier, results"
     )
     parser.add_argument("--json", type=Path, default=None, help="default: WORKDIR/results.json")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     wall = time.perf_counter()
     prepare_env()
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
@@ -342,27 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     all_blocks = unbounded_engine_blocks(workload)
     expected = predict_shares(workload.prompts, engine_blocks, args.pool_blocks)
     model = write_model(workdir / "model", size)
-    print(
-        f"model     Llama, hidden {size.hidden_size}, {size.num_hidden_layers} layers, "
-        f"{size.parameters / 1e6:.0f}M parameters, seeded random weights, float32 "
-        f"(KV: {size.block_bytes >> 10} KiB per {BLOCK_TOKENS}-token block)"
-    )
-    print(
-        f"workload  {len(workload.turns)} requests of {workload.sessions} conversations from the "
-        f"bundled trace ({workload.concurrency} open at a time), {workload.prompt_tokens} prompt "
-        f"tokens, longest {workload.max_prompt_tokens}"
-    )
-    print(
-        f"caches    vLLM {engine_blocks} blocks of {BLOCK_TOKENS} tokens; kvtier host pool "
-        f"{args.pool_blocks} blocks ({mib(args.pool_blocks * size.block_bytes)}, eviction "
-        f"{args.eviction})" + ("" if args.no_fs else f" + fs tier in {args.workdir / 'fs'}")
-    )
-    print(
-        f"expected  (LRU model) {expected.reusable:.0%} of the prompt tokens reusable: vLLM's "
-        f"own cache {expected.engine:.0%},\n          kvtier's host pool {expected.pool:.0%}, "
-        f"fs {expected.fs:.0%}"
-    )
-    sys.stdout.flush()
+    print_setup(args, size, workload, engine_blocks, expected)
 
     stats_path = workdir / "stats.json"
     base1 = run_engine(BASELINE, model, workload, size, engine_blocks)
@@ -391,17 +375,72 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["outputs_identical"] else 1
 
 
+def print_setup(
+    args: Any, size: ModelSize, workload: Workload, engine_blocks: int, expected: Shares
+) -> None:
+    """What the demo runs: the model, the workload, the caches and the shares it expects."""
+    print(
+        f"model     Llama, hidden {size.hidden_size}, {size.num_hidden_layers} layers, "
+        f"{size.parameters / 1e6:.0f}M parameters, seeded random weights, float32 "
+        f"(KV: {size.block_bytes >> 10} KiB per {BLOCK_TOKENS}-token block)"
+    )
+    print(
+        f"workload  {len(workload.turns)} requests of {workload.sessions} conversations from the "
+        f"bundled trace ({workload.concurrency} open at a time), {workload.prompt_tokens} prompt "
+        f"tokens, longest {workload.max_prompt_tokens}"
+    )
+    print(
+        f"caches    vLLM {engine_blocks} blocks of {BLOCK_TOKENS} tokens; kvtier host pool "
+        f"{args.pool_blocks} blocks ({mib(args.pool_blocks * size.block_bytes)}, eviction "
+        f"{args.eviction})" + ("" if args.no_fs else f" + fs tier in {args.workdir / 'fs'}")
+    )
+    print(
+        f"expected  (LRU model) {expected.reusable:.0%} of the prompt tokens reusable: vLLM's "
+        f"own cache {expected.engine:.0%},\n          kvtier's host pool {expected.pool:.0%}, "
+        f"fs {expected.fs:.0%}"
+    )
+    sys.stdout.flush()
+
+
 def report(
     workload: Workload, expected: Shares, runs: list[Run], size: ModelSize, args: Any
 ) -> dict[str, Any]:
     """Print the results and return them as a JSON-able dict. ``runs``: the first baseline, the
     kvtier run, the run with a vLLM cache that keeps everything, the second baseline."""
-    base1, kv, ideal, base2 = runs
+    base1, kv, _, _ = runs
     assert kv.kvtier is not None
     summary = tier_summary(kv.kvtier, size.block_bytes)
-    tokens = workload.prompt_tokens
-    loaded = summary["hit_tokens"]
-    share = loaded / max(tokens, 1)
+    print_tiers(summary)
+    tokens = token_counts(workload.prompt_tokens, summary["hit_tokens"], runs)
+    timing = prefill_timing(runs)
+    gains = print_check(tokens, runs)
+    identical = all(
+        [r.output for r in run.requests] == [r.output for r in base1.requests] for run in runs
+    )
+    print(f"outputs    identical in all four runs: {identical}")
+    return {
+        "model": {**asdict(size), "parameters": size.parameters, "block_bytes": size.block_bytes},
+        "workload": workload_record(workload, args),
+        "caches": {
+            "vllm_blocks": engine_blocks_for(workload),
+            "vllm_blocks_for_all": unbounded_engine_blocks(workload),
+            "pool_blocks": args.pool_blocks,
+            "eviction": args.eviction,
+            "fs_tier": not args.no_fs,
+        },
+        "expected_shares": asdict(expected),
+        "kvtier": summary,
+        "kvtier_stats": kv.kvtier,
+        "tokens": tokens,
+        "timing": timing,
+        **gains,
+        "requests": {run.label: [asdict(r) for r in run.requests] for run in runs},
+        "outputs_identical": identical,
+    }
+
+
+def print_tiers(summary: dict[str, Any]) -> None:
+    """kvtier's hit ratio and bytes moved per tier."""
     print()
     print(f"{'kvtier':<11}{'hit ratio':>10}{'hit blocks':>12}{'read':>12}{'written':>12}")
     for name, t in summary["tiers"].items():
@@ -414,15 +453,34 @@ def report(
         f"host pool read/written:\n           pool -> vLLM / vLLM -> pool; fs read: promoted "
         f"back into the pool"
     )
+
+
+def token_counts(tokens: int, loaded: int, runs: list[Run]) -> dict[str, Any]:
+    """Print and return where the kvtier run's prompt tokens came from (``loaded``: from
+    kvtier), next to the engine's own cache in the other runs."""
+    base1, kv, ideal, _ = runs
     cached = {run.label: sum(r.engine_cached for r in run.requests) for run in runs}
     engine_own = cached[kv.label] - loaded
     computed = tokens - cached[kv.label]
     print(
-        f"tokens     {tokens} prompt tokens: {loaded} ({share:.1%}) loaded from kvtier, "
-        f"{computed} computed, {engine_own} from vLLM's own cache\n"
+        f"tokens     {tokens} prompt tokens: {loaded} ({loaded / max(tokens, 1):.1%}) loaded "
+        f"from kvtier, {computed} computed, {engine_own} from vLLM's own cache\n"
         f"           (without kvtier: {cached[base1.label]} from vLLM's own cache; with a vLLM "
         f"cache for all: {cached[ideal.label]})"
     )
+    return {
+        "prompt": tokens,
+        "loaded_from_kvtier": loaded,
+        "computed": computed,
+        "vllm_cache": engine_own,
+        "vllm_cache_by_run": cached,
+    }
+
+
+def prefill_timing(runs: list[Run]) -> dict[str, Any]:
+    """Print and return each run's prefill times: of all requests, of those the kvtier run
+    loaded something for, and of the others."""
+    kv = runs[1]
     hits = [i for i, r in enumerate(kv.requests) if (r.kvtier_tokens or 0) > 0]
     misses = [i for i in range(len(kv.requests)) if i not in set(hits)]
     groups = (
@@ -448,16 +506,24 @@ def report(
             }
         print(f"{run.label:<22}" + "".join(cells))
         timing[run.label] = entry
+    return timing
+
+
+def print_check(tokens: dict[str, Any], runs: list[Run]) -> dict[str, float]:
+    """Print and return how much shorter prefill was with kvtier and with a vLLM cache for all,
+    against the mean of the two baselines (and how far those differ)."""
+    base1, kv, ideal, base2 = runs
+    prompt = max(tokens["prompt"], 1)
     baseline = (base1.total + base2.total) / 2
     drift = abs(base1.total - base2.total) / max(baseline, 1e-9)
     saved = 1 - kv.total / max(baseline, 1e-9)
     ideal_saved = 1 - ideal.total / max(baseline, 1e-9)
     print()
     print(
-        f"check      {share:.0%} of the prompt tokens loaded from kvtier: prefill {saved:.0%} "
-        f"shorter ({baseline:.2f} s -> {kv.total:.2f} s)\n"
+        f"check      {tokens['loaded_from_kvtier'] / prompt:.0%} of the prompt tokens loaded "
+        f"from kvtier: prefill {saved:.0%} shorter ({baseline:.2f} s -> {kv.total:.2f} s)\n"
         f"           a vLLM cache that keeps every block (no evictions, no copies) serves "
-        f"{cached[ideal.label] / max(tokens, 1):.0%}:\n"
+        f"{tokens['vllm_cache_by_run'][ideal.label] / prompt:.0%}:\n"
         f"           {ideal_saved:.0%} shorter ({ideal.total:.2f} s); kvtier's loads, promotions "
         f"and stores cost the difference ({kv.total - ideal.total:+.2f} s)\n"
         f"           baseline: the mean of the two runs without kvtier, which differ by "
@@ -468,55 +534,34 @@ def report(
             "           note: the baselines differ a lot, the machine's speed changed during the "
             "demo\n           (another process?): timings are disturbed, re-run for clean ones"
         )
-    identical = all(
-        [r.output for r in run.requests] == [r.output for r in base1.requests] for run in runs
-    )
-    print(f"outputs    identical in all four runs: {identical}")
     return {
-        "model": {**asdict(size), "parameters": size.parameters, "block_bytes": size.block_bytes},
-        "workload": {
-            "requests": len(workload.turns),
-            "conversations": workload.sessions,
-            "concurrency": workload.concurrency,
-            "max_turns": args.turns,
-            "max_context_blocks": args.context_blocks,
-            "prompt_tokens": tokens,
-            "max_prompt_tokens": workload.max_prompt_tokens,
-            "turns": [
-                {
-                    "conversation": t.session,
-                    "turn": t.turn,
-                    "trace_index": t.trace_index,
-                    "tokens": len(t.tokens),
-                    "resent": t.resent,
-                }
-                for t in workload.turns
-            ],
-        },
-        "caches": {
-            "vllm_blocks": engine_blocks_for(workload),
-            "vllm_blocks_for_all": unbounded_engine_blocks(workload),
-            "pool_blocks": args.pool_blocks,
-            "eviction": args.eviction,
-            "fs_tier": not args.no_fs,
-        },
-        "expected_shares": asdict(expected),
-        "kvtier": summary,
-        "kvtier_stats": kv.kvtier,
-        "tokens": {
-            "prompt": tokens,
-            "loaded_from_kvtier": loaded,
-            "computed": computed,
-            "vllm_cache": engine_own,
-            "vllm_cache_by_run": cached,
-        },
-        "timing": timing,
         "baseline_mean_s": baseline,
         "baselines_differ": drift,
         "saved": saved,
         "saved_with_vllm_cache_for_all": ideal_saved,
-        "requests": {run.label: [asdict(r) for r in run.requests] for run in runs},
-        "outputs_identical": identical,
+    }
+
+
+def workload_record(workload: Workload, args: Any) -> dict[str, Any]:
+    """The workload as results.json records it: its options and every request."""
+    return {
+        "requests": len(workload.turns),
+        "conversations": workload.sessions,
+        "concurrency": workload.concurrency,
+        "max_turns": args.turns,
+        "max_context_blocks": args.context_blocks,
+        "prompt_tokens": workload.prompt_tokens,
+        "max_prompt_tokens": workload.max_prompt_tokens,
+        "turns": [
+            {
+                "conversation": t.session,
+                "turn": t.turn,
+                "trace_index": t.trace_index,
+                "tokens": len(t.tokens),
+                "resent": t.resent,
+            }
+            for t in workload.turns
+        ],
     }
 
 
