@@ -31,7 +31,7 @@ def test_exporter_follows_the_cache_counters(tmp_path: Path) -> None:
     config = load_config(
         {
             "pool": {"size": "8MiB"},
-            "tiers": [{"kind": "fs", "path": str(tmp_path), "capacity": "64MiB"}],
+            "tiers": [{"kind": "fs", "path": str(tmp_path), "capacity": "64GiB"}],  # 1,024 blocks
         }
     )
     seen: list[object] = []

@@ -84,7 +84,9 @@ def test_recorded_trace_replays_to_the_engine_hit_ratio(tmp_path: Path) -> None:
             "--pool-blocks",
             str(stats["pool_slots"]),
             "--tier",
-            f"fs:{tmp_path / 'sim-fs'}:1GiB",
+            # The engine's 8 GiB fs tier holds 16,384 of its 512 KiB blocks; simulate counts
+            # capacities in blocks of block.bytes (64 MiB): the same 16,384 blocks.
+            f"fs:{tmp_path / 'sim-fs'}:1TiB",
             "--json",
             "--no-progress",
         ],
