@@ -168,6 +168,12 @@ def _add_run_arguments(sim: argparse.ArgumentParser) -> None:
         "trace's distinct blocks) next to the offline optimum and the ceiling",
     )
     sim.add_argument(
+        "--sweep-tier",
+        default="",
+        metavar="NAME",
+        help="sweep this tier's capacity (blocks) instead of the pool, the pool at --pool-blocks",
+    )
+    sim.add_argument(
         "--sweep-json", type=Path, default=None, metavar="FILE", help="the sweep as JSON"
     )
     sim.add_argument(
@@ -344,6 +350,8 @@ def cmd_sweep(config: KVTierConfig, args: argparse.Namespace) -> int:
         payload_bytes=args.payload_bytes,
         limit=args.limit,
         progress=not args.no_progress,
+        tier=args.sweep_tier,
+        pool_blocks=simulate_pool_blocks(config, args.pool_blocks, args.pool_size),
     )
     print(sweep.format_sweep(result))
     if args.sweep_json is not None:

@@ -33,6 +33,36 @@ def test_replay_never_beats_the_optimum_and_a_pool_for_everything_meets_the_ceil
     assert everything.optimal_hit_ratio == pytest.approx(result.ceiling)
 
 
+def test_a_tier_sweep_varies_only_that_tier(tmp_path: Path) -> None:
+    config = load_config(
+        {"eviction": "lru", "tiers": [{"kind": "fs", "path": str(tmp_path), "capacity": "1GiB"}]}
+    )
+    result = sweep(config, bundled_trace_path(), [20, 4000], limit=300, tier="fs", pool_blocks=50)
+    assert result.tier == "fs" and result.fixed_pool_blocks == 50
+    assert "pool fixed at 50 blocks" in result.unit
+    small, large = result.points
+    assert small.pool_blocks == 20 and large.pool_blocks == 4000
+    assert small.hit_ratio < large.hit_ratio
+    assert small.evictions > 0  # the fs tier's own evictions: it holds 20 blocks
+    for p in result.points:  # the optimum of one cache as large as pool + tier bounds both
+        assert p.hit_ratio <= p.optimal_hit_ratio + 1e-12
+    with pytest.raises(ConfigError, match="--sweep-tier"):
+        sweep(config, bundled_trace_path(), [10], limit=10, tier="nope", pool_blocks=5)
+
+
+def test_every_size_starts_cold_with_a_persistent_tier(tmp_path: Path) -> None:
+    # An fs tier keeps its blocks across processes: a second sweep (or the next size) must not
+    # find the blocks the first one stored, or the curve would climb past the ceiling.
+    config = load_config(
+        {"eviction": "lru", "tiers": [{"kind": "fs", "path": str(tmp_path), "capacity": "1TiB"}]}
+    )
+    first = sweep(config, bundled_trace_path(), [30], limit=300, tier="fs", pool_blocks=20)
+    again = sweep(config, bundled_trace_path(), [30], limit=300, tier="fs", pool_blocks=20)
+    assert first.points == again.points
+    assert first.points[0].hit_ratio <= first.ceiling
+    assert list(tmp_path.iterdir()) == []  # the point's blocks were removed
+
+
 def test_sizes() -> None:
     assert parse_sizes("auto") is None
     assert parse_sizes("400, 100,400") == [100, 400]

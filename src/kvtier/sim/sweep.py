@@ -1,15 +1,21 @@
-"""``kvtier simulate --sweep``: the hit ratio curve over pool sizes, for capacity planning.
+"""``kvtier simulate --sweep``: the hit ratio curve over pool sizes (or over one tier's
+capacity), for capacity planning.
 
-At each pool size (in blocks of ``block.bytes``, the unit of ``--pool-blocks``) the trace is
-replayed through the real cache with the config's policy and tiers, next to the offline optimum
-of a cache of that many blocks (``kvtier.sim.optimal``: a bound no online policy reaches) and the
-ceiling (a cache that keeps every block). Results as a table, JSON and, with matplotlib
-(``kvtier[plot]``), a PNG.
+At each size (in blocks of ``block.bytes``, the unit of ``--pool-blocks`` and of tier capacities)
+the trace is replayed through the real cache with the config's policy and tiers, next to the
+offline optimum of a cache of that many blocks (``kvtier.sim.optimal``: a bound no online policy
+reaches; for a tier, of one cache as large as the pool and the tier together, which bounds any
+hierarchy of the two) and the ceiling (a cache that keeps every block). Results as a table, JSON
+and, with matplotlib (``kvtier[plot]``), a PNG.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import shutil
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +23,8 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.sim.optimal import infinite_hit_ratio, optimal_hit_ratio
-from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate
+from kvtier.sim.replay import ReplayResult
+from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate, simulation_namespace
 from kvtier.sim.trace import read_trace
 from kvtier.validation import format_size
 
@@ -27,6 +34,7 @@ AUTO_POINTS = 8
 @dataclass(frozen=True, slots=True)
 class SweepPoint:
     pool_blocks: int
+    """The size swept: pool blocks, or the swept tier's blocks (``SweepResult.tier``)."""
     hit_ratio: float
     """The replay through the real cache (the config's policy and tiers)."""
     optimal_hit_ratio: float
@@ -48,6 +56,14 @@ class SweepResult:
     """Hit ratio of a cache that keeps every block."""
     points: list[SweepPoint] = field(default_factory=list)
     unit: str = "pool sizes in blocks of block.bytes"
+    tier: str = ""
+    """The tier whose capacity was swept (empty: the pool was)."""
+    fixed_pool_blocks: int = 0
+    """The pool's size while a tier is swept."""
+
+    @property
+    def swept(self) -> str:
+        return f"tier {self.tier}" if self.tier else "pool"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,7 +97,10 @@ def sweep(
     payload_bytes: int = DEFAULT_PAYLOAD_BYTES,
     limit: int | None = None,
     progress: bool = False,
+    tier: str = "",
+    pool_blocks: int = 0,
 ) -> SweepResult:
+    """Sweep the pool, or with ``tier`` that tier's capacity with the pool at ``pool_blocks``."""
     requests = read_trace(trace, limit)
     distinct = len({h for r in requests for h in r.hash_ids})
     result = SweepResult(
@@ -94,24 +113,64 @@ def sweep(
         block_bytes=config.block.bytes,
         ceiling=infinite_hit_ratio(requests),
     )
-    for n in sizes if sizes is not None else auto_sizes(distinct):
-        replay = simulate(
-            config,
-            trace,
-            pool_blocks=n,
-            payload_bytes=payload_bytes,
-            limit=limit,
-            progress=progress,
+    if tier:
+        result.tier, result.fixed_pool_blocks = tier, pool_blocks
+        result.unit = (
+            f"tier {tier} capacities in blocks of block.bytes, pool fixed at {pool_blocks} blocks"
         )
+    for n in sizes if sizes is not None else auto_sizes(distinct):
+        # Each size starts cold: a tenant of its own, so that blocks a persistent tier kept from
+        # the previous size are not found (and its fs directories removed afterwards).
+        cold = dataclasses.replace(config, tenant=f"{config.tenant}.sweep-{uuid.uuid4().hex[:12]}")
+        try:
+            replay = simulate(
+                with_tier_capacity(cold, tier, n) if tier else cold,
+                trace,
+                pool_blocks=pool_blocks if tier else n,
+                payload_bytes=payload_bytes,
+                limit=limit,
+                progress=progress,
+            )
+        finally:
+            _remove_fs_blocks(cold)
         if replay.mismatched_blocks:
             raise KVTierError(f"pool of {n} blocks: {replay.mismatched_blocks} payload mismatches")
-        best = optimal_hit_ratio(requests, n)
+        best = optimal_hit_ratio(requests, n + pool_blocks if tier else n)
         result.points.append(
             SweepPoint(
-                n, replay.hit_ratio, best.hit_ratio, replay.hit_blocks, replay.tiers[0].evictions
+                n, replay.hit_ratio, best.hit_ratio, replay.hit_blocks, _evictions(replay, tier)
             )
         )
     return result
+
+
+def with_tier_capacity(config: KVTierConfig, name: str, blocks: int) -> KVTierConfig:
+    """``config`` with tier ``name`` given ``blocks`` blocks of ``block.bytes``."""
+    tiers = list(config.tiers)
+    for i, tier in enumerate(tiers):
+        if tier.name == name:
+            if not hasattr(tier.options, "capacity"):
+                raise ConfigError("--sweep-tier", name, "a tier with a capacity (fs, memory)")
+            options = dataclasses.replace(tier.options, capacity=blocks * config.block.bytes)
+            if hasattr(options, "capacity_blocks"):
+                options = dataclasses.replace(options, capacity_blocks=None)
+            tiers[i] = dataclasses.replace(tier, options=options)
+            return dataclasses.replace(config, tiers=tuple(tiers))
+    known = ", ".join(t.name for t in tiers) or "none (add one with --tier)"
+    raise ConfigError("--sweep-tier", name, f"the name of a configured tier: {known}")
+
+
+def _remove_fs_blocks(config: KVTierConfig) -> None:
+    """Delete the namespace directories a sweep point's file tiers wrote (nothing else)."""
+    namespace = simulation_namespace(config).hex
+    for tier in config.tiers:
+        path = getattr(tier.options, "path", None)
+        if isinstance(path, str):
+            shutil.rmtree(os.path.join(path, namespace), ignore_errors=True)
+
+
+def _evictions(replay: ReplayResult, tier: str) -> int:
+    return next((t.evictions for t in replay.tiers if t.name == (tier or "pool")), 0)
 
 
 def format_sweep(r: SweepResult) -> str:
@@ -121,7 +180,7 @@ def format_sweep(r: SweepResult) -> str:
         f"policy      {r.policy}; tiers behind the pool: {', '.join(r.tiers) or 'none'}",
         f"unit        {r.unit} ({format_size(r.block_bytes)} each)",
         "",
-        f"{'pool blocks':>12}{'pool size':>12}{'hit ratio':>11}{'optimum':>10}"
+        f"{r.swept + ' blocks':>12}{'size':>12}{'hit ratio':>11}{'optimum':>10}"
         f"{'of optimum':>12}{'ceiling':>9}",
     ]
     for p in r.points:
@@ -158,7 +217,7 @@ def write_png(r: SweepResult, path: Path) -> None:
     ax.plot(xs, [p.optimal_hit_ratio for p in r.points], "s--", label="offline optimum (bound)")
     ax.axhline(r.ceiling, color="grey", linestyle=":", label=f"ceiling {r.ceiling:.3f}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel(f"pool size, blocks of {format_size(r.block_bytes)}")
+    ax.set_xlabel(f"{r.swept} size, blocks of {format_size(r.block_bytes)}")
     ax.set_ylabel("hit ratio (blocks)")
     ax.set_ylim(0, 1)
     ax.set_title(f"{r.trace}: {r.requests} requests")
