@@ -238,7 +238,7 @@ def test_check_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     bad = tmp_path / "bad.yaml"
     bad.write_text("tiers: [{kind: fs, path: /x, capacity: 1GiB, fsink: true}]\n")
     err = fails(capsys, "check-config", str(bad))
-    assert "tiers[0].fsink=True" in err
+    assert "tiers[0].fsink=<not shown>" in err
 
 
 def test_check_config_never_prints_the_redis_password(
@@ -270,9 +270,9 @@ def test_check_config_never_prints_the_redis_password(
             "tiers: [{kind: redis, url: 'redis://u:pw@[::1:6379'}]\n",
             "tiers[0].url='redis://u:***@[::1:6379': a valid URL",
         ),
-        ("vllm: {blocks_per_slt: 2}\n", "vllm.blocks_per_slt=2: not a known option"),
+        ("vllm: {blocks_per_slt: 2}\n", "vllm.blocks_per_slt=<not shown>: not a known option"),
         ("pool: {size: " + "9" * 400 + "}\n", "pool.size=999"),
-        ("1: a\n'2': b\n", "invalid config 2='b': not a known option"),
+        ("1: a\n'2': b\n", "invalid config 2=<not shown>: not a known option"),
         ("a: " + "[" * 5000 + "]" * 5000 + "\n", "valid YAML (nested too deeply)"),
         ("a: " + "1" * 5000 + "\n", "valid YAML (Exceeds the limit"),
     ],

@@ -23,7 +23,7 @@ from kvtier.config import (
     load_config,
 )
 from kvtier.config import options_class as config_options_class
-from kvtier.errors import ConfigError, shown
+from kvtier.errors import HIDDEN_VALUE, ConfigError, shown
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import BlockKey, Namespace, keys_from_hashes
 from kvtier.pool import NAME_PREFIX, HostPool
@@ -346,7 +346,9 @@ def test_bad_value_names_field_value_and_what_is_allowed(
     assert error.field == field
     assert error.value == value and type(error.value) is type(value)
     assert allowed in error.allowed
-    assert str(error).startswith(f"invalid config {field}={shown(value)}: ")
+    # An unknown key's value is not printed: it may be a misspelt secret.
+    text = HIDDEN_VALUE if error.allowed.startswith("not a known option") else shown(value)
+    assert str(error).startswith(f"invalid config {field}={text}: ")
 
 
 # -- NaN and infinity: every decimal option of every record refuses them ------------------------
@@ -685,3 +687,9 @@ def test_every_copy_strategy_reaches_the_cuda_backend_options(strategy: str) -> 
     config = load_config({"model": "m", "copy": {"strategy": strategy, "max_sms": 4}})
     options = CudaCopyOptions.from_config(config)
     assert (options.strategy, options.max_sms) == (strategy, 4)
+
+
+def test_a_misspelt_secret_is_not_printed() -> None:
+    error = error_of({"tiers": [{"kind": "redis", "url": "redis://h:6379", "pasword": "hunter2"}]})
+    assert error.field == "tiers[0].pasword" and error.value == "hunter2"
+    assert "hunter2" not in str(error)

@@ -17,11 +17,16 @@ class ConfigError(KVTierError, ValueError):
     The message names the field, the offending value and what is allowed.
     """
 
-    def __init__(self, field: str, value: object, allowed: str) -> None:
+    def __init__(self, field: str, value: object, allowed: str, *, show_value: bool = True) -> None:
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"invalid config {field}={shown(value)}: {allowed}")
+        text = shown(value) if show_value else HIDDEN_VALUE
+        super().__init__(f"invalid config {field}={text}: {allowed}")
+
+
+HIDDEN_VALUE = "<not shown>"
+"""Stands for a value a message must not print (an unknown key's: it may be a misspelt secret)."""
 
 
 _REPR = reprlib.Repr()

@@ -205,10 +205,12 @@ class Section:
         # Sorted as text: YAML keys may be integers, dates or null besides strings.
         unknown = sorted(set(self.data) - self._read, key=shown)
         if unknown:
+            # The value is not shown: a misspelt secret (``pasword: ...``) must not be printed.
             raise ConfigError(
                 self._field(unknown[0]),
                 self.data[unknown[0]],
                 f"not a known option here; known: {', '.join(sorted(self._read))}",
+                show_value=False,
             )
 
 
