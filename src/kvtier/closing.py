@@ -12,10 +12,10 @@ from kvtier.tiers.base import Tier
 log = logging.getLogger(__name__)
 
 
-def close_tiers(tiers: Sequence[Tier], timeout_s: float) -> list[str]:
+def close_tiers(tiers: Sequence[Tier], timeout_s: float) -> None:
     """Close every tier on its own helper thread, all at once, and wait at most ``timeout_s`` in
-    all. Returns the names of tiers whose ``close()`` had not returned by then (each named in a
-    warning): they are left to finish on their own."""
+    all. A tier whose ``close()`` has not returned by then is named in a warning and left to
+    finish on its own."""
     closers = [
         threading.Thread(target=_close, args=(tier,), name=f"kvtier-close-{tier.name}", daemon=True)
         for tier in tiers
@@ -23,15 +23,12 @@ def close_tiers(tiers: Sequence[Tier], timeout_s: float) -> list[str]:
     for thread in closers:
         thread.start()
     deadline = time.monotonic() + timeout_s
-    late: list[str] = []
     for tier, thread in zip(tiers, closers, strict=True):
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             log.warning(
                 "tier %s did not close within %g s; going on without it", tier.name, timeout_s
             )
-            late.append(tier.name)
-    return late
 
 
 def _close(tier: Tier) -> None:

@@ -48,6 +48,9 @@ def test_a_tier_sweep_varies_only_that_tier(tmp_path: Path) -> None:
         assert p.hit_ratio <= p.optimal_hit_ratio + 1e-12
     with pytest.raises(ConfigError, match="--sweep-tier"):
         sweep(config, bundled_trace_path(), [10], limit=10, tier="nope", pool_blocks=5)
+    unbounded = load_config({"tiers": [{"kind": "redis", "url": "redis://127.0.0.1:1/0"}]})
+    with pytest.raises(ConfigError, match="a tier with a capacity"):
+        sweep(unbounded, bundled_trace_path(), [10], limit=10, tier="redis", pool_blocks=5)
 
 
 def test_every_size_starts_cold_with_a_persistent_tier(tmp_path: Path) -> None:
