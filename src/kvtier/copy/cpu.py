@@ -16,6 +16,8 @@ from kvtier.pool import HostPool
 
 
 class CpuCopyBackend(CopyBackend):
+    kind = "cpu"
+
     def __init__(
         self,
         kv_caches: Sequence[Any],

@@ -107,6 +107,8 @@ class CudaCopyBackend(CopyBackend):
     ``tp_rank`` of ``tp_size`` of each slot.
     """
 
+    kind = "cuda"
+
     def __init__(
         self,
         kv_caches: Sequence[Any],

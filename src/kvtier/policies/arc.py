@@ -17,6 +17,8 @@ from kvtier.policies.base import EvictionPolicy
 
 
 class ARCPolicy(EvictionPolicy):
+    kind = "arc"
+
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"ARC capacity must be positive, got {capacity}")

@@ -11,6 +11,8 @@ from kvtier.policies.base import EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
+    kind = "lru"
+
     def __init__(self) -> None:
         # Oldest first. OrderedDict, not dict: popping from the front of a plain dict leaves
         # tombstones that make the next scan from the front slower and slower.

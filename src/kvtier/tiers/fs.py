@@ -77,6 +77,8 @@ __all__ = ["FsTier", "Options"]
 class FsTier(BlockTier):
     """Blocks as files on a local or shared filesystem; see the module docstring."""
 
+    kind = "fs"
+
     def __init__(self, name: str, namespace: Namespace, pool: HostPool, options: Options) -> None:
         super().__init__(
             name, namespace, pool, threads=options.threads, stuck_after_s=options.io_timeout_s

@@ -77,6 +77,8 @@ class MemoryTier(BlockTier):
     checksum, pins and counters are ``BlockTier``'s; this class keeps the dict, its capacity and
     the latency queue."""
 
+    kind = "memory"
+
     def __init__(
         self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
     ) -> None:

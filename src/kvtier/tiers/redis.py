@@ -81,6 +81,8 @@ CLOSE_ABORT_S = 1.0
 class RedisTier(Tier):
     """Blocks in Redis / Valkey; see the module docstring (options: ``Options`` here)."""
 
+    kind = "redis"
+
     def __init__(
         self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
     ) -> None:
