@@ -16,8 +16,9 @@ What callers may rely on (besides the ``Tier`` contract):
   a short file or a file of another namespace is a miss, counted in ``counters.corrupt``, and the
   file is removed and the key reported through ``take_evicted``.
 * The bytes of the files this tier knows plus those reserved by in-flight writes never exceed
-  ``capacity`` (headers included). Least-recently used blocks are evicted to make room; a block
-  that an in-flight job reads or writes is never evicted.
+  ``capacity`` (headers included). Blocks are evicted to make room in the order of the
+  ``eviction`` policy (``lru`` by default; ``fs_index.py``); a block that an in-flight job reads
+  or writes is never evicted.
 * Disk full: the tier also stays below the space the filesystem really has. Its limit is
   ``min(capacity, used + free - min_free)``, with the free space re-read at most once a second and
   at once after a write fails with ENOSPC or EDQUOT (which evicts to make room and retries the
@@ -57,6 +58,7 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers import fs_files
 from kvtier.tiers.block_tier import BlockTier, Got, Put
+from kvtier.tiers.eviction import tier_policy
 from kvtier.tiers.fs_files import FULL_ERRNOS, BlockFiles, Found, NotRegular
 from kvtier.tiers.fs_index import FsIndex, Victims
 from kvtier.tiers.fs_options import Options
@@ -80,14 +82,18 @@ class FsTier(BlockTier):
     kind = "fs"
 
     def __init__(self, name: str, namespace: Namespace, pool: HostPool, options: Options) -> None:
+        file_bytes = HEADER_BYTES + pool.slot_bytes
+        policy = tier_policy(
+            options.eviction, options.capacity // file_bytes, f"{options.config_path}.eviction"
+        )  # before the I/O threads start: a policy that fails to build leaves nothing running
         super().__init__(
             name, namespace, pool, threads=options.threads, stuck_after_s=options.io_timeout_s
         )
         self.options = options
         self.capacity = options.capacity
         self.root = os.path.join(options.path, namespace.hex)
-        self._file_bytes = HEADER_BYTES + pool.slot_bytes
-        self._index = FsIndex(options.capacity, self.pinned)
+        self._file_bytes = file_bytes
+        self._index = FsIndex(options.capacity, self._pins, policy)
         """Guarded by ``_lock`` (the skeleton's lock, shared with its counters and pins)."""
         self._free_at = -FREE_SPACE_REFRESH_S
         self._root_fd = -1
@@ -193,9 +199,10 @@ class FsTier(BlockTier):
     # -- extras ---------------------------------------------------------------------------------
 
     def rescan(self) -> Future[int]:
-        """Re-read the directory on an I/O thread: add files other processes wrote since start (as
-        least recently used), forget indexed files that are gone, evict down to capacity if needed,
-        remove stale temp files. The future's result is the number of keys added.
+        """Re-read the directory on an I/O thread: add files other processes wrote since start (the
+        first to be evicted, oldest first, until this process uses them), forget indexed files
+        that are gone, evict down to capacity if needed, remove stale temp files. The future's
+        result is the number of keys added.
 
         Only needed when several processes share the directory; call it now and then (say every
         few seconds), not on every lookup: it lists the whole namespace directory.
@@ -250,8 +257,8 @@ class FsTier(BlockTier):
 
     def _write_or_make_room(self, key: BlockKey, buffers: list[memoryview], need: int) -> bool:
         """Write the block; when the filesystem is full (ENOSPC, EDQUOT: it has less room than
-        our limit said, say because others filled it), re-read the free space, evict least-recent
-        blocks worth ``need`` bytes and try once more. Raises OSError when the block fails."""
+        our limit said, say because others filled it), re-read the free space, evict blocks worth
+        ``need`` bytes and try once more. Raises OSError when the block fails."""
         try:
             self._files.write(key, buffers)
             return True

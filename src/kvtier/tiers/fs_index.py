@@ -1,6 +1,14 @@
-"""The fs tier's index and capacity accounting: the blocks this process counts, in LRU order, and
-the bytes they and in-flight writes hold against the limit in force,
-``min(capacity, used + free - min_free)``.
+"""The fs tier's index and capacity accounting: the blocks this process counts and the bytes they
+and in-flight writes hold against the limit in force, ``min(capacity, used + free - min_free)``.
+
+Which blocks to give up when room is needed is the tier's eviction policy's choice (an
+``EvictionPolicy``, the tier's ``eviction`` option): the index tells it what happened (``insert``
+on a commit and for the files of the first listing, oldest first; ``access`` on a read hit or a
+store of a block already held; ``remove`` when a block is deleted or forgotten) and asks it for
+victims, never one that is pinned (a job moves it now). Files that a rescan finds (another
+process wrote them) are not this process's blocks yet: they wait in ``unused``, ordered by their
+write time, and are evicted before anything the policy ranks; their first use here hands them to
+the policy. With ``lru`` this is exactly one LRU order with the rescan's files at its cold end.
 
 Every method runs under the tier's lock (the caller holds it) and touches no file: the tier
 deletes victims' files outside the lock and settles the accounting afterwards. Victims leave the
@@ -15,10 +23,11 @@ cannot delete is forgotten, no longer counted and not indexed again (``undeletab
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
+from kvtier.policies.base import EvictionPolicy
 from kvtier.tiers.fs_files import Found
 
 MAX_UNDELETABLE = 65536
@@ -38,13 +47,21 @@ class Entry:
 
 
 class FsIndex:
-    """See the module docstring. ``pinned(key)``: a job moves this key now (never evicted)."""
+    """See the module docstring. ``pins``: keys a job moves now (never evicted), read live (the
+    tier's pin counts, under the same lock); ``policy``: a new, empty eviction policy."""
 
-    def __init__(self, capacity: int, pinned: Callable[[BlockKey], bool]) -> None:
+    def __init__(self, capacity: int, pins: Collection[BlockKey], policy: EvictionPolicy) -> None:
         self.capacity = capacity
-        self._pinned = pinned
-        self.entries: OrderedDict[BlockKey, Entry] = OrderedDict()
-        """Ordered oldest -> most recently used."""
+        self._pins = pins
+        self.policy = policy
+        self.entries: dict[BlockKey, Entry] = {}
+        """Every indexed block: those the policy ranks and those in ``unused``."""
+        self.unused: OrderedDict[BlockKey, None] = OrderedDict()
+        """Files a rescan found and this process has not used: the first victims, in order."""
+        self.indexed = 0
+        """Bytes of the indexed files."""
+        self.largest = 0
+        """The largest file ever indexed: ``need // largest`` victims never free too much."""
         self.used = 0
         """Bytes of indexed files + bytes reserved by in-flight writes (which include the files
         they are deleting to make room): the quantity kept <= ``limit``."""
@@ -65,20 +82,25 @@ class FsIndex:
         return len(self.entries)
 
     def load(self, found: Iterable[Found]) -> None:
-        """Index the files of a first listing, oldest first, so the LRU order after a restart
-        follows the files' write times."""
+        """Index the files of a first listing, handed to the policy oldest first, so the order
+        after a restart follows the files' write times."""
         for key, size, _mtime in sorted(found, key=lambda item: item[2]):
-            self.entries[key] = Entry(size, 0)
+            self._add(key, Entry(size, 0))
+            self.policy.insert(key)
             self.used += size
 
     def set_limit(self, free: int, min_free: int) -> None:
         self.limit = max(0, min(self.capacity, self.used + free - min_free))
 
     def touch(self, key: BlockKey) -> bool:
-        """Mark ``key`` most recently used; False when it is not indexed."""
+        """A read hit or a store of a block already held; False when it is not indexed."""
         if key not in self.entries:
             return False
-        self.entries.move_to_end(key)
+        if key in self.unused:
+            del self.unused[key]  # a rescan's file, used here for the first time
+            self.policy.insert(key)
+        else:
+            self.policy.access(key)
         return True
 
     def busy(self, key: BlockKey) -> bool:
@@ -88,63 +110,49 @@ class FsIndex:
     # -- writes ---------------------------------------------------------------------------------
 
     def reserve(self, need: int) -> tuple[Victims, int] | None:
-        """Claim ``need`` bytes, choosing least-recent unpinned victims when the free space
-        (below ``limit``) is short. Returns (victims, bytes now reserved) or None when it cannot
+        """Claim ``need`` bytes, choosing unpinned victims when the free space (below ``limit``)
+        is short. Returns (victims, bytes now reserved) or None, choosing none, when it cannot
         fit. The victims' bytes become part of the reservation."""
         free = self.limit - self.used
         if free >= need:
             self.used += need
             return [], need
-        victims: Victims = []
-        freed = 0
-        for key, entry in self.entries.items():
-            if self._pinned(key):
-                continue
-            victims.append((key, entry.size))
-            freed += entry.size
-            if free + freed >= need:
-                break
-        else:
+        if free + self._unpinned_bytes() < need:
             return None
-        self._take(victims)
-        take = max(0, need - freed)
+        victims = self._choose(need - free)
+        freed = sum(size for _, size in victims)
+        # Never past the limit, even when a policy gave fewer victims than it could: the write
+        # then fails for want of room (its victims are deleted all the same).
+        take = max(0, min(free, need - freed))
         self.used += take
         return victims, freed + take
 
     def commit(self, key: BlockKey, size: int, reserved: int) -> None:
         """A write of ``size`` bytes that had ``reserved`` bytes succeeded: index it."""
-        old = self.entries.pop(key, None)
+        old = self._pop(key)
         if old is not None:  # cannot happen today; keeps the accounting right if it does
             self.used -= old.size
         self.seq += 1
-        self.entries[key] = Entry(size, self.seq)
+        self._add(key, Entry(size, self.seq))
+        self.policy.insert(key)
         self.undeletable.pop(key, None)  # replaced by our own file
         self.used -= reserved - size
 
     # -- evictions and deletions ----------------------------------------------------------------
 
     def pick_victims(self, need: int) -> Victims:
-        """Least-recent unpinned entries worth ``need`` bytes (fewer if there are not enough),
-        out of the index; their bytes stay counted until they are deleted."""
-        victims: Victims = []
-        for key, entry in self.entries.items():
-            if need <= 0:
-                break
-            if self._pinned(key) or key in self.writing:
-                continue
-            victims.append((key, entry.size))
-            need -= entry.size
-        self._take(victims)
-        return victims
+        """Unpinned entries worth ``need`` bytes (fewer if there are not enough), out of the
+        index; their bytes stay counted until they are deleted."""
+        return self._choose(need)
 
     def over_limit_victims(self) -> Victims:
-        """Least-recent unpinned entries to drop until the index fits the limit."""
-        return self.pick_victims(self.used - self.limit)
+        """Unpinned entries to drop until the index fits the limit."""
+        return self._choose(self.used - self.limit)
 
     def start_delete(self, key: BlockKey) -> Entry | None:
         """Take ``key`` out of the index for deletion (its bytes stay counted); None when it is
         not indexed."""
-        entry = self.entries.pop(key, None)
+        entry = self._pop(key)
         if entry is not None:
             self.deleting.add(key)
         return entry
@@ -158,7 +166,7 @@ class FsIndex:
 
     def forget(self, key: BlockKey) -> bool:
         """Drop an entry whose file is already gone; True when it was indexed."""
-        entry = self.entries.pop(key, None)
+        entry = self._pop(key)
         if entry is None:
             return False
         self.used -= entry.size
@@ -176,10 +184,64 @@ class FsIndex:
             undeletable.popitem(last=False)
         return first
 
-    def _take(self, victims: Victims) -> None:
+    # -- the entries and the policy -------------------------------------------------------------
+
+    def _add(self, key: BlockKey, entry: Entry) -> None:
+        """Index an entry (the caller tells the policy or puts it in ``unused``)."""
+        self.entries[key] = entry
+        self.indexed += entry.size
+        self.largest = max(self.largest, entry.size)
+
+    def _pop(self, key: BlockKey) -> Entry | None:
+        """Unindex ``key`` for a reason other than eviction (None when it is not indexed)."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.indexed -= entry.size
+            if key in self.unused:
+                del self.unused[key]
+            else:
+                self.policy.remove(key)
+        return entry
+
+    def _unpinned_bytes(self) -> int:
+        """Bytes of the indexed files that no job pins (all that eviction could free)."""
+        entries = self.entries
+        return self.indexed - sum(entries[key].size for key in self._pins if key in entries)
+
+    def _choose(self, need: int) -> Victims:
+        """Victims worth ``need`` bytes, out of the index (their bytes still counted, their keys
+        in ``deleting``): the rescan's unused files first, then the policy's choice; fewer when
+        not enough are unpinned."""
+        pins, entries = self._pins, self.entries
+        victims: Victims = []
+        for key in self.unused:
+            if need <= 0:
+                break
+            if key not in pins:
+                victims.append((key, entries[key].size))
+                need -= entries[key].size
         for key, _ in victims:
-            del self.entries[key]
+            del self.unused[key]
+        while need > 0:
+            # As many as could be needed if every victim were the largest file: never more.
+            chosen = self.policy.evict(-(-need // max(1, self.largest)), pins)
+            if not chosen:
+                break
+            for key in chosen:
+                entry = entries.get(key)
+                if entry is None or key in pins:
+                    # A policy that broke its contract: a pinned block is not evicted (and
+                    # stays ranked); a key that is not indexed is ignored.
+                    if entry is not None:
+                        self.policy.insert(key)
+                    continue
+                victims.append((key, entry.size))
+                need -= entry.size
+        for key, size in victims:
+            del entries[key]
+            self.indexed -= size
             self.deleting.add(key)
+        return victims
 
     # -- rescans --------------------------------------------------------------------------------
 
@@ -204,8 +266,9 @@ class FsIndex:
         entries = self.entries
         forgotten: list[BlockKey] = []
         for key in [k for k, e in entries.items() if k not in on_disk and e.seq <= start_seq]:
-            if not self._pinned(key):  # a running read finds out for itself
-                self.used -= entries.pop(key).size
+            if key not in self._pins:  # a running read finds out for itself
+                self.used -= entries[key].size
+                self._pop(key)
                 forgotten.append(key)
         undeletable = self.undeletable
         for key in [k for k in undeletable if k not in on_disk]:
@@ -216,16 +279,18 @@ class FsIndex:
             for key, (size, mtime) in on_disk.items()
             if key not in entries and key not in skip and key not in undeletable
         )
-        # Newest of the newcomers first, each pushed to the cold end: their order follows mtime
-        # and they rank below every block this process has used. Only as many as fit below the
-        # limit: the others are another process's files, counted against its own capacity, and
-        # indexing them would count this tier past its bound (or evict its own blocks for them).
+        # Newest of the newcomers first, each pushed to the front of ``unused``: their order
+        # follows mtime and they go before every block this process has used. Only as many as
+        # fit below the limit: the others are another process's files, counted against its own
+        # capacity, and indexing them would count this tier past its bound (or evict its own
+        # blocks for them).
         added = 0
         for _mtime, key, size in reversed(new):
             if self.used + size > self.limit:
                 break
-            entries[key] = Entry(size, 0)
-            entries.move_to_end(key, last=False)
+            self._add(key, Entry(size, 0))
+            self.unused[key] = None
+            self.unused.move_to_end(key, last=False)
             self.used += size
             added += 1
         return added, forgotten
