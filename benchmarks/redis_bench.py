@@ -43,7 +43,7 @@ import redis
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, TierJob
+from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_options import Options
 from kvtier.validation import Section
@@ -168,7 +168,7 @@ def own_server(maxmemory: str) -> Iterator[str]:
 
 
 def tier_pass(
-    tier: RedisTier, kind: JobKind, keys: list[bytes], job_blocks: int, inflight_jobs: int
+    tier: RedisTier, kind: TierJobKind, keys: list[bytes], job_blocks: int, inflight_jobs: int
 ) -> float:
     """Seconds to move ``keys`` through the tier in jobs of ``job_blocks`` blocks, at most
     ``inflight_jobs`` at a time (each with its own slots), as a manager cascading or promoting."""
@@ -294,14 +294,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             depths = sorted({1, args.pipeline_blocks})
             # Warm-up: connections, the server's allocator.
-            tier_pass(tier, JobKind.WRITE, block_keys(job * inflight, 999), job, inflight)
+            tier_pass(tier, TierJobKind.WRITE, block_keys(job * inflight, 999), job, inflight)
             for r in range(args.rounds):
                 raw.flushall()
                 keys = block_keys(args.blocks, r)
                 timed = [
-                    ("SET new keys", tier_pass(tier, JobKind.WRITE, keys, job, inflight)),
-                    ("GET", tier_pass(tier, JobKind.READ, keys, job, inflight)),
-                    ("SET overwrite", tier_pass(tier, JobKind.WRITE, keys, job, inflight)),
+                    ("SET new keys", tier_pass(tier, TierJobKind.WRITE, keys, job, inflight)),
+                    ("GET", tier_pass(tier, TierJobKind.READ, keys, job, inflight)),
+                    ("SET overwrite", tier_pass(tier, TierJobKind.WRITE, keys, job, inflight)),
                 ]
                 for op, secs in timed:
                     run = Run("tier", op, args.blocks, secs, args.io_threads, args.pipeline_blocks)

@@ -28,7 +28,7 @@ from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import BlockKey, Namespace, keys_from_hashes
 from kvtier.pool import NAME_PREFIX, HostPool
 from kvtier.tiers import TIER_KINDS, tier_class
-from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
+from kvtier.tiers.base import Tier, TierJob, TierJobKind, WriteMode
 from kvtier.tiers.fs import FsTier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.validation import Section
@@ -67,7 +67,7 @@ class FakeTier(Tier):
         return [key in self.stored for key in keys]
 
     def submit(self, job: TierJob) -> None:
-        if job.kind is JobKind.WRITE:
+        if job.kind is TierJobKind.WRITE:
             for key, slot in zip(job.keys, job.slots, strict=True):
                 self.stored[key] = bytes(self.pool.view(slot))
         self._finish(job.job_id, [True] * len(job.keys))

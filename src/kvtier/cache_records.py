@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import JobKind, Tier, WriteMode
+from kvtier.tiers.base import Tier, TierJobKind, WriteMode
 
 
 class LookupResult(NamedTuple):
@@ -35,7 +35,7 @@ class OpenTierJob:
     """A tier job (a promotion's read or a cascade's write) submitted and not yet finished."""
 
     tier_index: int
-    kind: JobKind
+    kind: TierJobKind
     keys: list[BlockKey]
     slots: list[int]
     deadline: float

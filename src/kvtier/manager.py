@@ -35,7 +35,7 @@ from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
 from kvtier.retry import FailedPromotions
 from kvtier.tier_jobs import TierJobs
-from kvtier.tiers.base import JobKind, Tier, WriteMode
+from kvtier.tiers.base import Tier, TierJobKind, WriteMode
 from kvtier.write_back import WriteBack
 
 __all__ = ["MAX_EVENTS", "LookupResult", "StoreReservation", "TierBinding", "TieredCache"]
@@ -423,7 +423,7 @@ class TieredCache:
             held = self._held
             for slot in job_slots:
                 held[slot] = held.get(slot, 0) + 1
-        self._submit(tier_index, JobKind.WRITE, job_keys, job_slots, evicted_slots is not None)
+        self._submit(tier_index, TierJobKind.WRITE, job_keys, job_slots, evicted_slots is not None)
 
     def _promote(self, keys: Sequence[BlockKey], hits: int) -> bool:
         """Start promoting the secondary-tier run after the pool hits; True if the answer is final
@@ -474,7 +474,7 @@ class TieredCache:
             self._promoting.add(key)
         for tier_index, (tier_keys, tier_slots) in by_tier.items():
             self._counters.promotions += len(tier_keys)
-            self._submit(tier_index, JobKind.READ, tier_keys, tier_slots, False)
+            self._submit(tier_index, TierJobKind.READ, tier_keys, tier_slots, False)
         return False
 
     def _reserve_protected(
@@ -492,7 +492,12 @@ class TieredCache:
                 self._unpin(key)
 
     def _submit(
-        self, tier_index: int, kind: JobKind, keys: list[BlockKey], slots: list[int], holds: bool
+        self,
+        tier_index: int,
+        kind: TierJobKind,
+        keys: list[BlockKey],
+        slots: list[int],
+        holds: bool,
     ) -> None:
         refused = self._jobs.submit(tier_index, kind, keys, slots, holds)
         if refused is not None:
@@ -513,7 +518,7 @@ class TieredCache:
     def _finish_job(self, job: OpenTierJob, ok: list[bool]) -> None:
         if len(ok) != len(job.keys):
             ok = [False] * len(job.keys)  # a malformed report proves nothing: treat as failed
-        if job.kind is JobKind.READ:
+        if job.kind is TierJobKind.READ:
             self._finish_promotion(job, ok)
         else:
             self._finish_write(job, ok)
@@ -583,7 +588,7 @@ class TieredCache:
         now = self._clock()
         for job in self._jobs.time_out(now):
             self._counters.job_timeouts += 1
-            if job.kind is JobKind.READ:
+            if job.kind is TierJobKind.READ:
                 # The request stops waiting (the keys become misses), but the slots stay owned by
                 # the job: its thread may still write into them.
                 held = self._held

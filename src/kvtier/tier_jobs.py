@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.cache_records import OpenTierJob
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import JobKind, Tier, TierJob
+from kvtier.tiers.base import Tier, TierJob, TierJobKind
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,12 @@ class TierJobs:
         return len(self._jobs)
 
     def submit(
-        self, tier_index: int, kind: JobKind, keys: list[BlockKey], slots: list[int], holds: bool
+        self,
+        tier_index: int,
+        kind: TierJobKind,
+        keys: list[BlockKey],
+        slots: list[int],
+        holds: bool,
     ) -> OpenTierJob | None:
         """Open a job and hand it to its tier. Returns the job when the tier refused it (it is not
         open then: the caller settles it as failed), else None."""
@@ -85,7 +90,7 @@ class TierJobs:
 
     def any_writes(self) -> bool:
         """Whether a write job is open (it releases its pins or slots when it ends)."""
-        return any(job.kind is JobKind.WRITE for job in self._jobs.values())
+        return any(job.kind is TierJobKind.WRITE for job in self._jobs.values())
 
     def waiting(self) -> dict[str, int]:
         """Per tier name: open jobs not timed out (what is worth waiting for)."""

@@ -223,7 +223,7 @@ WRITER_CODE = """
 import random, sys, time
 from kvtier.keys import Namespace, keys_from_hashes
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, TierJob
+from kvtier.tiers.base import TierJobKind, TierJob
 from kvtier.tiers.fs import FsTier, Options
 
 path, ns_model = sys.argv[1], sys.argv[2]
@@ -241,7 +241,7 @@ while True:
     for slot, key in enumerate(batch):
         reps = -(-slot_bytes // len(key))
         pool.view(slot)[:] = (key * reps)[:slot_bytes]
-    tier.submit(TierJob(job_id, JobKind.WRITE, batch, list(range(len(batch)))))
+    tier.submit(TierJob(job_id, TierJobKind.WRITE, batch, list(range(len(batch)))))
     job_id += 1
     while not tier.poll():
         time.sleep(0.001)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
+from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind
 
 
 class ScriptedTier(Tier):
@@ -43,7 +43,7 @@ class ScriptedTier(Tier):
             for key, slot in zip(job.keys, job.slots, strict=True):
                 if key in self.fail_keys:
                     ok.append(False)
-                elif job.kind is JobKind.WRITE:
+                elif job.kind is TierJobKind.WRITE:
                     self.stored[key] = bytes(self.pool.view(slot))
                     ok.append(True)
                 elif key in self.stored:

@@ -20,7 +20,7 @@ from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.sim.replay import Replayer
 from kvtier.sim.trace import bundled_trace_path, read_trace
-from kvtier.tiers.base import JobKind, Tier, TierJob, WriteMode
+from kvtier.tiers.base import Tier, TierJob, TierJobKind, WriteMode
 
 
 def store(cache: TieredCache, keys: Sequence[BlockKey]) -> list[BlockKey]:
@@ -89,7 +89,7 @@ def test_a_failed_promotion_from_one_tier_tries_the_next(ns, make_pool):
     fast.release()
     cache.step()
     assert cache.lookup(keys) == (0, False)  # now from the slow tier
-    assert [j.kind for j in slow.submitted] == [JobKind.READ]
+    assert [j.kind for j in slow.submitted] == [TierJobKind.READ]
     slow.release()
     cache.step()
     assert cache.lookup(keys) == (3, True)
@@ -128,7 +128,7 @@ class InstantTier(Tier):
     def submit(self, job: TierJob) -> None:
         ok = []
         for key, slot in zip(job.keys, job.slots, strict=True):
-            if job.kind is JobKind.WRITE:
+            if job.kind is TierJobKind.WRITE:
                 self.stored[key] = bytes(self.pool.view(slot))
                 ok.append(True)
             elif key in self.stored and not self.faulty:

@@ -13,7 +13,7 @@ from kvtier.keys import Namespace, chain_keys
 from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import EvictionKind, make_policy
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, WriteMode
+from kvtier.tiers.base import TierJobKind, WriteMode
 
 NS = Namespace(model="prop", dtype="float16", block_tokens=2)
 SLOTS = 6
@@ -105,8 +105,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.cache.complete_load(keys)
 
     @precondition(lambda self: self.pool is not None)
-    @rule(count=st.integers(1, 3), fail=st.sampled_from([None, JobKind.READ, JobKind.WRITE]))
-    def tier_progress(self, count: int, fail: JobKind | None) -> None:
+    @rule(
+        count=st.integers(1, 3), fail=st.sampled_from([None, TierJobKind.READ, TierJobKind.WRITE])
+    )
+    def tier_progress(self, count: int, fail: TierJobKind | None) -> None:
         # Fail every job of one kind among those finishing now.
         self.tier.fail_keys = {
             k for job in self.tier.pending[:count] if job.kind is fail for k in job.keys
@@ -146,7 +148,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def one_promotion_per_key(self) -> None:
         if self.pool is None:
             return
-        reads = [k for job in self.tier.pending if job.kind is JobKind.READ for k in job.keys]
+        reads = [k for job in self.tier.pending if job.kind is TierJobKind.READ for k in job.keys]
         assert len(reads) == len(set(reads))
 
     def teardown(self) -> None:

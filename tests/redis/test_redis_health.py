@@ -12,7 +12,7 @@ from support.redis_tier import make_tier
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind
+from kvtier.tiers.base import TierJobKind
 
 pytestmark = pytest.mark.redis
 
@@ -108,7 +108,7 @@ def test_unreachable_at_start_then_server_appears(
         assert not tier.healthy
         assert tier.lookup(make_keys(2)) == [False, False]
         drv = Driver(tier)
-        assert drv.wait(drv.submit(JobKind.WRITE, make_keys(1), [0])) == [False]
+        assert drv.wait(drv.submit(TierJobKind.WRITE, make_keys(1), [0])) == [False]
         assert tier.counters.rejected == 1
         srv.restart()
         wait_for(lambda: tier.healthy, what="the tier to find the server", deadline_s=10)
@@ -125,7 +125,7 @@ def test_close_while_server_is_frozen_does_not_hang(
     drv = Driver(tier)
     server.pause()
     try:
-        ids = [drv.submit(JobKind.WRITE, [k], [i]) for i, k in enumerate(keys)]
+        ids = [drv.submit(TierJobKind.WRITE, [k], [i]) for i, k in enumerate(keys)]
         started = time.monotonic()
         tier.close()
         assert time.monotonic() - started < 5
@@ -170,8 +170,8 @@ def test_close_is_bounded_with_commands_stuck_on_a_frozen_server(
     try:
         assert drv.store(keys[:4]) == [True] * 4
         server.pause()
-        ids = [drv.submit(JobKind.READ, [k], [20 + i]) for i, k in enumerate(keys[:4])]
-        ids += [drv.submit(JobKind.WRITE, [k], [30 + i]) for i, k in enumerate(keys[4:])]
+        ids = [drv.submit(TierJobKind.READ, [k], [20 + i]) for i, k in enumerate(keys[:4])]
+        ids += [drv.submit(TierJobKind.WRITE, [k], [30 + i]) for i, k in enumerate(keys[4:])]
         assert tier.lookup(keys[4:]) == [None] * 8  # EXISTS asked on the lookup thread
         started = time.monotonic()
         tier.close()

@@ -15,7 +15,7 @@ from support.redis_tier import make_tier
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind
+from kvtier.tiers.base import TierJobKind
 from kvtier.tiers.redis import CLOSE_ABORT_S
 
 TIMEOUT_S = 0.5
@@ -60,7 +60,7 @@ def test_trickled_reply_fails_at_the_deadline_and_close_is_bounded(
         finally:
             # close() while a trickled job is in flight and more jobs are queued behind it.
             wait_for(lambda: tier.healthy, what="recovery", deadline_s=10)
-            kind = JobKind.READ if reading else JobKind.WRITE
+            kind = TierJobKind.READ if reading else TierJobKind.WRITE
             ids = [drv.submit(kind, [k], [10 + i]) for i, k in enumerate(keys)]
             time.sleep(0.1)
             started = time.monotonic()

@@ -12,7 +12,7 @@ from support.redis_tier import make_tier
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, TierJob
+from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.payload import HEADER_BYTES
 
 pytestmark = pytest.mark.redis
@@ -240,11 +240,11 @@ def test_jobs_split_into_batches_over_threads(
         keys = make_keys(40, "many")
         drv = Driver(a)
         # Several jobs in flight at once, results matched by id.
-        ids = [drv.submit(JobKind.WRITE, [], []) for _ in range(2)]
+        ids = [drv.submit(TierJobKind.WRITE, [], []) for _ in range(2)]
         for i, key in enumerate(keys):
             pool.view(i)[:] = payload_for(key, pool.slot_bytes)
         ids += [
-            drv.submit(JobKind.WRITE, keys[i : i + 10], list(range(i, i + 10)))
+            drv.submit(TierJobKind.WRITE, keys[i : i + 10], list(range(i, i + 10)))
             for i in range(0, 40, 10)
         ]
         results = [drv.wait(job_id) for job_id in ids]
@@ -262,9 +262,9 @@ def test_bad_jobs_fail_without_raising(
     tier = make_tier(pool, namespace, url=server.url())
     try:
         drv = Driver(tier)
-        assert drv.wait(drv.submit(JobKind.WRITE, make_keys(2), [0])) == [False, False]
-        assert drv.wait(drv.submit(JobKind.READ, [b"short"], [0])) == [False]
-        assert drv.wait(drv.submit(JobKind.READ, make_keys(1), [10_000])) == [False]
+        assert drv.wait(drv.submit(TierJobKind.WRITE, make_keys(2), [0])) == [False, False]
+        assert drv.wait(drv.submit(TierJobKind.READ, [b"short"], [0])) == [False]
+        assert drv.wait(drv.submit(TierJobKind.READ, make_keys(1), [10_000])) == [False]
         assert tier.counters.errors == 4
     finally:
         tier.close()
@@ -276,12 +276,12 @@ def test_close_reports_every_job_and_later_calls_are_noops(
     tier = make_tier(pool, namespace, url=server.url(), io_threads=1, pipeline_blocks=1)
     keys = make_keys(30, "close")
     for i in range(30):
-        tier.submit(TierJob(i, JobKind.WRITE, [keys[i]], [i]))
+        tier.submit(TierJob(i, TierJobKind.WRITE, [keys[i]], [i]))
     tier.close()
     tier.close()
     reported = {r.job_id for r in tier.poll()}
     assert reported == set(range(30))
-    tier.submit(TierJob(99, JobKind.READ, keys[:1], [0]))
+    tier.submit(TierJob(99, TierJobKind.READ, keys[:1], [0]))
     assert [r.ok for r in tier.poll()] == [[False]]
     assert tier.lookup(keys[:2]) == [False, False]
     assert not tier.healthy
@@ -351,7 +351,7 @@ def test_numpy_slot_numbers_are_accepted(
         key = make_keys(1, "np")
         slots = list(np.arange(3, 4))
         pool.view(3)[:] = payload_for(key[0], pool.slot_bytes)
-        assert drv.wait(drv.submit(JobKind.WRITE, key, slots)) == [True]
+        assert drv.wait(drv.submit(TierJobKind.WRITE, key, slots)) == [True]
     finally:
         tier.close()
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import overload
 
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
+from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind
 from support.blocks import fill, payload_for, poison
 
 DEADLINE_S = 15.0
@@ -49,7 +49,7 @@ class Driver:
         self.pool = tier.pool
         self.results: dict[int, JobResult] = {}
 
-    def submit(self, kind: JobKind, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
+    def submit(self, kind: TierJobKind, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
         job_id = next(self._ids)
         self.tier.submit(TierJob(job_id, kind, list(keys), list(slots)))
         return job_id
@@ -70,10 +70,10 @@ class Driver:
         return self.results.pop(job_id).ok
 
     def write(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[bool]:
-        return self.wait(self.submit(JobKind.WRITE, keys, slots))
+        return self.wait(self.submit(TierJobKind.WRITE, keys, slots))
 
     def read(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[bool]:
-        return self.wait(self.submit(JobKind.READ, keys, slots))
+        return self.wait(self.submit(TierJobKind.READ, keys, slots))
 
     @overload
     def store(self, key: BlockKey, slot: int = 0) -> bool: ...

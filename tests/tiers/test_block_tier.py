@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, JobResult, TierJob
+from kvtier.tiers.base import JobResult, TierJob, TierJobKind
 from kvtier.tiers.block_tier import BlockTier, Got, Put, valid_block
 from kvtier.tiers.payload import HEADER_BYTES, encode_header
 
@@ -87,7 +87,7 @@ def pool() -> Iterator[HostPool]:
 JOB_IDS = iter(range(1, 1_000_000))
 
 
-def run(tier: BlockTier, kind: JobKind, keys: list[BlockKey], slots: list[int]) -> list[bool]:
+def run(tier: BlockTier, kind: TierJobKind, keys: list[BlockKey], slots: list[int]) -> list[bool]:
     job_id = next(JOB_IDS)
     tier.submit(TierJob(job_id, kind, keys, slots))
     end = time.monotonic() + 10
@@ -103,7 +103,7 @@ def run(tier: BlockTier, kind: JobKind, keys: list[BlockKey], slots: list[int]) 
 def store(tier: BlockTier, pool: HostPool, keys: list[BlockKey]) -> list[bool]:
     for slot, k in enumerate(keys):
         pool.view(slot)[:] = payload(k)
-    return run(tier, JobKind.WRITE, keys, list(range(len(keys))))
+    return run(tier, TierJobKind.WRITE, keys, list(range(len(keys))))
 
 
 @pytest.mark.parametrize("threads", [0, 3])
@@ -115,7 +115,7 @@ def test_round_trip_with_header_and_counters(pool: HostPool, threads: int) -> No
     assert stored[:HEADER_BYTES] == encode_header(NS.digest, keys[0], payload(keys[0]))
     for slot in range(5):
         pool.view(slot)[:] = b"\xa5" * SLOT_BYTES
-    assert run(tier, JobKind.READ, keys, [4, 3, 2, 1, 0]) == [True] * 5
+    assert run(tier, TierJobKind.READ, keys, [4, 3, 2, 1, 0]) == [True] * 5
     assert [bytes(pool.view(4 - i)) for i in range(5)] == [payload(k) for k in keys]
     assert tier.lookup([keys[0], key(99)]) == [True, False]
     c = tier.counters
@@ -164,7 +164,7 @@ def test_read_outcomes(pool: HostPool, damage: str, counted: str | None) -> None
     else:
         tier.answer[k] = Got.MISSING
     tier.blocks[k] = bytes(data)
-    assert run(tier, JobKind.READ, [k], [3]) == [False]
+    assert run(tier, TierJobKind.READ, [k], [3]) == [False]
     c = tier.counters
     assert (c.corrupt, c.errors) == (int(counted == "corrupt"), int(counted == "errors"))
     dropped = counted == "corrupt"
@@ -176,11 +176,11 @@ def test_invalid_blocks_fail_alone_and_a_mismatched_job_whole(pool: HostPool) ->
     tier = DictStorage(pool)
     ok = key(1)
     pool.view(0)[:] = payload(ok)
-    assert run(tier, JobKind.WRITE, [b"short", ok, ok], [0, 0, 16]) == [False, True, False]
+    assert run(tier, TierJobKind.WRITE, [b"short", ok, ok], [0, 0, 16]) == [False, True, False]
     assert tier.counters.errors == 2
-    assert run(tier, JobKind.WRITE, [ok, ok], [0]) == [False, False]
+    assert run(tier, TierJobKind.WRITE, [ok, ok], [0]) == [False, False]
     assert tier.counters.errors == 4
-    assert run(tier, JobKind.READ, [], []) == []
+    assert run(tier, TierJobKind.READ, [], []) == []
     assert list(tier.blocks) == [ok]
     assert valid_block(ok, 15, 16)
     assert not valid_block(ok, "1", 16) and not valid_block(ok, -1, 16)
@@ -202,12 +202,12 @@ def test_every_thread_stuck_fails_new_jobs_at_once_and_close_returns(pool: HostP
     tier = DictStorage(pool, threads=1, stuck_after_s=0.2)
     tier.gate.clear()  # the storage hangs
     pool.view(0)[:] = payload(key(1))
-    tier.submit(TierJob(1, JobKind.WRITE, [key(1)], [0]))
+    tier.submit(TierJob(1, TierJobKind.WRITE, [key(1)], [0]))
     time.sleep(0.3)
     assert tier.stuck_threads == 1
     assert not tier._run_on_worker(lambda: None, lambda: None, "own task")  # nobody to take it
     started = time.monotonic()
-    assert run(tier, JobKind.WRITE, [key(2)], [1]) == [False]  # refused, not queued
+    assert run(tier, TierJobKind.WRITE, [key(2)], [1]) == [False]  # refused, not queued
     assert time.monotonic() - started < 0.2
     tier.close()
     assert tier.closed_with is True  # a thread was abandoned in the storage

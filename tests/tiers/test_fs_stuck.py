@@ -16,7 +16,7 @@ from support.blocks import fill, make_keys
 from support.drivers import Driver
 
 from kvtier.tiers import fs_files
-from kvtier.tiers.base import JobKind
+from kvtier.tiers.base import TierJobKind
 from tiers.fs_helpers import MakeTier
 
 TIMEOUT_S = 0.3
@@ -57,15 +57,17 @@ def _reported_within(drive: Driver, jobs: list[int], seconds: float) -> set[int]
 def test_work_behind_stuck_threads_fails_fast(make_fs: MakeTier, hang: threading.Event) -> None:
     drive, keys = _stored(make_fs, 20)
     tier = drive.tier
-    stuck_jobs = [drive.submit(JobKind.READ, [keys[i]], [i]) for i in range(2)]
-    queued = [drive.submit(JobKind.READ, [keys[i]], [i]) for i in range(2, 12)]
+    stuck_jobs = [drive.submit(TierJobKind.READ, [keys[i]], [i]) for i in range(2)]
+    queued = [drive.submit(TierJobKind.READ, [keys[i]], [i]) for i in range(2, 12)]
     time.sleep(TIMEOUT_S * 1.5)
     assert tier.stuck_threads == 2
     # New work is refused at once (not queued behind the stuck threads)...
     for i in range(12, 16):
         fill(tier.pool, 40 + i, make_keys(1, f"new{i}")[0])
     started = time.monotonic()
-    fresh = [drive.submit(JobKind.WRITE, make_keys(1, f"new{i}"), [40 + i]) for i in range(12, 16)]
+    fresh = [
+        drive.submit(TierJobKind.WRITE, make_keys(1, f"new{i}"), [40 + i]) for i in range(12, 16)
+    ]
     assert _reported_within(drive, fresh, 0.2) == set(fresh)
     assert time.monotonic() - started < 0.2
     # ...and what queued before the threads were known stuck fails once it waited too long.
@@ -99,7 +101,7 @@ def test_one_stuck_thread_leaves_the_others_working(
 
     monkeypatch.setattr(fs_files, "read_exact", first_read_hangs)
     try:
-        stuck = drive.submit(JobKind.READ, [keys[0]], [10])
+        stuck = drive.submit(TierJobKind.READ, [keys[0]], [10])
         assert victim.wait(5)
         time.sleep(TIMEOUT_S * 1.5)
         assert drive.tier.stuck_threads == 1
@@ -116,8 +118,8 @@ def test_close_returns_within_its_bound_while_threads_hang(
 ) -> None:
     drive, keys = _stored(make_fs, 6)
     tier = drive.tier
-    stuck = [drive.submit(JobKind.READ, [keys[i]], [i]) for i in range(2)]
-    queued = [drive.submit(JobKind.READ, [keys[i]], [i]) for i in range(2, 6)]
+    stuck = [drive.submit(TierJobKind.READ, [keys[i]], [i]) for i in range(2)]
+    queued = [drive.submit(TierJobKind.READ, [keys[i]], [i]) for i in range(2, 6)]
     closer = threading.Thread(target=tier.close, daemon=True)
     started = time.monotonic()
     closer.start()
@@ -131,7 +133,7 @@ def test_close_returns_within_its_bound_while_threads_hang(
         assert all(drive.results[j].ok == [False] for j in queued)
         assert _reported_within(drive, stuck, 0.05) == set()
         # After close, new jobs fail at once.
-        later = drive.submit(JobKind.READ, [keys[0]], [30])
+        later = drive.submit(TierJobKind.READ, [keys[0]], [30])
         assert _reported_within(drive, [later], 0.2) == {later}
     finally:
         hang.set()
@@ -143,6 +145,6 @@ def test_rescan_is_refused_while_every_thread_is_stuck(
 ) -> None:
     drive, keys = _stored(make_fs, 2)
     for i in range(2):
-        drive.submit(JobKind.READ, [keys[i]], [i])
+        drive.submit(TierJobKind.READ, [keys[i]], [i])
     time.sleep(TIMEOUT_S * 1.5)
     assert drive.tier.rescan().result(timeout=0.2) == 0

@@ -21,7 +21,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers import fs_files, tier_class
-from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
+from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind
 from kvtier.tiers.fs import FsTier, Options
 from kvtier.tiers.payload import HEADER_BYTES
 from kvtier.validation import Section
@@ -122,12 +122,12 @@ def test_round_trip_into_poisoned_slot(
     for slot, key in enumerate(keys):
         fill(pool, slot, key)
     assert tier.lookup(keys) == [False] * 4
-    assert run_job(tier, TierJob(1, JobKind.WRITE, keys, [0, 1, 2, 3])).ok == [True] * 4
+    assert run_job(tier, TierJob(1, TierJobKind.WRITE, keys, [0, 1, 2, 3])).ok == [True] * 4
     assert tier.lookup(keys) == [True] * 4
     targets = [40, 41, 42, 43]
     for slot in targets:
         poison(pool, slot)
-    assert run_job(tier, TierJob(2, JobKind.READ, keys[::-1], targets)).ok == [True] * 4
+    assert run_job(tier, TierJob(2, TierJobKind.READ, keys[::-1], targets)).ok == [True] * 4
     for slot, key in zip(targets, keys[::-1], strict=True):
         assert bytes(pool.view(slot)) == payload_for(key, SLOT_BYTES)
     for key in keys:
@@ -183,7 +183,7 @@ def test_close_waits_for_running_jobs(make_tier: MakeTier, pool: HostPool) -> No
     slots = list(range(20))
     for slot, key in zip(slots, keys, strict=True):
         fill(pool, slot, key)
-    job = drive.submit(JobKind.WRITE, keys, slots)
+    job = drive.submit(TierJobKind.WRITE, keys, slots)
     tier.close()
     drive.collect()
     assert drive.results.pop(job).ok == [True] * 20
@@ -465,7 +465,7 @@ def test_capacity_never_exceeded_with_many_writes_in_flight(
         for slot in range(NUM_SLOTS):
             fill(pool, slot, keys[batch * NUM_SLOTS + slot])
         jobs += [
-            drive.submit(JobKind.WRITE, [keys[batch * NUM_SLOTS + s]], [s])
+            drive.submit(TierJobKind.WRITE, [keys[batch * NUM_SLOTS + s]], [s])
             for s in range(NUM_SLOTS)
         ]
         while not all(job in drive.results for job in jobs):
@@ -520,7 +520,7 @@ def test_blocks_in_flight_are_not_evicted(
 
     monkeypatch.setattr(fs_files, "read_exact", slow_read)
     poison(pool, 30)
-    read_a = drive.submit(JobKind.READ, [a], [30])
+    read_a = drive.submit(TierJobKind.READ, [a], [30])
     assert reading.wait(10)
     assert drive.store(c, slot=0)  # must evict b, not a (a is being read)
     assert tier.lookup([a, b, c]) == [True, False, True]
@@ -546,7 +546,7 @@ def test_all_pinned_means_rejected(
         return real(fd, buffers)
 
     monkeypatch.setattr(fs_files, "read_exact", slow_read)
-    read_a = drive.submit(JobKind.READ, [a], [30])
+    read_a = drive.submit(TierJobKind.READ, [a], [30])
     assert drive.store(b) is False
     assert tier.counters.rejected == 1
     release.set()
@@ -571,7 +571,7 @@ def test_key_invisible_until_renamed(
 
     monkeypatch.setattr(fs_files, "write_all", slow_write)
     fill(pool, 0, key)
-    job = drive.submit(JobKind.WRITE, [key], [0])
+    job = drive.submit(TierJobKind.WRITE, [key], [0])
     assert writing.wait(10)
     assert tier.lookup([key]) == [False]
     assert drive.read([key], [1]) == [False]
@@ -824,7 +824,7 @@ def test_concurrent_reads_and_writes_return_only_exact_bytes(
     rng = random.Random(1234)
     keys = make_keys(48)
     free_slots = list(range(NUM_SLOTS))
-    running: dict[int, tuple[JobKind, list[bytes], list[int]]] = {}
+    running: dict[int, tuple[TierJobKind, list[bytes], list[int]]] = {}
     reads_ok = 0
     submitted = 0
     deadline = time.monotonic() + 60
@@ -835,11 +835,11 @@ def test_concurrent_reads_and_writes_return_only_exact_bytes(
             chosen = rng.sample(keys, n)
             slots = [free_slots.pop() for _ in range(n)]
             if rng.random() < 0.5:
-                kind = JobKind.WRITE
+                kind = TierJobKind.WRITE
                 for key, slot in zip(chosen, slots, strict=True):
                     fill(pool, slot, key)
             else:
-                kind = JobKind.READ
+                kind = TierJobKind.READ
                 for slot in slots:
                     poison(pool, slot)
             running[drive.submit(kind, chosen, slots)] = (kind, chosen, slots)
@@ -848,7 +848,7 @@ def test_concurrent_reads_and_writes_return_only_exact_bytes(
         for job_id in [j for j in running if j in drive.results]:
             kind, chosen, slots = running.pop(job_id)
             ok = drive.results.pop(job_id).ok
-            if kind is JobKind.READ:
+            if kind is TierJobKind.READ:
                 for key, slot, good in zip(chosen, slots, ok, strict=True):
                     if good:
                         assert bytes(pool.view(slot)) == payload_for(key, SLOT_BYTES)

@@ -11,7 +11,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers import tier_class
-from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
+from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind
 from kvtier.tiers.memory import MemoryTier, Options
 from kvtier.validation import Section
 from tiers.conftest import SLOT_BYTES
@@ -45,11 +45,11 @@ def test_round_trip_into_poisoned_slot(
     for slot, key in enumerate(keys):
         fill(pool, slot, key)
     assert tier.lookup(keys) == [False, False, False]
-    assert run_job(tier, TierJob(1, JobKind.WRITE, keys, [0, 1, 2])).ok == [True] * 3
+    assert run_job(tier, TierJob(1, TierJobKind.WRITE, keys, [0, 1, 2])).ok == [True] * 3
     assert tier.lookup(keys) == [True, True, True]
     for slot in (10, 11, 12):
         poison(pool, slot)
-    assert run_job(tier, TierJob(2, JobKind.READ, keys, [12, 10, 11])).ok == [True] * 3
+    assert run_job(tier, TierJob(2, TierJobKind.READ, keys, [12, 10, 11])).ok == [True] * 3
     for slot, key in zip((12, 10, 11), keys, strict=True):
         assert bytes(pool.view(slot)) == payload_for(key, SLOT_BYTES)
     c = tier.counters
@@ -118,7 +118,7 @@ def test_latency_delays_completion_and_visibility(make_tier: MakeTier, pool: Hos
     key = make_key(0)
     fill(pool, 0, key)
     start = time.monotonic()
-    job = drive.submit(JobKind.WRITE, [key], [0])
+    job = drive.submit(TierJobKind.WRITE, [key], [0])
     assert tier.poll() == []
     assert tier.lookup([key]) == [False]  # not visible before the write completed
     assert drive.wait(job) == [True]
@@ -134,13 +134,13 @@ def test_close_completes_queued_jobs_once(make_tier: MakeTier, pool: HostPool) -
     jobs = []
     for slot, key in enumerate(keys):
         fill(pool, slot, key)
-        jobs.append(drive.submit(JobKind.WRITE, [key], [slot]))
+        jobs.append(drive.submit(TierJobKind.WRITE, [key], [slot]))
     start = time.monotonic()
     tier.close()
     tier.close()
     assert time.monotonic() - start < 5
     assert sorted(r.job_id for r in tier.poll()) == jobs
-    late = drive.submit(JobKind.WRITE, [make_key(5)], [0])
+    late = drive.submit(TierJobKind.WRITE, [make_key(5)], [0])
     assert drive.wait(late) == [False]
     assert tier.poll() == []
 
@@ -152,7 +152,7 @@ def test_worker_survives_an_infinite_latency(make_tier: MakeTier, pool: HostPool
     drive = Driver(tier)
     key = make_key(0)
     fill(pool, 0, key)
-    job = drive.submit(JobKind.WRITE, [key], [0])
+    job = drive.submit(TierJobKind.WRITE, [key], [0])
     time.sleep(0.05)
     start = time.monotonic()
     tier.close()
@@ -165,7 +165,7 @@ def test_worker_does_not_spin_on_a_nan_latency(make_tier: MakeTier, pool: HostPo
     drive = Driver(tier)
     key = make_key(0)
     fill(pool, 0, key)
-    assert drive.wait(drive.submit(JobKind.WRITE, [key], [0]), deadline_s=2) == [True]
+    assert drive.wait(drive.submit(TierJobKind.WRITE, [key], [0]), deadline_s=2) == [True]
 
 
 def test_failure_injection_is_seeded_and_counted(make_tier: MakeTier) -> None:

@@ -29,7 +29,7 @@ SKIP = -1
 class Direction(Enum):
     """Which way a copy between the engine and the pool goes: the engine loads and stores (the
     planner's ledger and the copier use it too); a tier is read and written instead
-    (``tiers.base.JobKind``). See docs/architecture.md's vocabulary."""
+    (``tiers.base.TierJobKind``). See docs/architecture.md's vocabulary."""
 
     STORE = "store"
     """Engine blocks -> pool slots."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.registry import TIERS
-from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob, WriteMode
+from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind, WriteMode
 
 TIER_KINDS: dict[str, str] = TIERS.entries
 """The built-in kinds (the registry's own mapping)."""
@@ -24,4 +24,4 @@ def tier_class(kind: str, field: str = "kind") -> Any:
     return TIERS.load(kind, field)
 
 
-__all__ = ["TIER_KINDS", "JobKind", "JobResult", "Tier", "TierJob", "WriteMode", "tier_class"]
+__all__ = ["TIER_KINDS", "JobResult", "Tier", "TierJob", "TierJobKind", "WriteMode", "tier_class"]

@@ -25,7 +25,7 @@ from kvtier.metrics import TierCounters
 from kvtier.pool import HostPool
 
 
-class JobKind(Enum):
+class TierJobKind(Enum):
     READ = "read"
     """Storage -> pool slots (promotion)."""
     WRITE = "write"
@@ -35,7 +35,7 @@ class JobKind(Enum):
 @dataclass(slots=True)
 class TierJob:
     job_id: int
-    kind: JobKind
+    kind: TierJobKind
     keys: list[BlockKey]
     slots: list[int]
 

@@ -42,7 +42,7 @@ from enum import Enum
 
 from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, JobResult, Tier, TierJob
+from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind
 from kvtier.tiers.payload import HEADER_BYTES, block_matches, encode_header
 from kvtier.tiers.workers import WorkerPool
 
@@ -107,7 +107,7 @@ class JobState:
     """A job on its way through the skeleton (the block lists are the job's own copies)."""
 
     job_id: int
-    kind: JobKind
+    kind: TierJobKind
     keys: list[BlockKey]
     slots: list[int]
     faults: list[Fault] | None
@@ -186,7 +186,7 @@ class BlockTier(Tier):
     def submit(self, job: TierJob) -> None:
         n = len(job.keys)
         faults = self._draw_faults(job)
-        self._count(**{"read_jobs" if job.kind is JobKind.READ else "write_jobs": 1})
+        self._count(**{"read_jobs" if job.kind is TierJobKind.READ else "write_jobs": 1})
         if n != len(job.slots):
             self._count(errors=n)
             self._finish(job.job_id, [False] * n)
@@ -274,7 +274,7 @@ class BlockTier(Tier):
 
     def _run_blocks(self, state: JobState) -> None:
         n = len(state.keys)
-        reading = state.kind is JobKind.READ
+        reading = state.kind is TierJobKind.READ
         for i in state.cursor:
             if i >= n:
                 return

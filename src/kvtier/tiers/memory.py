@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, TierJob
+from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.block_tier import BlockTier, Fault, Got, JobState, Put
 from kvtier.tiers.payload import HEADER_BYTES
 from kvtier.validation import Section
@@ -138,7 +138,7 @@ class MemoryTier(BlockTier):
         n = len(job.keys)
         fail = [opts.failure_rate > 0 and rng.random() < opts.failure_rate for _ in range(n)]
         corrupt = [False] * n
-        if job.kind is JobKind.READ and opts.corrupt_rate > 0:
+        if job.kind is TierJobKind.READ and opts.corrupt_rate > 0:
             corrupt = [rng.random() < opts.corrupt_rate for _ in range(n)]
         if not any(fail) and not any(corrupt):
             return None

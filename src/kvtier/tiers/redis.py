@@ -59,7 +59,7 @@ from collections.abc import Sequence
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import JobKind, Tier, TierJob
+from kvtier.tiers.base import Tier, TierJob, TierJobKind
 from kvtier.tiers.block_tier import valid_job
 from kvtier.tiers.redis_blocks import Parts
 from kvtier.tiers.redis_client import close_client
@@ -139,7 +139,7 @@ class RedisTier(Tier):
 
     def submit(self, job: TierJob) -> None:
         n = len(job.keys)
-        reading = job.kind is JobKind.READ
+        reading = job.kind is TierJobKind.READ
         self._bump(**{"read_jobs" if reading else "write_jobs": 1})
         try:
             if self._closed or not valid_job(job, self.pool.num_slots):

@@ -24,7 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.keys import BlockKey
 from kvtier.tiers import redis_wire
-from kvtier.tiers.base import JobKind, TierJob
+from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.redis_blocks import BlockStore, Parts
 from kvtier.tiers.redis_client import is_timeout
 from kvtier.tiers.redis_deadline import Watchdog
@@ -105,7 +105,7 @@ class Runner:
         step = self._batch_blocks
         starts = range(0, n, step)
         state = JobState(job, [False] * n, len(starts))
-        priority = _READ_FIRST if job.kind is JobKind.READ else _WRITE
+        priority = _READ_FIRST if job.kind is TierJobKind.READ else _WRITE
         for start in starts:
             batch = Batch(state, start, min(start + step, n))
             self._data_q.put((priority, next(self._order), batch))
@@ -166,7 +166,7 @@ class Runner:
         job = batch.state.job
         keys = job.keys[batch.start : batch.stop]
         slots = job.slots[batch.start : batch.stop]
-        reading = job.kind is JobKind.READ
+        reading = job.kind is TierJobKind.READ
         client = self._health.client
         if not self._health.healthy or client is None or self.aborting:
             self._count(**{"errors" if reading else "rejected": len(keys)})
