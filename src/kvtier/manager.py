@@ -492,14 +492,9 @@ class TieredCache:
                 self._unpin(key)
 
     def _submit(
-        self,
-        tier_index: int,
-        kind: TierJobKind,
-        keys: list[BlockKey],
-        slots: list[int],
-        holds: bool,
+        self, index: int, kind: TierJobKind, keys: list[BlockKey], slots: list[int], holds: bool
     ) -> None:
-        refused = self._jobs.submit(tier_index, kind, keys, slots, holds)
+        refused = self._jobs.submit(index, kind, keys, slots, holds)
         if refused is not None:
             self._finish_job(refused, [False] * len(keys))
 
