@@ -7,7 +7,10 @@ policy only which blocks to give up.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from kvtier.errors import ConfigError
+from kvtier.keys import BlockKey
 from kvtier.policies import DEFAULT_EVICTION, EvictionPolicy, make_policy, policy_class
 from kvtier.registry import POLICIES
 from kvtier.validation import Section
@@ -35,3 +38,18 @@ def tier_policy(kind: str, capacity_blocks: int, field: str) -> EvictionPolicy:
     """A new policy ``kind`` for a tier that holds ``capacity_blocks`` blocks (at least 1: ARC's
     lists need a positive size)."""
     return make_policy(kind, max(1, capacity_blocks), field)
+
+
+def choose(
+    policy: EvictionPolicy, n: int, pins: Container[BlockKey], held: Container[BlockKey]
+) -> list[BlockKey]:
+    """``policy.evict(n, pins)``, less what a policy that breaks its contract may offer: a pinned
+    block is not given up (the policy ranks it again), a key the tier does not hold is ignored.
+    Empty when the policy has no unpinned block left."""
+    victims: list[BlockKey] = []
+    for key in policy.evict(n, pins):
+        if key in pins and key in held:
+            policy.insert(key)
+        elif key in held:
+            victims.append(key)
+    return victims

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
+from kvtier.tiers.eviction import choose
 from kvtier.tiers.fs_files import Found
 
 MAX_UNDELETABLE = 65536
@@ -224,19 +225,13 @@ class FsIndex:
             del self.unused[key]
         while need > 0:
             # As many as could be needed if every victim were the largest file: never more.
-            chosen = self.policy.evict(-(-need // max(1, self.largest)), pins)
+            chosen = choose(self.policy, -(-need // max(1, self.largest)), pins, entries)
             if not chosen:
                 break
             for key in chosen:
-                entry = entries.get(key)
-                if entry is None or key in pins:
-                    # A policy that broke its contract: a pinned block is not evicted (and
-                    # stays ranked); a key that is not indexed is ignored.
-                    if entry is not None:
-                        self.policy.insert(key)
-                    continue
-                victims.append((key, entry.size))
-                need -= entry.size
+                size = entries[key].size
+                victims.append((key, size))
+                need -= size
         for key, size in victims:
             del entries[key]
             self.indexed -= size

@@ -2,8 +2,9 @@
 
 What callers may rely on (besides the ``Tier`` contract):
 
-* Capacity (``capacity`` bytes of payload and/or ``capacity_blocks``) is never exceeded; the least
-  recently used blocks not pinned by an in-flight job are evicted and reported by ``take_evicted``.
+* Capacity (``capacity`` bytes of payload and/or ``capacity_blocks``) is never exceeded; blocks not
+  pinned by an in-flight job are evicted in the order of the ``eviction`` policy (``lru`` by
+  default) and reported by ``take_evicted``.
 * With ``latency_ms`` > 0 a job completes on a worker thread that long after ``submit``; the slot
   bytes are copied at completion, so slots must stay reserved until the result arrives (as with
   real tiers). With 0 the job completes inside ``submit`` and its result is in the next ``poll``.
@@ -23,14 +24,16 @@ import logging
 import random
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey, Namespace
+from kvtier.policies import DEFAULT_EVICTION, EvictionPolicy
 from kvtier.pool import HostPool
 from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.block_tier import BlockTier, Fault, Got, JobState, Put
+from kvtier.tiers.eviction import choose, eviction_field, parse_eviction, tier_policy
 from kvtier.tiers.payload import HEADER_BYTES
 from kvtier.validation import Section
 
@@ -53,6 +56,8 @@ class Options:
     failure_rate: float = 0.0
     corrupt_rate: float = 0.0
     seed: int = 0
+    eviction: str = DEFAULT_EVICTION
+    """Which blocks go first when a capacity is reached, as the top-level ``eviction``."""
 
     @classmethod
     def parse(cls, section: Section) -> Options:
@@ -67,7 +72,14 @@ class Options:
             failure_rate=section.number("failure_rate", 0.0, minimum=0.0, maximum=1.0),
             corrupt_rate=section.number("corrupt_rate", 0.0, minimum=0.0, maximum=1.0),
             seed=section.integer("seed", 0),
+            eviction=parse_eviction(section),
         )
+        if section.has("eviction") and options.capacity is None and options.capacity_blocks is None:
+            raise ConfigError(
+                eviction_field(section),
+                options.eviction,
+                "a tier with a capacity or capacity_blocks (an unbounded tier evicts nothing)",
+            )
         section.done()
         return options
 
@@ -82,12 +94,14 @@ class MemoryTier(BlockTier):
     def __init__(
         self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
     ) -> None:
+        self.options = options = options if options is not None else Options()
+        self._policy = _policy(options, pool.slot_bytes)  # before the worker can start
+        """None without a capacity (nothing to evict); guarded by ``_lock``."""
         super().__init__(name, namespace, pool)
-        self.options = options if options is not None else Options()
-        self._rng = random.Random(self.options.seed)
+        self._rng = random.Random(options.seed)
         self._wake = threading.Condition(self._lock)
-        # Guarded by _lock. Ordered oldest -> most recently used; each value a header + payload.
-        self._store: OrderedDict[BlockKey, bytes] = OrderedDict()
+        # Guarded by _lock; each value a header + payload.
+        self._store: dict[BlockKey, bytes] = {}
         self._bytes = 0
         """Payload bytes held (headers are not counted against ``capacity``)."""
         self._queue: list[tuple[float, int, JobState]] = []  # heap by due time
@@ -104,12 +118,14 @@ class MemoryTier(BlockTier):
     def put(self, key: BlockKey, header: bytes, payload: memoryview) -> Put:
         with self._lock:
             if key in self._store:
-                self._store.move_to_end(key)
+                self._used(key)
                 return Put.KEPT
             if not self._make_room(len(payload)):
                 return Put.REJECTED
             self._store[key] = header + bytes(payload)
             self._bytes += len(payload)
+            if self._policy is not None:
+                self._policy.insert(key)
         return Put.STORED
 
     def get(self, key: BlockKey, header: memoryview, payload: memoryview) -> Got:
@@ -119,7 +135,7 @@ class MemoryTier(BlockTier):
                 return Got.MISSING
             if len(data) != len(header) + len(payload):
                 return Got.DAMAGED
-            self._store.move_to_end(key)
+            self._used(key)
         header[:] = data[: len(header)]
         payload[:] = data[len(header) :]
         return Got.FOUND
@@ -207,28 +223,40 @@ class MemoryTier(BlockTier):
                         self._wake.wait()
             self._run_blocks(state)  # outside the lock: the storage methods take it
 
+    def _used(self, key: BlockKey) -> None:
+        """Under the lock: a held block was read or stored again."""
+        if self._policy is not None:
+            self._policy.access(key)
+
     def _make_room(self, size: int) -> bool:
-        """Under the lock: evict least-recent unpinned blocks until one more of ``size`` payload
-        bytes fits; all or nothing."""
+        """Under the lock: evict unpinned blocks, in the policy's order, until one more of
+        ``size`` payload bytes fits; all or nothing."""
         cap_bytes = self.options.capacity
         cap_blocks = self.options.capacity_blocks
         excess_bytes = 0 if cap_bytes is None else self._bytes + size - cap_bytes
         excess_blocks = 0 if cap_blocks is None else len(self._store) + 1 - cap_blocks
-        victims: list[BlockKey] = []
-        for key, data in self._store.items():
-            if excess_bytes <= 0 and excess_blocks <= 0:
-                break
-            if self.pinned(key):
-                continue
-            victims.append(key)
-            excess_bytes -= len(data) - HEADER_BYTES
-            excess_blocks -= 1
-        if excess_bytes > 0 or excess_blocks > 0:
+        policy = self._policy
+        if excess_bytes <= 0 and excess_blocks <= 0:
+            return True
+        if policy is None:  # no capacity: cannot happen
             return False
-        for key in victims:
-            self._drop(key)
-            self._report_evicted(key)
-            self.counters.evictions += 1
+        store, pins = self._store, self._pins
+        held = [len(store[key]) - HEADER_BYTES for key in pins if key in store]
+        if len(store) - len(held) < excess_blocks or self._bytes - sum(held) < excess_bytes:
+            return False  # not even every unpinned block would make room: evict none
+        largest = max(size, self.pool.slot_bytes)  # every block is one pool slot
+        while excess_bytes > 0 or excess_blocks > 0:
+            # As many as could be needed if every victim were the largest block: never more.
+            chosen = choose(policy, max(excess_blocks, -(-excess_bytes // largest)), pins, store)
+            if not chosen:
+                return False  # only a policy that broke its contract gets here
+            for key in chosen:
+                data = store.pop(key)  # out of the policy already
+                self._bytes -= len(data) - HEADER_BYTES
+                excess_bytes -= len(data) - HEADER_BYTES
+                excess_blocks -= 1
+                self._report_evicted(key)
+                self.counters.evictions += 1
         return True
 
     def _drop(self, key: BlockKey) -> bool:
@@ -237,4 +265,13 @@ class MemoryTier(BlockTier):
         if data is None:
             return False
         self._bytes -= len(data) - HEADER_BYTES
+        if self._policy is not None:
+            self._policy.remove(key)
         return True
+
+
+def _policy(options: Options, slot_bytes: int) -> EvictionPolicy | None:
+    """The tier's eviction policy, sized in blocks by its tightest limit; None when unbounded."""
+    by_bytes = None if options.capacity is None else options.capacity // slot_bytes
+    blocks = [n for n in (options.capacity_blocks, by_bytes) if n is not None]
+    return tier_policy(options.eviction, min(blocks), "eviction") if blocks else None
