@@ -18,8 +18,9 @@ from pathlib import Path
 
 from kvtier.keys import Namespace, chain_keys
 from kvtier.manager import TieredCache
-from kvtier.policies import EvictionKind, RequestHint, make_policy
+from kvtier.policies import RequestHint, make_policy
 from kvtier.pool import HostPool
+from kvtier.registry import POLICIES
 
 
 @dataclass(slots=True)
@@ -56,7 +57,7 @@ def best_of(repeats: int, run: object) -> float:
     return min(run() for _ in range(repeats))
 
 
-def bench(policy_kind: EvictionKind, args: argparse.Namespace) -> list[Figure]:
+def bench(policy_kind: str, args: argparse.Namespace) -> list[Figure]:
     ns = Namespace(model="bench", dtype="bfloat16", block_tokens=args.block_tokens)
     blocks_per_request = args.tokens // args.block_tokens
     pool_blocks = args.pool_requests * blocks_per_request
@@ -101,7 +102,7 @@ def bench(policy_kind: EvictionKind, args: argparse.Namespace) -> list[Figure]:
         cache.close()
     finally:
         pool.close()
-    name = policy_kind.value
+    name = policy_kind
     return [
         Figure("lookup (full hit)", name, n_lookup, lookup_s, n_lookup / lookup_s),
         Figure("store (with eviction)", name, n_store, store_s, n_store / store_s),
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("docs/results/manager_bench.json"))
     args = parser.parse_args()
 
-    figures = [f for kind in EvictionKind for f in bench(kind, args)]
+    figures = [f for kind in POLICIES for f in bench(kind, args)]
     where = machine()
     print(f"kvtier manager benchmark on {where}")
     print(f"{args.tokens}-token requests, {args.block_tokens}-token blocks, one Python thread")

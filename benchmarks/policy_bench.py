@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvtier.config import bundled_config_mapping, parse_config
-from kvtier.policies import EvictionKind
+from kvtier.registry import POLICIES
 from kvtier.sim.engine_timing import EngineTiming, engine_hit_ratio
 from kvtier.sim.optimal import infinite_hit_ratio, optimal_hit_ratio
 from kvtier.sim.replay import machine_description
@@ -44,9 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--trace", type=Path, default=None, help="default: the bundled trace")
     parser.add_argument("--capacities", type=int, nargs="+", default=list(CAPACITIES))
-    parser.add_argument(
-        "--policies", nargs="+", default=[str(k) for k in EvictionKind], help="online policies"
-    )
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), help="online policies")
     parser.add_argument(
         "--engine-lag", type=int, default=4, help="late: hints this many requests late"
     )

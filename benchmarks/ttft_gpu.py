@@ -311,7 +311,7 @@ def main() -> None:
     # captured, as an engine does at start-up) and the manager.
     try:
         from kvtier.manager import TieredCache
-        from kvtier.policies import EvictionKind, make_policy
+        from kvtier.policies import DEFAULT_EVICTION, make_policy
 
         have_manager = True
     except ImportError:
@@ -333,7 +333,7 @@ def main() -> None:
         CudaCopyOptions(strategy=args.strategy, max_sms=args.max_sms),
     )
     manager: Any = (
-        TieredCache(pool, make_policy(EvictionKind.LRU, pool.num_slots)) if have_manager else None
+        TieredCache(pool, make_policy(DEFAULT_EVICTION, pool.num_slots)) if have_manager else None
     )
 
     def decode(before_layer: Any = None) -> torch.Tensor:

@@ -202,7 +202,7 @@ def test_errors_are_messages_not_tracebacks(
     bad = tmp_path / "bad.yaml"
     bad.write_text("eviction: fifo\n")
     err = fails(capsys, "simulate", "--config", str(bad))
-    assert "invalid config eviction='fifo': one of 'lru', 'arc'" in err
+    assert "invalid config eviction='fifo': one of 'arc', 'hinted', 'lru'" in err
 
     err = fails(capsys, "simulate", "--config", str(tmp_path / "none.yaml"))
     assert "none.yaml" in err

@@ -27,7 +27,8 @@ from kvtier.errors import HIDDEN_VALUE, ConfigError, shown
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import BlockKey, Namespace, keys_from_hashes
 from kvtier.pool import NAME_PREFIX, HostPool
-from kvtier.tiers import TIER_KINDS, tier_class
+from kvtier.registry import TIERS
+from kvtier.tiers import tier_class
 from kvtier.tiers.base import Tier, TierJob, TierJobKind, WriteMode
 from kvtier.tiers.fs import FsTier
 from kvtier.tiers.memory import MemoryTier
@@ -78,7 +79,7 @@ class FakeTier(Tier):
 
 @pytest.fixture
 def fake_kind(monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setitem(TIER_KINDS, "fake", f"{FakeTier.__module__}:FakeTier")
+    monkeypatch.setitem(TIERS.entries, "fake", f"{FakeTier.__module__}:FakeTier")
     monkeypatch.setattr(FakeTier, "instances", [])
     monkeypatch.setattr(FakeTier, "fail_on_create", set())
     return "fake"
@@ -219,15 +220,15 @@ BAD: list[tuple[dict[str, Any], str, object, str]] = [
     ({"block": {"tokens": 2.5}}, "block.tokens", 2.5, "an integer"),
     ({"block": {"bytes": "big"}}, "block.bytes", "big", "512MiB"),
     ({"block": {"bytes": 0}}, "block.bytes", 0, "at least"),
-    ({"eviction": "fifo"}, "eviction", "fifo", "one of 'lru', 'arc'"),
-    ({"eviction": None}, "eviction", None, "one of 'lru', 'arc'"),
+    ({"eviction": "fifo"}, "eviction", "fifo", "one of 'arc', 'hinted', 'lru'"),
+    ({"eviction": None}, "eviction", None, "one of 'arc', 'hinted', 'lru'"),
     ({"admission": {"min_seen": 0}}, "admission.min_seen", 0, ">= 1"),
     ({"admission": {"max_tracked": True}}, "admission.max_tracked", True, "an integer"),
     ({"admission": {"min_sen": 2}}, "admission.min_sen", 2, "not a known option"),
     ({"tiers": {"kind": "fs"}}, "tiers", {"kind": "fs"}, "a list"),
     ({"tiers": ["fs"]}, "tiers[0]", "fs", "a mapping"),
     ({"tiers": [{"capacity": "1GiB"}]}, "tiers[0].kind", None, "a non-empty string"),
-    ({"tiers": [{"kind": "s3"}]}, "tiers[0].kind", "s3", "one of 'memory', 'fs', 'redis'"),
+    ({"tiers": [{"kind": "s3"}]}, "tiers[0].kind", "s3", "one of 'fs', 'memory', 'redis'"),
     (
         {"tiers": [{"kind": "memory", "write": "sometimes"}]},
         "tiers[0].write",
@@ -370,7 +371,7 @@ def _decimal_options() -> list[tuple[str, dict[str, Any]]]:
     for name in _float_fields(VllmSettings):
         out.append((f"vllm.{name}", {"vllm": {}}))
     required = {"fs": {"path": "/tmp/kvtier-nan-test", "capacity": 1}}
-    for kind in TIER_KINDS:
+    for kind in TIERS:
         options = config_options_class(tier_class(kind))
         for name in _float_fields(options):
             out.append((f"tiers[0].{name}", {"tiers": [{"kind": kind, **required.get(kind, {})}]}))
@@ -426,7 +427,7 @@ def test_unknown_tier_option_is_rejected_even_if_the_tier_forgets(fake_kind: str
 
 
 def test_tier_with_missing_dependency_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(TIER_KINDS, "s3", "kvtier_no_such_module_for_tests:S3Tier")
+    monkeypatch.setitem(TIERS.entries, "s3", "kvtier_no_such_module_for_tests:S3Tier")
     error = error_of({"tiers": [{"kind": "s3"}]})
     assert (error.field, error.value) == ("tiers[0].kind", "s3")
     assert "dependency is not installed" in error.allowed
@@ -643,7 +644,7 @@ def config_keys() -> dict[str, list[str]]:
     }
     from kvtier.config import options_class
 
-    for kind in TIER_KINDS:
+    for kind in TIERS:
         fields = dataclasses.fields(options_class(tier_class(kind)))
         keys[kind] = [f.name for f in fields if f.compare]  # compare=False: bookkeeping, not keys
     return keys

@@ -30,9 +30,10 @@ from hypothesis import strategies as st
 from kvtier import cli
 from kvtier.config import KVTierConfig, load_config, options_class
 from kvtier.errors import ConfigError
+from kvtier.registry import TIERS
 from kvtier.sim import simulate as simulate_module
 from kvtier.sim.trace import TraceError, TraceRequest, parse_request, read_trace
-from kvtier.tiers import TIER_KINDS, tier_class
+from kvtier.tiers import tier_class
 
 TRIED: Counter[str] = Counter()
 """Inputs tried per fuzz target (printed at the end of the module, checked per test)."""
@@ -172,7 +173,7 @@ def tier_entry() -> st.SearchStrategy[Any]:
         mapping([(key, values) for key in ["name", "write", *tier_option_keys(kind)]]).map(
             lambda entry, kind=kind: {**entry, "kind": kind}
         )
-        for kind in TIER_KINDS
+        for kind in TIERS
     ]
     return st.one_of(*per_kind, values)
 
@@ -266,15 +267,15 @@ spec_texts = st.one_of(
     pieces(SPEC_CHARS, 20),
     st.builds(
         lambda kind, rest: f"{kind}:{rest}",
-        st.sampled_from([*TIER_KINDS, "", "s3"]),
+        st.sampled_from([*TIERS, "", "s3"]),
         pieces(SPEC_CHARS, 20) | st.sampled_from(NASTY_STRINGS),
     ),
     st.builds(
         lambda kind, pairs: kind + ":" + ",".join(f"{k}={v}" for k, v in pairs),
-        st.sampled_from(list(TIER_KINDS)),
+        st.sampled_from(list(TIERS)),
         st.lists(
             st.tuples(
-                st.sampled_from(sorted({k for kind in TIER_KINDS for k in tier_option_keys(kind)}))
+                st.sampled_from(sorted({k for kind in TIERS for k in tier_option_keys(kind)}))
                 | st.text(max_size=5),
                 st.sampled_from([*NASTY_STRINGS, ".nan", "[", "{a: 1", "1" * 5000, "&x", "*y"])
                 | pieces(SPEC_CHARS, 6),

@@ -6,7 +6,13 @@ only kvtier's public interfaces, as a package installed next to kvtier would.
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
+import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +26,7 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.policies import make_policy
-from kvtier.registry import COPY_BACKENDS, POLICIES, TIERS, Registry
+from kvtier.registry import COPY_BACKENDS, POLICIES, TIERS, Registry, declared
 
 TIER = "plugin_examples.dict_tier:DictTier"
 POLICY = "plugin_examples.fifo_policy:FifoPolicy"
@@ -130,11 +136,11 @@ def test_tier_spec_with_a_module_path(spec: str, entry: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("kind", "allowed"),
     [
-        ("s3", "one of 'memory', 'fs', 'redis' or a tier class given as 'package.module:Class'"),
+        ("s3", "one of 'fs', 'memory', 'redis' or a tier class given as 'package.module:Class'"),
         ("plugin_examples.no_such_module:S3Tier", "an importable module (No module named"),
         ("plugin_examples.dict_tier:S3Tier", "a class that exists"),
         ("plugin_examples.dict_tier:Options", "a subclass of kvtier.tiers.base:Tier"),
-        ("plugin_examples/dict_tier.py:DictTier", "one of 'memory'"),  # no file paths
+        ("plugin_examples/dict_tier.py:DictTier", "one of 'fs', 'memory'"),  # no file paths
         ("os:system", "a subclass of kvtier.tiers.base:Tier"),
     ],
 )
@@ -176,11 +182,11 @@ def test_make_policy_takes_a_module_path_and_passes_the_capacity() -> None:
 @pytest.mark.parametrize(
     ("eviction", "allowed"),
     [
-        ("fifo", "one of 'lru', 'arc', 'segmented'"),
+        ("fifo", "one of 'arc', 'hinted', 'lru', 'segmented'"),
         ("fifo", "or an eviction policy class given as 'package.module:Class'"),
         ("plugin_examples.fifo_policy:NotAPolicy", "a subclass of kvtier.policies.base:Eviction"),
         ("plugin_examples.nothing:FifoPolicy", "an importable module"),
-        (7, "one of 'lru'"),
+        (7, "one of 'arc'"),
     ],
 )
 def test_unknown_or_wrong_policy_is_an_error_naming_the_field(eviction: Any, allowed: str) -> None:
@@ -208,7 +214,8 @@ def test_cli_policy_choices_come_from_the_registry(
 
 
 def test_register_refuses_bad_names_and_conflicting_targets() -> None:
-    registry = Registry("tier", "kvtier.tiers.base:Tier", {"dict": TIER})
+    registry = Registry("tier", "kvtier.tiers.base:Tier", "plugin_examples")  # declares nothing
+    registry.register("dict", TIER)
     registry.register("dict", TIER)  # the same again: fine
     for name, target in [
         ("dict", "plugin_examples.other:Tier"),  # taken
@@ -221,20 +228,100 @@ def test_register_refuses_bad_names_and_conflicting_targets() -> None:
     assert registry.names() == ("dict",)
 
 
-def test_every_registered_name_is_documented() -> None:
+def _declaring_modules(package: str) -> dict[str, str]:
+    """What the registry should find, found the other way: import every module of ``package`` and
+    keep the classes that declare the module's name as ``kind`` (a module that needs a missing
+    dependency, such as the CUDA backend on a CPU build, is left out)."""
+    found = {}
+    for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        try:
+            module = importlib.import_module(f"{package}.{info.name}")
+        except ImportError:
+            continue
+        for cls in vars(module).values():
+            declares = isinstance(cls, type) and vars(cls).get("kind") == info.name
+            if declares and cls.__module__ == module.__name__:
+                found[info.name] = f"{module.__name__}:{cls.__name__}"
+    return found
+
+
+@pytest.mark.parametrize("registry", [TIERS, POLICIES, COPY_BACKENDS], ids=lambda r: r.what)
+def test_every_module_that_declares_its_kind_is_listed_and_resolves(registry: Registry) -> None:
+    imported = _declaring_modules(registry.package)
+    assert imported, registry.package
+    assert {n: t for n, t in registry.entries.items() if n in imported} == imported
+    missing = set(registry.entries) - set(imported)
+    assert missing <= {"cuda"}  # cuda needs a CUDA build of torch to import
+    for name, target in imported.items():
+        cls = registry.load(name, "kind")
+        assert (cls.__module__, cls.kind) == (f"{registry.package}.{name}", name)
+        assert f"{cls.__module__}:{cls.__qualname__}" == target
+    assert list(registry.entries) == sorted(registry.entries)
+    assert declared("kvtier.policies")["segmented"].endswith(":SegmentedPolicy")  # not the base
+
+
+def _listed_in_row(reference: str, key: str) -> list[str]:
+    """The plain names in the second cell of the table row of ``key`` (``\\|`` separates them)."""
+    (row,) = [line for line in reference.splitlines() if line.startswith(f"| `{key}` |")]
+    cells = re.split(r"(?<!\\)\|", row)
+    return sorted(re.findall(r"`(\w+)`", cells[2]))
+
+
+def test_documented_names_are_the_listed_names() -> None:
     reference = (ROOT / "docs" / "configuration.md").read_text()
-    for name in TIERS:
-        assert f"### `kind: {name}`" in reference, name
-    for name in POLICIES:
-        assert f"`{name}`" in reference.split("| `eviction` |")[1].split("\n")[0], name
+    tier_sections = re.findall(r"^### `kind: (\w+)`", reference, re.MULTILINE)
+    assert sorted(tier_sections) == list(TIERS.names())
+    assert _listed_in_row(reference, "kind") == list(TIERS.names())
+    assert _listed_in_row(reference, "eviction") == list(POLICIES.names())
     architecture = (ROOT / "docs" / "architecture.md").read_text()
     for name, target in COPY_BACKENDS.entries.items():  # chosen by device, not in the config
         assert f"`{name}` (`{target.split(':')[1]}`)" in architecture, name
 
 
-def test_registered_targets_resolve_to_their_base_classes() -> None:
-    for name in TIERS:
-        TIERS.load(name, "kind")
-    for name in POLICIES:
-        POLICIES.load(name, "eviction")
-    COPY_BACKENDS.load("cpu", "copy")  # cuda needs a CUDA build of torch to import
+def test_names_are_listed_without_importing_the_parts_or_the_redis_client() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["redis"] = None  # the optional client is not installed
+        from kvtier.errors import ConfigError
+        from kvtier.registry import POLICIES, TIERS
+        print(TIERS.names(), POLICIES.names())
+        print(sorted(m for m in sys.modules if m.startswith("kvtier.tiers.")))
+        TIERS.load("memory", "kind")
+        try:
+            TIERS.load("redis", "tiers[0].kind")
+        except ConfigError as exc:
+            print(exc)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    names, imported, error = run.stdout.splitlines()
+    assert names == "('fs', 'memory', 'redis') ('arc', 'hinted', 'lru', 'segmented')"
+    assert imported == "['kvtier.tiers.base']"  # the package's own import, no tier module
+    assert error.startswith("invalid config tiers[0].kind='redis': its dependency is not installed")
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty package ``kvtier_registry_test_parts`` on the Python path."""
+    directory = tmp_path / "kvtier_registry_test_parts"
+    directory.mkdir()
+    (directory / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return directory
+
+
+def test_a_module_declares_its_own_name_once(package: Path) -> None:
+    (package / "fifo.py").write_text(
+        'class Base:\n    kind = "other"\n\n\nclass Fifo(Base):\n    kind: str = "fifo"\n'
+    )
+    (package / "base.py").write_text('class Shared:\n    kind = "fifo"  # not its module\n')
+    (package / "helpers.py").write_text('def kind_of():\n    kind = "helpers"\n    return kind\n')
+    (package / "_private.py").write_text('class Hidden:\n    kind = "_private"\n')
+    assert declared(package.name) == {"fifo": f"{package.name}.fifo:Fifo"}
+    (package / "twice.py").write_text(
+        'class A:\n    kind = "twice"\n\n\nclass B:\n    kind = "twice"\n'
+    )
+    with pytest.raises(ValueError, match=r"\['A', 'B'\] all declare kind 'twice'"):
+        declared(package.name)

@@ -11,8 +11,9 @@ from core.scripted_tier import ScriptedTier
 from kvtier.events import POOL_TIER, EventKind
 from kvtier.keys import Namespace, chain_keys
 from kvtier.manager import TierBinding, TieredCache
-from kvtier.policies import EvictionKind, make_policy
+from kvtier.policies import make_policy
 from kvtier.pool import HostPool
+from kvtier.registry import POLICIES
 from kvtier.tiers.base import TierJobKind, WriteMode
 
 NS = Namespace(model="prop", dtype="float16", block_tokens=2)
@@ -28,11 +29,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.pool: HostPool | None = None
 
     @rule(
-        policy=st.sampled_from(list(EvictionKind)),
+        policy=st.sampled_from(POLICIES.names()),
         mode=st.sampled_from([None, *WriteMode]),
     )
     @precondition(lambda self: self.pool is None)
-    def start(self, policy: EvictionKind, mode: WriteMode | None) -> None:
+    def start(self, policy: str, mode: WriteMode | None) -> None:
         self.pool = HostPool.create(SLOTS, SLOT_BYTES)
         self.tier = ScriptedTier("tier", NS, self.pool)
         secondary = [TierBinding(self.tier, mode)] if mode is not None else []

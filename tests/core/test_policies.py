@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.policies import ARCPolicy, EvictionKind, LRUPolicy, SegmentedPolicy, make_policy
+from kvtier.policies import ARCPolicy, HintedPolicy, LRUPolicy, SegmentedPolicy, make_policy
 from kvtier.policies.admission import AdmissionFilter
+from kvtier.registry import POLICIES
 
 
 def k(i: int) -> bytes:
@@ -23,7 +24,7 @@ def test_lru_evicts_oldest_unpinned_first():
     assert lru.evict(1, pinned=set()) == []
 
 
-@pytest.mark.parametrize("kind", list(EvictionKind))
+@pytest.mark.parametrize("kind", POLICIES.names())
 def test_all_pinned_gives_no_victims(kind):
     policy = make_policy(kind, 3)
     for i in range(3):
@@ -136,9 +137,12 @@ def test_segmented_remove_and_bad_arguments() -> None:
 
 
 def test_every_eviction_kind_has_its_own_policy_and_unknown_ones_fail() -> None:
-    classes = {kind: type(make_policy(kind, 8)) for kind in EvictionKind}
-    assert classes[EvictionKind.LRU] is LRUPolicy
-    assert classes[EvictionKind.ARC] is ARCPolicy
-    assert classes[EvictionKind.SEGMENTED] is SegmentedPolicy
-    with pytest.raises(ValueError, match=r"one of .lru., .arc., .segmented."):
-        make_policy("mru", 8)  # type: ignore[arg-type]
+    classes = {kind: type(make_policy(kind, 8)) for kind in POLICIES}
+    assert classes == {
+        "arc": ARCPolicy,
+        "hinted": HintedPolicy,
+        "lru": LRUPolicy,
+        "segmented": SegmentedPolicy,
+    }
+    with pytest.raises(ValueError, match=r"one of .arc., .hinted., .lru., .segmented. or"):
+        make_policy("mru", 8)

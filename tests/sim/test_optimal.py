@@ -144,10 +144,10 @@ def test_simulate_policy_optimal_prints_the_labelled_bound(
 
 def test_simulate_policy_choices_follow_the_policies() -> None:
     from kvtier.cli import build_parser
-    from kvtier.policies import EvictionKind
+    from kvtier.registry import POLICIES
 
     parser = build_parser()
-    for kind in EvictionKind:
-        assert parser.parse_args(["simulate", "--policy", kind.value]).policy == kind.value
+    for kind in POLICIES:
+        assert parser.parse_args(["simulate", "--policy", kind]).policy == kind
     with pytest.raises(SystemExit):
         parser.parse_args(["simulate", "--policy", "mru"])

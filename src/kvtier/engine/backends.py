@@ -1,4 +1,5 @@
-"""Which copy backend moves a rank's blocks: chosen by the device its KV tensors live on.
+"""Which copy backend moves a rank's blocks: the one ``kvtier.registry.COPY_BACKENDS`` names for
+the device type its KV tensors live on (``copy/<device>.py``, or one registered for another device).
 
 The engine's per-layer KV tensors are taken as they are; ``cuda_layout`` recognises which of the
 per-layer shapes engines use they have (the CUDA backend then checks their strides).
@@ -6,11 +7,13 @@ per-layer shapes engines use they have (the CUDA backend then checks their strid
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.copy.base import CopyBackend
 from kvtier.pool import HostPool
+from kvtier.registry import COPY_BACKENDS
 
 BackendFactory = Callable[[Sequence[Any], HostPool, int, int, int, Any], CopyBackend]
 """``make_backend``'s signature: (KV tensors, pool, blocks per slot, rank, ranks, copy options)."""
@@ -24,29 +27,32 @@ def make_backend(
     tp_size: int,
     copy_options: Any = None,
 ) -> CopyBackend:
-    """The copy backend for the device the KV tensors live on."""
+    """The copy backend for the device the KV tensors live on, built with the tensors and the
+    keywords ``pool``, ``blocks_per_slot``, ``tp_rank`` and ``tp_size``, plus ``layout``
+    (``cuda_layout``) and ``options`` (``copy_options``) where its constructor names them (the CUDA
+    backend does, the CPU backend does not). ``NotImplementedError`` for a device without one."""
     if not kv_caches:
         raise ValueError("register_kv_caches gave no KV tensors")
     device = kv_caches[0].device.type
-    if device == "cpu":
-        from kvtier.copy.cpu import CpuCopyBackend
-
-        return CpuCopyBackend(
-            kv_caches, pool, blocks_per_slot=blocks_per_slot, tp_rank=tp_rank, tp_size=tp_size
-        )
-    if device == "cuda":
-        from kvtier.copy.cuda import CudaCopyBackend
-
-        return CudaCopyBackend(
-            kv_caches,
-            cuda_layout(kv_caches),
-            pool,
-            copy_options,
-            blocks_per_slot=blocks_per_slot,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
-    raise NotImplementedError(f"kvtier has no copy backend for {device!r} KV")
+    if device not in COPY_BACKENDS:
+        known = ", ".join(repr(name) for name in COPY_BACKENDS)
+        raise NotImplementedError(f"kvtier has no copy backend for {device!r} KV (only {known})")
+    cls = COPY_BACKENDS.load(device, "copy backend")
+    wanted = inspect.signature(cls).parameters
+    extra: dict[str, Any] = {}
+    if "layout" in wanted:
+        extra["layout"] = cuda_layout(kv_caches)
+    if "options" in wanted:
+        extra["options"] = copy_options
+    backend: CopyBackend = cls(
+        kv_caches,
+        pool=pool,
+        blocks_per_slot=blocks_per_slot,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        **extra,
+    )
+    return backend
 
 
 def cuda_layout(kv_caches: Sequence[Any]) -> Any:

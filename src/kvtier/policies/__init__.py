@@ -1,14 +1,14 @@
 """Eviction policies and the admission filter.
 
-Policy names live in ``kvtier.registry.POLICIES`` (``make_policy`` also takes
-``package.module:Class`` for a policy outside kvtier): a new policy is its module plus one line
-there, and a name without a class is an error, never another policy.
+A built-in policy is the module ``policies/<name>.py`` whose policy class declares
+``kind = "<name>"``: ``kvtier.registry.POLICIES`` lists the names (config, CLI and docs read it) and
+``make_policy`` also takes ``package.module:Class`` for a policy outside kvtier. A name without a
+class is an error, never another policy.
 """
 
 from __future__ import annotations
 
 import inspect
-from enum import StrEnum
 
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
@@ -18,18 +18,7 @@ from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.segmented import SegmentedPolicy
 from kvtier.registry import POLICIES
 
-
-class EvictionKind(StrEnum):
-    """Names of some built-in policies, for code that names one; the registry is the full list
-    (config, CLI and docs read it) and ``make_policy`` takes any of its names as a plain string."""
-
-    LRU = "lru"
-    ARC = "arc"
-    SEGMENTED = "segmented"
-    HINTED = "hinted"
-
-
-DEFAULT_EVICTION: str = EvictionKind.LRU.value
+DEFAULT_EVICTION: str = LRUPolicy.kind
 """The default policy: the one policy never below LRU both in the trace replay and in the vLLM
 demo. ``hinted`` is ahead in the replay at every pool size but loads fewer prompt tokens than LRU
 in the demo's engine, where every request is re-sent a few requests later (docs/policies.md)."""
@@ -57,7 +46,6 @@ def make_policy(kind: str, capacity_blocks: int, field: str = "eviction") -> Evi
 __all__ = [
     "DEFAULT_EVICTION",
     "ARCPolicy",
-    "EvictionKind",
     "EvictionPolicy",
     "HintedPolicy",
     "LRUPolicy",

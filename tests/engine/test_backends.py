@@ -1,0 +1,94 @@
+"""``make_backend`` chooses a copy backend through ``COPY_BACKENDS`` by the KV tensors' device type
+and builds it with the arguments its constructor names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from plugin_examples.meta_backend import MetaCopyBackend
+from support import require
+from support.emulated_cuda import EmulatedBackend, FakeRuntime, FakeTensor
+from support.kv_reference import engine_arrays, logical_blocks
+
+torch = require.importorskip("torch", "vllm")
+
+from kvtier.copy.cpu import CpuCopyBackend  # noqa: E402
+from kvtier.copy.cuda import CudaCopyOptions  # noqa: E402
+from kvtier.copy.cuda_plan import KVLayout  # noqa: E402
+from kvtier.engine.backends import make_backend  # noqa: E402
+from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.pool import HostPool  # noqa: E402
+from kvtier.registry import COPY_BACKENDS  # noqa: E402
+
+META = "plugin_examples.meta_backend:MetaCopyBackend"
+
+
+def test_the_cpu_backend_is_the_registered_one_for_cpu_tensors() -> None:
+    assert COPY_BACKENDS.entries["cpu"] == "kvtier.copy.cpu:CpuCopyBackend"
+    with HostPool.create(2, 2 * 3 * 64) as pool:
+        kv = [torch.zeros(4, 64, dtype=torch.uint8) for _ in range(3)]
+        backend = make_backend(kv, pool, 1, 1, 2, object())  # copy options: not its parameter
+        try:
+            assert isinstance(backend, CpuCopyBackend)
+            assert backend.slot_part_bytes == 3 * 64
+        finally:
+            backend.close()
+
+
+class Emulated(EmulatedBackend):
+    """The CUDA backend over an emulated runtime, with the real backend's constructor."""
+
+    def __init__(self, kv_caches: Any, layout: Any, pool: Any, options: Any, **kwargs: Any) -> None:
+        super().__init__(kv_caches, layout, pool, options, fake=FakeRuntime(), **kwargs)
+
+
+def test_cuda_tensors_get_the_cuda_backend_with_their_layout_and_the_copy_options(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    assert COPY_BACKENDS.entries["cuda"] == "kvtier.copy.cuda:CudaCopyBackend"
+    monkeypatch.setitem(COPY_BACKENDS.entries, "cuda", f"{__name__}:Emulated")
+    logical = logical_blocks(np.random.default_rng(0), 4)
+    kv = [FakeTensor(a) for a in engine_arrays(logical, KVLayout.LAYER_KV_FIRST)]
+    options = CudaCopyOptions(strategy="dma")
+    with HostPool.create(4, 2 * logical[0].nbytes, shm_dir=str(tmp_path)) as pool:
+        backend = make_backend(kv, pool, 1, 1, 2, options)
+        try:
+            assert isinstance(backend, Emulated)
+            assert backend.geometry.layout is KVLayout.LAYER_KV_FIRST
+            assert backend.options.strategy == "dma"
+            assert backend.slot_part_bytes == logical[0].nbytes
+        finally:
+            backend.close()
+
+
+def test_a_device_without_a_backend_is_an_error_listing_the_known_ones() -> None:
+    with HostPool.create(2, 64) as pool:
+        with pytest.raises(NotImplementedError, match=r"'meta' KV \(only 'cpu', 'cuda'\)"):
+            make_backend([torch.empty(4, 64, device="meta")], pool, 1, 0, 1)
+        with pytest.raises(ValueError, match="no KV tensors"):
+            make_backend([], pool, 1, 0, 1)
+
+
+def test_a_backend_registered_for_another_device_is_built_with_what_it_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(COPY_BACKENDS.entries, "meta", META)
+    options = object()
+    with HostPool.create(2, 64) as pool:
+        backend = make_backend([torch.empty(4, 64, device="meta")] * 2, pool, 2, 1, 4, options)
+        assert isinstance(backend, MetaCopyBackend)
+        # options passed (its constructor names them); no layout (it does not ask for one)
+        assert backend.built_with == (2, pool, options, 2, 1, 4)
+
+
+def test_a_registered_backend_that_does_not_import_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(COPY_BACKENDS.entries, "meta", "plugin_examples.no_such_module:Backend")
+    with (
+        HostPool.create(2, 64) as pool,
+        pytest.raises(ConfigError, match="its dependency is not installed"),
+    ):
+        make_backend([torch.empty(4, 64, device="meta")], pool, 1, 0, 1)
