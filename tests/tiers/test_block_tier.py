@@ -244,3 +244,182 @@ def test_a_tiers_own_tasks_run_on_its_threads(pool: HostPool) -> None:
     assert tier.stuck_threads == 0
     tier.close()
     assert not tier._run_on_worker(task, lambda: None, "after close") and len(ran_on) == 1
+
+
+class BatchStorage(DictStorage):
+    """Batches of ``batch_size``, a health gate, a cut-off and a per-thread state."""
+
+    cut_off_grace_s = 1.0
+
+    def __init__(self, pool: HostPool, threads: int = 2, batch_size: int = 3) -> None:
+        BlockTier.__init__(
+            self,
+            "batch",
+            NS,
+            pool,
+            threads=threads,
+            batch_size=batch_size,
+            reads_first=True,
+            aside_thread=True,
+            thread_state=Connection,
+            close_timeout_s=0.2,
+        )
+        self.blocks = {}
+        self.answer = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.pinned_seen = []
+        self.closed_with = None
+        self.batches: list[tuple[str, int]] = []
+        self.failed: list[tuple[str, int]] = []
+        self.health = True
+        self.raise_on: BlockKey | None = None
+
+    def put_batch(self, keys, headers, payloads):  # type: ignore[no-untyped-def]
+        self._record("put", keys)
+        return super().put_batch(keys, headers, payloads)
+
+    def get_batch(self, keys, headers, payloads):  # type: ignore[no-untyped-def]
+        self._record("get", keys)
+        return super().get_batch(keys, headers, payloads)
+
+    def _record(self, what: str, keys: Sequence[BlockKey]) -> None:
+        conn = self._thread_state()
+        assert isinstance(conn, Connection)
+        conn.used += 1
+        self.batches.append((what, len(keys)))
+        if self.raise_on in keys:
+            raise ConnectionError("server gone")
+
+    def _healthy(self) -> bool:
+        return self.health
+
+    def _batch_failed(self, exc: Exception, keys: list[BlockKey], reading: bool) -> None:
+        self.failed.append((type(exc).__name__, len(keys)))
+        self._count(timeouts=len(keys))
+
+    def _cut_off(self) -> None:
+        self.gate.set()
+
+
+class Connection:
+    made: list[Connection] = []
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.closed = False
+        Connection.made.append(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_batches_of_batch_size_with_invalid_blocks_left_out(pool: HostPool) -> None:
+    Connection.made.clear()
+    tier = BatchStorage(pool, threads=1, batch_size=3)
+    keys = [key(i) for i in range(7)]
+    for slot, k in enumerate(keys):
+        pool.view(slot)[:] = payload(k)
+    slots = list(range(7))
+    slots[4] = 99  # not a slot: fails alone, never handed to the storage
+    assert run(tier, TierJobKind.WRITE, keys, slots) == [True] * 4 + [False] + [True] * 2
+    assert tier.batches == [("put", 3), ("put", 2), ("put", 1)]
+    assert run(tier, TierJobKind.READ, keys[:6], [10, 11, 12, 13, 14, 15][:6]) == [
+        True,
+        True,
+        True,
+        True,
+        False,  # never stored
+        True,
+    ]
+    assert tier.batches[3:] == [("get", 3), ("get", 3)]
+    c = tier.counters
+    assert (c.errors, c.write_blocks, c.read_blocks) == (1, 6, 5)
+    # One connection for the one I/O thread, kept between batches, closed with the thread.
+    assert len(Connection.made) == 1 and Connection.made[0].used == 5
+    tier.close()
+    assert Connection.made[0].closed
+
+
+def test_an_exception_fails_its_batch_through_the_hook(pool: HostPool) -> None:
+    tier = BatchStorage(pool, threads=1, batch_size=2)
+    keys = [key(i) for i in range(4)]
+    tier.raise_on = keys[3]
+    assert store(tier, pool, keys) == [True, True, False, False]
+    assert tier.failed == [("ConnectionError", 2)]
+    assert (tier.counters.timeouts, tier.counters.errors) == (2, 0)
+    assert tier._pins == {}
+    tier.close()
+
+
+def test_the_health_gate_fails_jobs_and_queued_batches_unsent(pool: HostPool) -> None:
+    tier = BatchStorage(pool, threads=1, batch_size=1)
+    keys = [key(i) for i in range(3)]
+    tier.health = False
+    assert store(tier, pool, keys) == [False] * 3
+    assert run(tier, TierJobKind.READ, keys, [5, 6, 7]) == [False] * 3
+    assert (tier.counters.rejected, tier.counters.errors, tier.batches) == (3, 3, [])
+    # Unhealthy while a job's later batches wait: they fail unsent.
+    tier.health = True
+    tier.gate.clear()
+    for slot, k in enumerate(keys):
+        pool.view(slot)[:] = payload(k)
+    tier.submit(TierJob(1, TierJobKind.WRITE, keys, [0, 1, 2]))
+    time.sleep(0.05)
+    tier.health = False
+    tier.gate.set()
+    end = time.monotonic() + 5
+    while not (results := tier.poll()):
+        assert time.monotonic() < end
+        time.sleep(0.005)
+    assert results[0].ok == [True, False, False]
+    assert tier.counters.rejected == 5 and tier.batches == [("put", 1)]
+    tier.close()
+
+
+def test_reads_go_ahead_of_queued_writes(pool: HostPool) -> None:
+    tier = BatchStorage(pool, threads=1, batch_size=1)
+    keys = [key(i) for i in range(4)]
+    assert store(tier, pool, keys[:1]) == [True]
+    tier.batches.clear()
+    tier.gate.clear()
+    tier.submit(TierJob(1, TierJobKind.WRITE, keys[1:], [1, 2, 3]))
+    time.sleep(0.05)  # the first write batch is running
+    tier.submit(TierJob(2, TierJobKind.READ, keys[:1], [9]))
+    tier.gate.set()
+    end = time.monotonic() + 5
+    done: dict[int, list[bool]] = {}
+    while len(done) < 2:
+        assert time.monotonic() < end
+        done.update((r.job_id, r.ok) for r in tier.poll())
+        time.sleep(0.005)
+    assert done == {1: [True] * 3, 2: [True]}
+    assert tier.batches == [("put", 1), ("get", 1), ("put", 1), ("put", 1)]
+    tier.close()
+
+
+def test_aside_tasks_run_while_every_io_thread_is_busy(pool: HostPool) -> None:
+    tier = BatchStorage(pool, threads=1)
+    tier.gate.clear()
+    pool.view(0)[:] = payload(key(1))
+    tier.submit(TierJob(1, TierJobKind.WRITE, [key(1)], [0]))
+    ran = threading.Event()
+    assert tier._run_on_worker(ran.set, lambda: None, "key check", aside=True)
+    assert ran.wait(5)
+    tier.gate.set()
+    tier.close()
+    assert not DictStorage(pool, threads=1)._run_on_worker(ran.set, lambda: None, "x", aside=True)
+
+
+def test_close_cuts_off_what_still_runs_and_reports_every_job(pool: HostPool) -> None:
+    tier = BatchStorage(pool, threads=1, batch_size=1)
+    tier.gate.clear()  # hangs until _cut_off opens it
+    keys = [key(i) for i in range(3)]
+    for slot, k in enumerate(keys):
+        pool.view(slot)[:] = payload(k)
+        tier.submit(TierJob(slot, TierJobKind.WRITE, [k], [slot]))
+    started = time.monotonic()
+    tier.close()
+    assert 0.2 <= time.monotonic() - started < 0.2 + tier.cut_off_grace_s
+    assert tier.gate.is_set() and tier.closed_with is False
+    assert sorted(r.job_id for r in tier.poll()) == [0, 1, 2]

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvtier.tiers.workers import WorkerPool
+from kvtier.tiers.workers import Line, WorkerPool
 
 
 def _record(results: list[str], what: str) -> None:
@@ -92,3 +92,98 @@ def test_a_failing_task_does_not_kill_its_thread() -> None:
     assert pool.submit(lambda: _record(results, "ran"), lambda: None)
     assert pool.close(5) == []
     assert results == ["ran"]
+
+
+def test_first_tasks_go_ahead_and_run_between_the_steps_of_a_long_task() -> None:
+    pool = WorkerPool("t", 1, stuck_after_s=10)
+    release = threading.Event()
+    order: list[str] = []
+
+    def long_task() -> None:
+        for step in range(2):
+            release.wait(5)
+            order.append(f"long{step}")
+            pool.run_first()
+
+    assert pool.submit(long_task, lambda: None, "long")
+    time.sleep(0.05)  # the long task is running
+    assert pool.submit(lambda: _record(order, "normal"), lambda: None)
+    assert pool.submit(lambda: _record(order, "first"), lambda: None, line=Line.FIRST)
+    release.set()
+    assert pool.close(5) == []
+    # The FIRST task waited one step of the long task, the NORMAL one all of it.
+    assert order == ["long0", "first", "long1", "normal"]
+
+
+def test_aside_tasks_never_wait_behind_busy_threads() -> None:
+    pool = WorkerPool("t", 1, stuck_after_s=10, aside_threads=1)
+    release = threading.Event()
+    ran = threading.Event()
+    try:
+        assert pool.submit(lambda: release.wait(30) and None, lambda: None, "busy")
+        assert pool.submit(ran.set, lambda: None, "check", Line.ASIDE)
+        assert ran.wait(5)
+    finally:
+        release.set()
+    assert pool.close(5) == []
+    without = WorkerPool("t", 1, stuck_after_s=10)
+    assert not without.submit(lambda: None, lambda: None, "check", Line.ASIDE)  # nobody to take it
+    assert without.close(5) == []
+
+
+class _State:
+    made: list[_State] = []
+
+    def __init__(self) -> None:
+        self.closed = False
+        _State.made.append(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_thread_state_is_made_on_first_use_and_closed_with_its_thread() -> None:
+    _State.made.clear()
+    pool = WorkerPool("t", 2, stuck_after_s=10, thread_state=_State)
+    seen: list[object] = []
+    done = threading.Event()
+
+    def task() -> None:
+        seen.append(pool.state())
+        seen.append(pool.state())  # the same object on the same thread
+        done.set()
+
+    assert pool.submit(lambda: None, lambda: None)  # never asks: makes nothing
+    assert pool.submit(task, lambda: None)
+    assert done.wait(5)
+    assert seen[0] is seen[1] and len(_State.made) == 1 and not _State.made[0].closed
+    assert pool.close(5) == []
+    assert _State.made[0].closed
+    with pytest.raises(RuntimeError):
+        WorkerPool("t", 1, stuck_after_s=10).state()
+
+
+def test_close_cuts_off_running_tasks_then_waits_its_grace() -> None:
+    pool = WorkerPool("t", 1, stuck_after_s=10)
+    release = threading.Event()
+    results: list[str] = []
+    assert pool.submit(lambda: release.wait(30) and None, lambda: None, "slow command")
+    assert pool.submit(lambda: _record(results, "ran"), lambda: _record(results, "failed"))
+    started = time.monotonic()
+    # The cut-off makes the running task return; the queued one still runs within the grace.
+    assert pool.close(0.2, cut_off=release.set, grace_s=5) == []
+    assert 0.2 <= time.monotonic() - started < 2
+    assert results == ["ran"]
+
+
+def test_close_abandons_what_a_cut_off_did_not_stop() -> None:
+    pool = WorkerPool("t", 1, stuck_after_s=10)
+    release = threading.Event()
+    cut: list[bool] = []
+    try:
+        assert pool.submit(lambda: release.wait(30) and None, lambda: None, "deaf")
+        started = time.monotonic()
+        assert pool.close(0.1, cut_off=lambda: cut.append(True), grace_s=0.2) == ["deaf"]
+        assert cut == [True] and time.monotonic() - started < 1
+    finally:
+        release.set()

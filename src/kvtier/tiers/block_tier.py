@@ -17,16 +17,32 @@ supplies only ``put`` / ``get`` / ``exists`` / ``delete`` of single blocks.
 * **Counters.** Jobs, blocks and bytes moved, errors, rejections and corrupt blocks are counted
   here, under one lock, from whichever thread.
 * **Fan-out.** ``threads`` = 0 runs a job inside ``submit`` (its result is in the next ``poll``);
-  otherwise up to ``threads`` tasks per job take its blocks one by one on a ``WorkerPool`` that
-  stays usable when threads hang (``workers.py``): a job is failed at once while every thread is
-  stuck, queued blocks fail after ``stuck_after_s``. A subclass may schedule jobs its own way by
-  overriding ``_dispatch``.
+  otherwise up to ``threads`` tasks per job take its batches (``batch_size`` blocks each, 1 by
+  default) one by one on a ``WorkerPool`` that stays usable when threads hang (``workers.py``): a
+  job is failed at once while every thread is stuck, queued blocks fail after ``stuck_after_s``.
+  A subclass may schedule jobs its own way by overriding ``_dispatch``.
 * **Faults.** ``_draw_faults`` (none by default) lets a tier fail or corrupt chosen blocks, for
   tests and simulation (the memory tier's ``failure_rate`` and ``corrupt_rate``).
 
+Hooks for a storage with round trips and a server (the ``redis`` tier), all off by default:
+
+* ``batch_size`` > 1 hands ``put_batch`` / ``get_batch`` up to that many blocks (one pipelined
+  round trip; the defaults loop over ``put`` / ``get``). An exception fails the batch's blocks and
+  goes to ``_batch_failed`` (default: ``errors``).
+* ``thread_state``: a per-thread object (a kept connection) made on a thread's first
+  ``_thread_state()`` call and closed by the pool when the thread ends.
+* ``reads_first``: read jobs (promotions, on a request's path) are queued ahead of write jobs, and
+  a write task lets queued reads run between its batches; ``aside_thread``: one more thread for
+  ``_run_on_worker(..., aside=True)`` tasks (key checks) that never wait behind batches.
+* ``_healthy()``, the health gate, asked in ``submit`` and before each batch: while False, a job
+  (or a batch, unsent) fails at once, counted in ``errors`` for reads and ``rejected`` for writes.
+* ``close_timeout_s`` (default ``stuck_after_s``) bounds how long ``close`` lets queued work run;
+  with ``cut_off_grace_s`` > 0, ``_cut_off()`` is called then (to make running calls return) and
+  ``close`` waits that much longer before failing what is queued.
+
 Storage methods run on I/O threads (or inside ``submit``), may block, and may raise: an exception
-fails that block (``errors``), never the job's report. ``exists`` runs on the manager's thread
-inside ``lookup`` and must not block on I/O.
+fails that block's batch (``_batch_failed``), never the job's report. ``exists`` runs on the
+manager's thread inside ``lookup`` and must not block on I/O.
 """
 
 from __future__ import annotations
@@ -44,7 +60,7 @@ from kvtier.keys import KEY_BYTES, BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind
 from kvtier.tiers.payload import HEADER_BYTES, block_matches, encode_header
-from kvtier.tiers.workers import WorkerPool
+from kvtier.tiers.workers import Line, ThreadState, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +101,10 @@ class Fault(Enum):
     """A read lands a damaged payload in the slot."""
 
 
+Views = Sequence[memoryview]
+"""Header buffers or pool slots of a batch, one per block."""
+
+
 def valid_block(key: object, slot: object, num_slots: int) -> bool:
     """A key of ``KEY_BYTES`` bytes (a longer one would be cut in the header and could collide)
     and a slot index of the pool."""
@@ -93,13 +113,6 @@ def valid_block(key: object, slot: object, num_slots: int) -> bool:
     except TypeError:
         return False
     return isinstance(key, bytes) and len(key) == KEY_BYTES and 0 <= index < num_slots
-
-
-def valid_job(job: TierJob, num_slots: int) -> bool:
-    """Every block of ``job`` valid and as many slots as keys."""
-    return len(job.keys) == len(job.slots) and all(
-        valid_block(key, slot, num_slots) for key, slot in zip(job.keys, job.slots, strict=True)
-    )
 
 
 @dataclass(slots=True, eq=False)
@@ -115,7 +128,7 @@ class JobState:
     remaining: int = field(init=False)
     """Blocks not done yet (guarded by the tier's lock)."""
     cursor: Iterator[int] = field(init=False, default_factory=itertools.count)
-    """Next block to take; shared by the job's tasks (``next`` on a count is atomic)."""
+    """Next batch to take; shared by the job's tasks (``next`` on a count is atomic)."""
 
     def __post_init__(self) -> None:
         self.ok = [False] * len(self.keys)
@@ -124,8 +137,13 @@ class JobState:
 
 class BlockTier(Tier):
     """A tier over a block storage; see the module docstring. Subclasses implement ``exists``,
-    ``put``, ``get`` and ``delete`` and may override ``_draw_faults``, ``_dispatch`` and
+    ``put``, ``get`` and ``delete`` (or ``put_batch`` / ``get_batch`` as well) and may override
+    ``_draw_faults``, ``_dispatch``, ``_healthy``, ``_batch_failed``, ``_cut_off`` and
     ``_close_storage``."""
+
+    cut_off_grace_s = 0.0
+    """How long ``close`` waits for running jobs after ``_cut_off`` (0: ``_cut_off`` is not
+    called and stuck jobs are abandoned at ``close_timeout_s``)."""
 
     def __init__(
         self,
@@ -135,17 +153,34 @@ class BlockTier(Tier):
         *,
         threads: int = 0,
         stuck_after_s: float = 10.0,
+        batch_size: int = 1,
+        reads_first: bool = False,
+        aside_thread: bool = False,
+        thread_state: Callable[[], ThreadState] | None = None,
+        close_timeout_s: float | None = None,
     ) -> None:
         super().__init__(name, namespace, pool)
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
         self._digest = namespace.digest
         self._lock = threading.Lock()
         """Guards counters, pins and job states; a subclass may guard its storage with it too
         (never held while a storage method is called by the skeleton)."""
         self._pins: dict[BlockKey, int] = {}
         self._closed = False
-        self._close_timeout_s = stuck_after_s
+        self.batch_size = batch_size
+        self._reads_first = reads_first
+        self._close_timeout_s = stuck_after_s if close_timeout_s is None else close_timeout_s
         self._workers = (
-            WorkerPool(f"kvtier-{name}", threads, stuck_after_s) if threads > 0 else None
+            WorkerPool(
+                f"kvtier-{name}",
+                threads,
+                stuck_after_s,
+                aside_threads=1 if aside_thread else 0,
+                thread_state=thread_state,
+            )
+            if threads > 0
+            else None
         )
         self._threads = threads
 
@@ -168,6 +203,16 @@ class BlockTier(Tier):
     def delete(self, key: BlockKey) -> bool:
         """Drop the block; True when it was held (it is then reported as evicted)."""
 
+    def put_batch(
+        self, keys: Sequence[BlockKey], headers: Sequence[bytes], payloads: Views
+    ) -> list[Put]:
+        """``put`` of up to ``batch_size`` blocks (a storage with round trips sends them in one)."""
+        return [self.put(k, h, p) for k, h, p in zip(keys, headers, payloads, strict=True)]
+
+    def get_batch(self, keys: Sequence[BlockKey], headers: Views, payloads: Views) -> list[Got]:
+        """``get`` of up to ``batch_size`` blocks."""
+        return [self.get(k, h, p) for k, h, p in zip(keys, headers, payloads, strict=True)]
+
     # -- the Tier interface ---------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
@@ -186,12 +231,17 @@ class BlockTier(Tier):
     def submit(self, job: TierJob) -> None:
         n = len(job.keys)
         faults = self._draw_faults(job)
-        self._count(**{"read_jobs" if job.kind is TierJobKind.READ else "write_jobs": 1})
+        reading = job.kind is TierJobKind.READ
+        self._count(**{"read_jobs" if reading else "write_jobs": 1})
         if n != len(job.slots):
             self._count(errors=n)
             self._finish(job.job_id, [False] * n)
             return
         if self._closed or n == 0:
+            self._finish(job.job_id, [False] * n)
+            return
+        if not self._healthy():
+            self._count(**{_refused(reading): n})
             self._finish(job.job_id, [False] * n)
             return
         state = JobState(job.job_id, job.kind, list(job.keys), list(job.slots), faults)
@@ -210,8 +260,9 @@ class BlockTier(Tier):
 
     def close(self) -> None:
         """Let queued jobs finish (their results still arrive through ``poll``) for up to
-        ``stuck_after_s``, then fail the blocks not started and abandon those on stuck threads;
-        then ``_close_storage``. Idempotent."""
+        ``close_timeout_s`` (then ``_cut_off`` and ``cut_off_grace_s`` more, if set), then fail
+        the blocks not started and abandon those on stuck threads; then ``_close_storage``.
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -230,43 +281,73 @@ class BlockTier(Tier):
         """Faults to inject into the job's blocks (called in ``submit``, in job order)."""
         return None
 
+    def _healthy(self) -> bool:
+        """The health gate, asked in ``submit`` and before each batch: False fails the job (or
+        the batch, unsent), counted in ``errors`` for reads and ``rejected`` for writes."""
+        return True
+
+    def _batch_failed(self, exc: Exception, keys: list[BlockKey], reading: bool) -> None:
+        """A batch raised ``exc``: every block of it failed. Counted in ``errors``; a storage
+        may sort failures its own way (timeouts, an unreachable server)."""
+        log.debug("tier %s: batch failed", self.name, exc_info=exc)
+        self._count(errors=len(keys))
+
+    def _cut_off(self) -> None:
+        """``close`` waited ``close_timeout_s``: make running storage calls return now (with
+        ``cut_off_grace_s`` > 0 only)."""
+
     def _dispatch(self, state: JobState) -> None:
-        """Run the job's blocks: inline without threads, else a few tasks per job on the worker
-        pool, each taking the next block until none is left (blocks spread over the threads
-        without one queued task, and its cost on this thread, per block)."""
+        """Run the job's batches: inline without threads, else a few tasks per job on the worker
+        pool, each taking the next batch until none is left (batches spread over the threads
+        without one queued task, and its cost on this thread, per batch)."""
         workers = self._workers
         if workers is None:
             self._run_blocks(state)
             return
+        line = Line.NORMAL
+        if self._reads_first and state.kind is TierJobKind.READ:
+            line = Line.FIRST
         label = f"{state.kind.value} job {state.job_id}"
+        batches = -(-len(state.keys) // self.batch_size)
         started = 0
-        for _ in range(min(len(state.keys), self._threads)):
+        for _ in range(min(batches, self._threads)):
             if not workers.submit(
-                lambda: self._run_blocks(state), lambda: self._fail_rest(state), label
+                lambda: self._run_blocks(state), lambda: self._fail_rest(state), label, line
             ):
                 break  # closed, or every thread stuck: fail fast rather than queue forever
             started += 1
         if started == 0:
             self._fail_rest(state)
 
-    def _run_on_worker(self, run: Callable[[], None], fail: Callable[[], None], label: str) -> bool:
-        """Queue a task of the tier's own (a rescan, say) on its I/O threads; False (nothing
-        queued) when the tier has no threads, is closed or every thread is stuck. ``fail`` runs
+    def _run_on_worker(
+        self, run: Callable[[], None], fail: Callable[[], None], label: str, aside: bool = False
+    ) -> bool:
+        """Queue a task of the tier's own (a rescan, say) on its I/O threads, or with ``aside``
+        on its aside thread (a key check: never behind block I/O); False (nothing queued) when
+        the tier has no such thread, is closed or every such thread is stuck. ``fail`` runs
         instead of ``run`` when the task expires in the queue or the tier closes first."""
         if self._workers is None or self._closed:
             return False
-        return self._workers.submit(run, fail, label)
+        return self._workers.submit(run, fail, label, Line.ASIDE if aside else Line.NORMAL)
+
+    def _thread_state(self) -> ThreadState:
+        """The calling I/O thread's ``thread_state`` (made on its first call)."""
+        if self._workers is None:
+            raise RuntimeError(f"tier {self.name}: no I/O threads")
+        return self._workers.state()
 
     def _close_jobs(self) -> bool:
         """Finish or fail queued jobs; True when some block was abandoned on a stuck thread."""
         if self._workers is None:
             return False
-        return bool(self._workers.close(self._close_timeout_s))
+        grace = self.cut_off_grace_s
+        cut_off = self._cut_off if grace > 0 else None
+        return bool(self._workers.close(self._close_timeout_s, cut_off, grace))
 
     def _close_storage(self, abandoned: bool) -> None:
         """Release the storage (``abandoned``: a stuck thread may still be using it)."""
 
-    # -- per block ------------------------------------------------------------------------------
+    # -- per batch ------------------------------------------------------------------------------
 
     def pinned(self, key: BlockKey) -> bool:
         """Under the lock: a job moves this key now, so the storage must not evict it."""
@@ -274,67 +355,113 @@ class BlockTier(Tier):
 
     def _run_blocks(self, state: JobState) -> None:
         n = len(state.keys)
-        reading = state.kind is TierJobKind.READ
-        for i in state.cursor:
-            if i >= n:
+        size = self.batch_size
+        workers = self._workers
+        # A write task lets queued reads run between its batches (on this thread).
+        yields = workers is not None and self._reads_first and state.kind is TierJobKind.WRITE
+        for batch in state.cursor:
+            start = batch * size
+            if start >= n:
                 return
-            key = state.keys[i]
-            fault = Fault.NONE if state.faults is None else state.faults[i]
-            ok = False
-            try:
-                if not valid_block(key, state.slots[i], self.pool.num_slots):
-                    self._count(errors=1)
-                elif reading:
-                    ok = self._read_block(key, state.slots[i], fault)
-                else:
-                    ok = self._write_block(key, state.slots[i], fault)
-            except Exception:  # last line of defence: every job must be reported, as a failure
-                log.debug("tier %s: block failed", self.name, exc_info=True)
-                self._count(errors=1)
-            finally:
-                self._block_done(state, i, ok)
+            self._run_batch(state, range(start, min(start + size, n)))
+            if yields:
+                workers.run_first()  # type: ignore[union-attr]
+
+    def _run_batch(self, state: JobState, positions: range) -> None:
+        keys, slots = state.keys, state.slots
+        num_slots = self.pool.num_slots
+        valid = [i for i in positions if valid_block(keys[i], slots[i], num_slots)]
+        reading = state.kind is TierJobKind.READ
+        good: list[int] = []
+        try:
+            if len(valid) < len(positions):
+                self._count(errors=len(positions) - len(valid))
+            if valid and not self._healthy():
+                self._count(**{_refused(reading): len(valid)})
+            elif valid:
+                good = (
+                    self._read_batch(state, valid) if reading else self._write_batch(state, valid)
+                )
+        except Exception as exc:  # every job must be reported: the batch fails, never the job
+            self._batch_failed(exc, [keys[i] for i in valid], reading)
+        finally:
+            self._blocks_done(state, positions, good)
 
     def _fail_rest(self, state: JobState) -> None:
         """Fail the blocks of a job no thread has taken yet (refused or expired work)."""
         n = len(state.keys)
-        for i in state.cursor:
-            if i >= n:
+        size = self.batch_size
+        for batch in state.cursor:
+            start = batch * size
+            if start >= n:
                 return
-            self._count(errors=1)
-            self._block_done(state, i, False)
+            positions = range(start, min(start + size, n))
+            self._count(errors=len(positions))
+            self._blocks_done(state, positions, [])
 
-    def _read_block(self, key: BlockKey, slot: int, fault: Fault) -> bool:
-        header = memoryview(bytearray(HEADER_BYTES))
-        payload = self.pool.view(slot)
-        got = self.get(key, header, payload)
-        if got is Got.MISSING:
-            return False
-        if got is Got.FAILED or (got is Got.FOUND and fault is Fault.FAIL):
-            self._count(errors=1)
-            return False
-        if got is Got.FOUND and fault is Fault.CORRUPT:
-            payload[0] ^= 0xFF  # as a torn read would land: only the checksum protects it
-        if got is Got.FOUND and block_matches(header, self._digest, key, payload):
-            self._count(read_blocks=1, read_bytes=len(payload))
-            return True
-        self.drop_corrupt(key)
-        return False
+    def _read_batch(self, state: JobState, positions: list[int]) -> list[int]:
+        """Read the blocks at ``positions`` into their slots; the positions verified."""
+        keys = [state.keys[i] for i in positions]
+        buffer = memoryview(bytearray(HEADER_BYTES * len(positions)))
+        headers = [buffer[j * HEADER_BYTES : (j + 1) * HEADER_BYTES] for j in range(len(keys))]
+        payloads = [self.pool.view(state.slots[i]) for i in positions]
+        answers = self.get_batch(keys, headers, payloads)
+        faults = state.faults
+        good: list[int] = []
+        failed = 0
+        for i, key, header, payload, got in zip(
+            positions, keys, headers, payloads, answers, strict=True
+        ):
+            fault = Fault.NONE if faults is None else faults[i]
+            if got is Got.MISSING:
+                continue
+            if got is Got.FAILED or (got is Got.FOUND and fault is Fault.FAIL):
+                failed += 1
+                continue
+            if got is Got.FOUND and fault is Fault.CORRUPT:
+                payload[0] ^= 0xFF  # as a torn read would land: only the checksum protects it
+            if got is Got.FOUND and block_matches(header, self._digest, key, payload):
+                good.append(i)
+            else:
+                self.drop_corrupt(key)
+        slot_bytes = self.pool.slot_bytes
+        self._count(errors=failed, read_blocks=len(good), read_bytes=len(good) * slot_bytes)
+        return good
 
-    def _write_block(self, key: BlockKey, slot: int, fault: Fault) -> bool:
-        payload = self.pool.view(slot)
-        if fault is Fault.FAIL:
-            if self.exists([key])[0]:
-                return True  # held already: nothing to write, so nothing fails
-            self._count(errors=1)
-            return False
-        result = self.put(key, encode_header(self._digest, key, payload), payload)
-        if result is Put.STORED:
-            self._count(write_blocks=1, write_bytes=len(payload))
-        elif result is Put.REJECTED:
-            self._count(rejected=1)
-        elif result is Put.FAILED:
-            self._count(errors=1)
-        return result is Put.STORED or result is Put.KEPT
+    def _write_batch(self, state: JobState, positions: list[int]) -> list[int]:
+        """Write the blocks at ``positions`` from their slots; the positions held now."""
+        faults = state.faults
+        good: list[int] = []
+        failed = 0
+        todo: list[int] = []
+        for i in positions:
+            if faults is not None and faults[i] is Fault.FAIL:
+                if self.exists([state.keys[i]])[0]:
+                    good.append(i)  # held already: nothing to write, so nothing fails
+                else:
+                    failed += 1
+            else:
+                todo.append(i)
+        keys = [state.keys[i] for i in todo]
+        payloads = [self.pool.view(state.slots[i]) for i in todo]
+        headers = [encode_header(self._digest, k, p) for k, p in zip(keys, payloads, strict=True)]
+        stored = rejected = 0
+        for i, result in zip(
+            todo, self.put_batch(keys, headers, payloads) if todo else [], strict=True
+        ):
+            if result is Put.STORED:
+                stored += 1
+            elif result is Put.REJECTED:
+                rejected += 1
+            elif result is Put.FAILED:
+                failed += 1
+            if result is Put.STORED or result is Put.KEPT:
+                good.append(i)
+        slot_bytes = self.pool.slot_bytes
+        self._count(
+            errors=failed, rejected=rejected, write_blocks=stored, write_bytes=stored * slot_bytes
+        )
+        return good
 
     def drop_corrupt(self, key: BlockKey) -> None:
         """Count a block that is not a valid block of ``key``, delete it, report it evicted."""
@@ -349,16 +476,20 @@ class BlockTier(Tier):
         if held:
             self._report_evicted(key)
 
-    def _block_done(self, state: JobState, i: int, ok: bool) -> None:
-        key = state.keys[i]
+    def _blocks_done(self, state: JobState, positions: range, good: list[int]) -> None:
+        keys = state.keys
         with self._lock:
-            state.ok[i] = ok
-            pins = self._pins.get(key, 0) - 1
-            if pins > 0:
-                self._pins[key] = pins
-            else:
-                self._pins.pop(key, None)
-            state.remaining -= 1
+            for i in good:
+                state.ok[i] = True
+            pins = self._pins
+            for i in positions:
+                key = keys[i]
+                left = pins.get(key, 0) - 1
+                if left > 0:
+                    pins[key] = left
+                else:
+                    pins.pop(key, None)
+            state.remaining -= len(positions)
             last = state.remaining == 0
         if last:
             self._finish(state.job_id, state.ok)
@@ -368,3 +499,8 @@ class BlockTier(Tier):
         with self._lock:
             for name, delta in deltas.items():
                 setattr(counters, name, getattr(counters, name) + delta)
+
+
+def _refused(reading: bool) -> str:
+    """The counter of blocks failed by the health gate."""
+    return "errors" if reading else "rejected"

@@ -11,7 +11,7 @@ executed.
 What callers may rely on (besides the ``Tier`` contract):
 
 * ``lookup`` answers from a local presence cache and never waits on the network. Keys it does not
-  know are answered ``None`` and checked with one pipelined ``EXISTS`` batch on the lookup thread;
+  know are answered ``None`` and checked with one pipelined ``EXISTS`` batch on the aside thread;
   the next ``lookup`` sees the answer (each answer is served at least once). Absent keys are
   remembered for ``negative_cache_s``; present keys until a read finds them gone (or, with a TTL,
   until shortly before it would expire).
@@ -42,30 +42,39 @@ What callers may rely on (besides the ``Tier`` contract):
 * Capacity is the server's: configure ``maxmemory`` and ``maxmemory-policy allkeys-lru`` there
   (see docs/redis.md).
 
-This module is the ``Tier`` interface; the work is done by one module per concern:
-``redis_options`` (options), ``redis_keys`` (key naming, value encoding), ``redis_presence``
-(the presence cache), ``redis_health`` (start, probe, health thread, failed commands),
-``redis_jobs`` (batches, queues and I/O threads), ``redis_blocks`` (one pipelined round trip of
-a batch), ``redis_wire`` (the standalone data path and reply parser), ``redis_client``
-(redis-py clients and error sorting) and ``redis_deadline`` (the total deadline per command).
+``RedisTier`` is a ``BlockTier`` (``block_tier.py``: validation, header and checksum, corrupt ->
+drop, pins, counters, fan-out to threads): its batches are ``pipeline_blocks`` blocks, one
+pipelined round trip each, on ``io_threads`` threads that keep one connection each (their
+``thread_state``), reads ahead of writes; ``EXISTS`` checks and ``DEL`` of corrupt values run on
+the skeleton's aside thread, never behind block batches; the health gate is the server's health,
+and ``close`` cuts off commands still running at ``timeout_s``. The work is done by one module per
+concern: ``redis_options`` (options), ``redis_keys`` (key naming), ``redis_presence`` (the
+presence cache), ``redis_health`` (start, probe, health thread, failed commands),
+``redis_blocks`` (one pipelined round trip of a batch), ``redis_wire`` (the standalone data path
+and reply parser), ``redis_client`` (redis-py clients and error sorting) and ``redis_deadline``
+(the total deadline per command).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.base import Tier, TierJob, TierJobKind
-from kvtier.tiers.block_tier import valid_job
-from kvtier.tiers.redis_blocks import Parts
-from kvtier.tiers.redis_client import close_client
+from kvtier.tiers import redis_wire
+from kvtier.tiers.block_tier import BlockTier, Got, Put, Views
+from kvtier.tiers.redis_blocks import BlockStore, Parts
+from kvtier.tiers.redis_client import Client, close_client, is_timeout
 from kvtier.tiers.redis_deadline import Watchdog
 from kvtier.tiers.redis_health import Health
-from kvtier.tiers.redis_jobs import Runner
 from kvtier.tiers.redis_keys import KeySpace
 from kvtier.tiers.redis_options import Options
 from kvtier.tiers.redis_presence import Presence, clock
@@ -76,119 +85,141 @@ log = logging.getLogger("kvtier.tiers.redis")
 
 CLOSE_ABORT_S = 1.0
 """``close`` waits this long for threads after cutting off their commands."""
+EXISTS_BATCH = 1024
+"""Keys per pipelined EXISTS round trip."""
+
+T = TypeVar("T")
+RoundTrip = Callable[[Client, redis_wire.Lane], T]
 
 
-class RedisTier(Tier):
+class RedisTier(BlockTier):
     """Blocks in Redis / Valkey; see the module docstring (options: ``Options`` here)."""
 
     kind = "redis"
+    cut_off_grace_s = CLOSE_ABORT_S
 
     def __init__(
         self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
     ) -> None:
-        super().__init__(name, namespace, pool)
-        self.options = opts = options if options is not None else Options()
+        opts = options if options is not None else Options()
+        super().__init__(
+            name,
+            namespace,
+            pool,
+            threads=opts.io_threads,
+            # Never "stuck": every command has its deadline, and queued batches wait their turn.
+            stuck_after_s=math.inf,
+            batch_size=opts.batch_blocks(pool.slot_bytes),
+            reads_first=True,
+            aside_thread=True,
+            thread_state=redis_wire.Lane,
+            close_timeout_s=opts.timeout_s,
+        )
+        self.options = opts
         self._keys = KeySpace.of(opts.key_prefix, namespace, pool.slot_bytes)
         self._presence = Presence(opts.presence_entries)
-        self._lock = threading.Lock()
-        """Guards counters bumped off the manager's thread."""
-        self._closed = False
+        self._aborting = False
+        """``close`` cut off running commands: batches still queued fail unsent."""
         self._watchdog = Watchdog(f"kvtier-redis-{name}-watchdog")
-        self._health = Health(name, opts, self._keys, self._presence, self._watchdog, self._bump)
-        parts = Parts(
-            name,
-            opts,
-            pool,
-            self._keys,
-            self._presence,
-            self._health,
-            self._bump,
-            self._report_evicted,
+        self._health = Health(name, opts, self._keys, self._presence, self._watchdog, self._count)
+        self._store = BlockStore(
+            Parts(
+                opts,
+                pool,
+                self._keys,
+                self._presence,
+                self._health,
+                self._count,
+                self._report_evicted,
+            )
         )
-        self._jobs = Runner(parts, self._watchdog, self._finish)
+        self._health_thread = threading.Thread(
+            target=self._health.loop, name=f"kvtier-redis-{name}-health", daemon=True
+        )
         try:
             self._health.connect_at_start()
         except BaseException:
-            self._watchdog.stop()
+            self.close()
             raise
-        self._threads = self._jobs.threads()
-        self._threads.append(
-            threading.Thread(
-                target=self._health.loop, name=f"kvtier-redis-{name}-health", daemon=True
-            )
-        )
-        for thread in self._threads:
-            thread.start()
+        self._health_thread.start()
 
-    # -- the Tier interface ---------------------------------------------------------------------
+    # -- the storage ----------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
-        n = len(keys)
-        try:
-            if self._closed or not self._health.healthy:
-                self._bump(lookups=n)
-                return [False] * n
-            out, ask = self._presence.answer(keys, clock())
-            if ask:
-                self._jobs.check(ask)
-            self._bump(lookups=n, lookup_hits=sum(1 for answer in out if answer))
-            return out
-        except Exception:  # the contract: never raise into the engine's thread
-            log.exception("redis tier %s: lookup failed", self.name)
-            return [False] * n
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        """From the presence cache; unknown keys are checked with ``EXISTS`` on the aside
+        thread (``None`` until then). ``False`` at once while unhealthy."""
+        if self._closed or not self._health.healthy:
+            return [False] * len(keys)
+        out, ask = self._presence.answer(keys, clock())
+        for start in range(0, len(ask), EXISTS_BATCH):
+            self._check(ask[start : start + EXISTS_BATCH])
+        return out
 
-    def submit(self, job: TierJob) -> None:
-        n = len(job.keys)
-        reading = job.kind is TierJobKind.READ
-        self._bump(**{"read_jobs" if reading else "write_jobs": 1})
-        try:
-            if self._closed or not valid_job(job, self.pool.num_slots):
-                self._bump(errors=n)
-                self._finish(job.job_id, [False] * n)
-                return
-            if not self._health.healthy:
-                self._bump(**{"errors" if reading else "rejected": n})
-                self._finish(job.job_id, [False] * n)
-                return
-            if n == 0:
-                self._finish(job.job_id, [])
-                return
-            self._jobs.submit(job)
-        except Exception:  # pragma: no cover - defensive: a job must always be reported
-            log.exception("redis tier %s: submit failed", self.name)
-            self._finish(job.job_id, [False] * n)
+    def put(self, key: BlockKey, header: bytes, payload: memoryview) -> Put:
+        return self.put_batch([key], [header], [payload])[0]
 
-    def close(self) -> None:
-        """Finish queued jobs for up to ``timeout_s``, then cut off what still runs; every job
-        is reported (failed if not done). Returns within ``timeout_s + CLOSE_ABORT_S``."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._health.closed = True
+    def get(self, key: BlockKey, header: memoryview, payload: memoryview) -> Got:
+        return self.get_batch([key], [header], [payload])[0]
+
+    def put_batch(
+        self, keys: Sequence[BlockKey], headers: Sequence[bytes], payloads: Views
+    ) -> list[Put]:
+        """One pipelined ``SET`` round trip."""
+        store = self._store
+        return self._round_trip(lambda c, lane: store.write(c, lane, keys, headers, payloads))
+
+    def get_batch(self, keys: Sequence[BlockKey], headers: Views, payloads: Views) -> list[Got]:
+        """One pipelined ``GET`` (``GETEX``) round trip into the header buffers and slots."""
+        store = self._store
+        return self._round_trip(lambda c, lane: store.read(c, lane, keys, headers, payloads))
+
+    def delete(self, key: BlockKey) -> bool:
+        """A value that is no block of ours: absent from now on, its ``DEL`` sent on the aside
+        thread (off the data path)."""
+        self._presence.set(key, False, clock() + self.options.negative_cache_s)
+        keys = [key]
+        self._aside(lambda c, lane: self._store.delete(c, lane, keys), lambda: None, "DEL")
+        return True
+
+    # -- the skeleton's hooks -------------------------------------------------------------------
+
+    def _healthy(self) -> bool:
+        return not self._aborting and self._health.healthy and self._health.client is not None
+
+    def _batch_failed(self, exc: Exception, keys: list[BlockKey], reading: bool) -> None:
+        """Counted as timeouts or errors; an unreachable server makes the tier unhealthy."""
+        self._health.failed(exc, len(keys))
+        if not reading:
+            self._presence.forget(keys)  # a SET may or may not have landed
+
+    def _cut_off(self) -> None:
+        self._aborting = True
+        self._watchdog.abort_all()
+
+    def _close_jobs(self) -> bool:
+        """Stop the health thread too, within the same bound as the I/O threads."""
         started = time.monotonic()
-        self._jobs.stop()
-        self._health.stop.set()
-        self._health.probe_needed.set()
-        if not self._join(started + self.options.timeout_s):
-            # Queued batches fail unsent, running commands are cut off now.
-            self._jobs.aborting = True
-            self._watchdog.abort_all()
-            if not self._join(time.monotonic() + CLOSE_ABORT_S):
-                for thread in self._threads:
-                    if thread.is_alive():
-                        log.warning("redis tier %s: thread %s did not stop", self.name, thread.name)
-        # Jobs still queued or held by a stuck thread are reported as failed, never dropped.
-        self._jobs.fail_unfinished()
+        health = self._health
+        health.closed = True
+        health.stop.set()
+        health.probe_needed.set()
+        abandoned = super()._close_jobs()
+        thread = self._health_thread
+        if thread.ident is not None:  # started
+            thread.join(max(0.0, started + self.options.timeout_s - time.monotonic()))
+            if thread.is_alive():
+                self._cut_off()
+                thread.join(
+                    max(0.0, started + self.options.timeout_s + CLOSE_ABORT_S - time.monotonic())
+                )
+            if thread.is_alive():
+                log.warning("redis tier %s: thread %s did not stop", self.name, thread.name)
+        return abandoned
+
+    def _close_storage(self, abandoned: bool) -> None:
         self._watchdog.stop()
         if self._health.client is not None:
             close_client(self._health.client)
-
-    def _join(self, until: float) -> bool:
-        """Wait for every thread until ``until``; True when all stopped."""
-        for thread in self._threads:
-            thread.join(max(0.0, until - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
 
     # -- extras ---------------------------------------------------------------------------------
 
@@ -201,8 +232,53 @@ class RedisTier(Tier):
         """The Redis key of ``key`` in this tier's namespace."""
         return self._keys.redis_key(key)
 
-    def _bump(self, **deltas: int) -> None:
-        counters = self.counters
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(counters, name, getattr(counters, name) + delta)
+    # -- commands -------------------------------------------------------------------------------
+
+    def _round_trip(self, run: RoundTrip[T]) -> T:
+        """One command on this I/O thread's kept connection within one deadline of
+        ``timeout_s``. A kept connection the server closed while idle (its ``timeout``) is
+        replaced and the command runs once more within that deadline (every command the tier
+        sends this way is idempotent). Raises what failed, a cut-off socket as a timeout."""
+        client = self._health.client
+        if client is None:
+            raise RedisConnectionError("no connection to the server yet")
+        lane = self._thread_state()
+        assert isinstance(lane, redis_wire.Lane)
+        with self._watchdog.command(self.options.timeout_s) as deadline:
+            try:
+                try:
+                    out = run(client, lane)
+                except RedisConnectionError:
+                    if not lane.reused or deadline.fired:
+                        raise
+                    out = run(client, lane)
+            except Exception as exc:
+                if deadline.fired and not is_timeout(exc):
+                    # The watchdog cut the socket: the reason is the deadline, not the server.
+                    raise RedisTimeoutError(f"command deadline passed ({exc})") from exc
+                raise
+        self._health.replied()  # every reply of the command was valid RESP
+        return out
+
+    def _check(self, keys: list[BlockKey]) -> None:
+        """``EXISTS`` of ``keys`` on the aside thread; its answers reach the presence cache
+        (unknown again when it fails: the next lookup asks again)."""
+        forget = lambda: self._presence.forget(keys)  # noqa: E731
+        self._aside(lambda c, lane: self._store.exists(c, lane, keys), forget, "EXISTS")
+
+    def _aside(self, run: RoundTrip[None], failed: Callable[[], None], label: str) -> None:
+        """``run`` as one command on the aside thread; ``failed`` when it cannot run or fails
+        (counted in nothing: no block is lost with a key check)."""
+
+        def task() -> None:
+            if not self._healthy():
+                failed()
+                return
+            try:
+                self._round_trip(run)
+            except Exception as exc:
+                self._health.failed(exc, 0)
+                failed()
+
+        if not self._run_on_worker(task, failed, label, aside=True):
+            failed()

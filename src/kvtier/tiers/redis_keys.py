@@ -1,9 +1,9 @@
-"""Key naming and value encoding of the ``redis`` tier.
+"""Key naming of the ``redis`` tier.
 
 Each block is one string value under ``<key_prefix>:<namespace hex>:<key hex>``: kvtier's 64-byte
-payload header (namespace, key, length, XXH3-128 checksum) followed by the bytes of one pool slot.
-Keys carry no hash tag: in a cluster they spread over all slots. Only keys under this prefix are
-ever written or deleted.
+payload header (``payload.py``, written and checked by the tier skeleton) followed by the bytes of
+one pool slot. Keys carry no hash tag: in a cluster they spread over all slots. Only keys under
+this prefix are ever written or deleted.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey, Namespace
-from kvtier.tiers.payload import HEADER_BYTES, block_matches, encode_header
+from kvtier.tiers.payload import HEADER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,16 +20,12 @@ class KeySpace:
 
     prefix: bytes
     """``<key_prefix>:<namespace hex>:``"""
-    digest: bytes
-    """The namespace digest every header carries."""
     value_bytes: int
     """Length of a block's value: header and payload."""
 
     @classmethod
     def of(cls, key_prefix: str, namespace: Namespace, slot_bytes: int) -> KeySpace:
-        return cls(
-            f"{key_prefix}:{namespace.hex}:".encode(), namespace.digest, HEADER_BYTES + slot_bytes
-        )
+        return cls(f"{key_prefix}:{namespace.hex}:".encode(), HEADER_BYTES + slot_bytes)
 
     def redis_key(self, key: BlockKey) -> bytes:
         """The Redis key of ``key`` in this namespace."""
@@ -39,11 +35,3 @@ class KeySpace:
     def probe_key(self) -> bytes:
         """The key the start-up probe reads and deletes (never a block's: not hex)."""
         return self.prefix + b"probe"
-
-    def header(self, key: BlockKey, payload: memoryview) -> bytes:
-        """The header written in front of ``payload``."""
-        return encode_header(self.digest, key, payload)
-
-    def matches(self, header: memoryview, key: BlockKey, payload: memoryview) -> bool:
-        """A value's header is this namespace's for ``key`` and the payload's checksum matches."""
-        return block_matches(header, self.digest, key, payload)

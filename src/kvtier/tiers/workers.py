@@ -14,7 +14,18 @@ can cost:
   ``run`` (on the caller's thread), so its owner can report it.
 * ``close(timeout_s)`` lets queued tasks run and returns within ``timeout_s``: what is still queued
   then is failed, what is still running is abandoned (logged). Threads are daemons, so abandoned
-  ones do not keep the interpreter alive.
+  ones do not keep the interpreter alive. With a ``cut_off`` callback, it is called at
+  ``timeout_s`` (to make running tasks return: a tier cuts off its network commands) and the
+  pool waits up to ``grace_s`` more before failing and abandoning.
+
+Three options cost nothing when unused:
+
+* **Lines.** ``submit(..., line=Line.FIRST)`` queues ahead of ``Line.NORMAL`` tasks (FIFO within
+  each); a long NORMAL task calls ``run_first`` between its steps so that FIRST work does not wait
+  for it to end. ``aside_threads`` threads take only ``Line.ASIDE`` tasks: short work (a key check)
+  that must never wait behind the others.
+* **Thread state.** ``thread_state`` makes a per-thread object (a kept connection) the first time
+  a task on that thread asks ``state()``; the pool closes it when the thread ends.
 
 What a task may touch after its owner gave up on it is the owner's business: a task that is
 running is never reported as failed by the pool, only tasks that never started.
@@ -28,8 +39,26 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
 
 log = logging.getLogger(__name__)
+
+
+class Line(Enum):
+    """Which queue a task waits in."""
+
+    FIRST = "first"
+    """Taken before NORMAL tasks by the pool's threads (a tier's reads: on a request's path)."""
+    NORMAL = "normal"
+    ASIDE = "aside"
+    """Taken only by the ``aside_threads``: short work that never waits behind the others."""
+
+
+class ThreadState(Protocol):
+    """What ``thread_state`` makes: closed by the pool when its thread ends."""
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -49,37 +78,87 @@ class _Busy:
 
 
 class WorkerPool:
-    """``threads`` daemon threads taking tasks from one queue; see the module docstring."""
+    """``threads`` daemon threads taking FIRST, then NORMAL tasks, and ``aside_threads`` taking
+    ASIDE tasks; see the module docstring."""
 
-    def __init__(self, name: str, threads: int, stuck_after_s: float) -> None:
-        if threads < 1:
+    def __init__(
+        self,
+        name: str,
+        threads: int,
+        stuck_after_s: float,
+        *,
+        aside_threads: int = 0,
+        thread_state: Callable[[], ThreadState] | None = None,
+    ) -> None:
+        if threads < 1 or aside_threads < 0:
             raise ValueError("a worker pool needs at least one thread")
         self.name = name
         self.stuck_after_s = stuck_after_s
-        self._cond = threading.Condition()
+        self._make_state = thread_state
+        self._local = threading.local()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._aside_cond = threading.Condition(lock)
+        """Aside threads wait here: a NORMAL task wakes an I/O thread, never an aside one."""
         # Guarded by _cond.
-        self._queue: deque[_Task] = deque()
-        self._busy: list[_Busy | None] = [None] * threads
+        self._queues: dict[Line, deque[_Task]] = {line: deque() for line in Line}
+        self._first = self._queues[Line.FIRST]
+        self._busy: list[_Busy | None] = [None] * (threads + aside_threads)
+        self._io = threads
+        """Threads 0.._io-1 take FIRST and NORMAL tasks, the others ASIDE tasks."""
         self._closed = False
         self._threads = [
             threading.Thread(target=self._work, args=(i,), name=f"{name}-{i}", daemon=True)
             for i in range(threads)
+        ] + [
+            threading.Thread(
+                target=self._work, args=(threads + i,), name=f"{name}-aside{i}", daemon=True
+            )
+            for i in range(aside_threads)
         ]
         for thread in self._threads:
             thread.start()
 
     # -- the caller's side ----------------------------------------------------------------------
 
-    def submit(self, run: Callable[[], None], fail: Callable[[], None], label: str = "") -> bool:
-        """Queue ``run``; False (and nothing queued) when closed or every thread is stuck: the
+    def submit(
+        self,
+        run: Callable[[], None],
+        fail: Callable[[], None],
+        label: str = "",
+        line: Line = Line.NORMAL,
+    ) -> bool:
+        """Queue ``run`` in ``line``; False (and nothing queued) when closed, when the pool has no
+        aside thread for an ASIDE task, or when every thread that would take it is stuck: the
         caller then fails the work itself. Never blocks on I/O and never raises."""
         now = time.monotonic()
         with self._cond:
-            if self._closed or self._all_stuck(now):
+            if self._closed or self._all_stuck(now, line is Line.ASIDE):
                 return False
-            self._queue.append(_Task(run, fail, label, now))
-            self._cond.notify()
+            self._queues[line].append(_Task(run, fail, label, now))
+            (self._aside_cond if line is Line.ASIDE else self._cond).notify()
         return True
+
+    def run_first(self) -> None:
+        """On a pool thread between the steps of a long task: run the FIRST tasks queued
+        meanwhile, so that they wait at most one step. Cheap when none is queued."""
+        first = self._first
+        while first:  # unlocked peek: a deque's length is read atomically
+            with self._cond:
+                if not first:
+                    return
+                task = first.popleft()
+            _call(task.run, self.name)
+
+    def state(self) -> ThreadState:
+        """This pool thread's state, made by ``thread_state`` on first use (closed by the pool
+        when the thread ends). A pool without ``thread_state`` raises ``RuntimeError``."""
+        state: ThreadState | None = getattr(self._local, "state", None)
+        if state is None:
+            if self._make_state is None:
+                raise RuntimeError(f"{self.name}: no thread_state")
+            state = self._local.state = self._make_state()
+        return state
 
     def expire(self) -> int:
         """Fail (through their ``fail`` callbacks, on this thread) the queued tasks that waited
@@ -89,9 +168,9 @@ class WorkerPool:
         limit = now - self.stuck_after_s
         expired: list[_Task] = []
         with self._cond:
-            queue = self._queue
-            while queue and queue[0].queued_at < limit:
-                expired.append(queue.popleft())
+            for queue in self._queues.values():
+                while queue and queue[0].queued_at < limit:
+                    expired.append(queue.popleft())
             self._note_stuck(now)
         for task in expired:
             _call(task.fail, self.name)
@@ -107,23 +186,30 @@ class WorkerPool:
     @property
     def queued(self) -> int:
         with self._cond:
-            return len(self._queue)
+            return sum(len(queue) for queue in self._queues.values())
 
-    def close(self, timeout_s: float) -> list[str]:
-        """Stop taking work; wait up to ``timeout_s`` for queued and running tasks, then fail the
-        tasks still queued and abandon the running ones. Returns the labels of the abandoned tasks
-        (empty when everything finished). Idempotent."""
+    def close(
+        self, timeout_s: float, cut_off: Callable[[], None] | None = None, grace_s: float = 0.0
+    ) -> list[str]:
+        """Stop taking work; wait up to ``timeout_s`` for queued and running tasks (then call
+        ``cut_off`` and wait up to ``grace_s`` more, when given), then fail the tasks still
+        queued and abandon the running ones. Returns the labels of the abandoned tasks (empty
+        when everything finished). Idempotent."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            while self._queue or any(busy is not None for busy in self._busy):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            leftover = list(self._queue)
-            self._queue.clear()
+            self._aside_cond.notify_all()
+            idle = self._wait_idle(deadline)
+        if not idle and cut_off is not None:
+            _call(cut_off, self.name)
+            deadline = time.monotonic() + max(0.0, grace_s)
+            with self._cond:
+                self._wait_idle(deadline)
+        with self._cond:
+            leftover = [task for queue in self._queues.values() for task in queue]
+            for queue in self._queues.values():
+                queue.clear()
             abandoned = [busy.label for busy in self._busy if busy is not None]
         for task in leftover:
             _call(task.fail, self.name)
@@ -145,12 +231,23 @@ class WorkerPool:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def _wait_idle(self, deadline: float) -> bool:
+        """Under the lock: wait until nothing is queued or running, or ``deadline``."""
+        while any(self._queues.values()) or any(busy is not None for busy in self._busy):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._cond.wait(left)
+        return True
+
     def _is_stuck(self, busy: _Busy, now: float) -> bool:
         return now - busy.since > self.stuck_after_s
 
-    def _all_stuck(self, now: float) -> bool:
-        """Under the lock: no thread can take new work within ``stuck_after_s``."""
-        return all(busy is not None and self._is_stuck(busy, now) for busy in self._busy)
+    def _all_stuck(self, now: float, aside: bool) -> bool:
+        """Under the lock: no thread of the line's kind can take new work within
+        ``stuck_after_s`` (true for aside work in a pool without aside threads)."""
+        threads = self._busy[self._io :] if aside else self._busy[: self._io]
+        return all(busy is not None and self._is_stuck(busy, now) for busy in threads)
 
     def _note_stuck(self, now: float) -> None:
         """Under the lock: log each thread once when it becomes stuck."""
@@ -167,14 +264,26 @@ class WorkerPool:
                 )
 
     def _work(self, index: int) -> None:
+        try:
+            self._take_tasks(index)
+        finally:
+            state: ThreadState | None = getattr(self._local, "state", None)
+            if state is not None:
+                _call(state.close, self.name)
+
+    def _take_tasks(self, index: int) -> None:
         cond = self._cond
+        aside = index >= self._io
+        ready = self._aside_cond if aside else cond
+        queues = (self._queues[Line.ASIDE],) if aside else (self._first, self._queues[Line.NORMAL])
         while True:
             with cond:
-                while not self._queue and not self._closed:
-                    cond.wait()
-                if not self._queue:
+                while not any(queues) and not self._closed:
+                    ready.wait()
+                queue = next((q for q in queues if q), None)
+                if queue is None:
                     return  # closed and nothing left
-                task = self._queue.popleft()
+                task = queue.popleft()
                 self._busy[index] = _Busy(task.label, time.monotonic())
             try:
                 _call(task.run, self.name)
