@@ -24,9 +24,9 @@ from kvtier.copy.options import CopyConfig as CopyConfig
 from kvtier.copy.options import CopyStrategy as CopyStrategy
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.settings import VllmSettings
-from kvtier.policies import DEFAULT_EVICTION, policy_class
+from kvtier.policies import DEFAULT_EVICTION, parse_eviction
 from kvtier.pool import DEFAULT_SHM_DIR
-from kvtier.registry import POLICIES, is_plugin_path
+from kvtier.registry import is_plugin_path
 from kvtier.tiers import tier_class
 from kvtier.tiers.base import WriteMode
 from kvtier.validation import Section
@@ -186,7 +186,7 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
         tenant=root.string("tenant", "default"),
         pool=_pool(root.section("pool")),
         block=_block(root.section("block")),
-        eviction=_eviction(root),
+        eviction=parse_eviction(root),
         admission=_admission(root.section("admission")),
         tiers=_tiers(root),
         job_timeout_s=root.number("job_timeout_s", 30.0, minimum=0.001, maximum=MAX_JOB_TIMEOUT_S),
@@ -196,17 +196,6 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
     )
     root.done()
     return config
-
-
-def _eviction(root: Section) -> str:
-    """A registered policy name or ``package.module:Class``, checked now (imported, a policy
-    class): a typo fails at load time, not when the cache is built."""
-    try:
-        name = root.string("eviction", DEFAULT_EVICTION)
-    except ConfigError as exc:  # not a string: the same message as an unknown name
-        raise ConfigError(exc.field, exc.value, POLICIES.allowed()) from None
-    policy_class(name, "eviction")
-    return name
 
 
 def _pool(s: Section) -> PoolConfig:

@@ -97,6 +97,11 @@ class Section:
         self.path = path
         self._read: set[str] = set()
 
+    def field(self, key: str) -> str:
+        """The config path of this section's ``key`` (``tiers[1].eviction``), for errors raised
+        outside the section's own readers."""
+        return self._field(key)
+
     def _field(self, key: object) -> str:
         """The path of ``key``; a key that is no plain name (YAML keys may be ints, null, empty
         or hold control characters) is shown as its repr, so the field is never blank."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 
+from kvtier.errors import ConfigError
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hinted import HintedPolicy
@@ -17,6 +18,7 @@ from kvtier.policies.hints import RequestHint
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.segmented import SegmentedPolicy
 from kvtier.registry import POLICIES
+from kvtier.validation import Section
 
 DEFAULT_EVICTION: str = LRUPolicy.kind
 """The default policy: the one policy never below LRU both in the trace replay and in the vLLM
@@ -29,6 +31,19 @@ def policy_class(kind: str, field: str = "eviction") -> type[EvictionPolicy]:
     ``field`` when unknown, not importable or not an ``EvictionPolicy``)."""
     cls: type[EvictionPolicy] = POLICIES.load(kind, field)
     return cls
+
+
+def parse_eviction(section: Section) -> str:
+    """The section's ``eviction``: a registered policy name or ``package.module:Class``, checked
+    now (imported, a policy class), so a typo fails when the config is loaded; ``ConfigError``
+    naming ``<section>.eviction`` otherwise."""
+    field = section.field("eviction")
+    try:
+        name = section.string("eviction", DEFAULT_EVICTION)
+    except ConfigError as exc:  # not a string: the same message as an unknown name
+        raise ConfigError(field, exc.value, POLICIES.allowed()) from None
+    policy_class(name, field)
+    return name
 
 
 def make_policy(kind: str, capacity_blocks: int, field: str = "eviction") -> EvictionPolicy:
@@ -52,5 +67,6 @@ __all__ = [
     "RequestHint",
     "SegmentedPolicy",
     "make_policy",
+    "parse_eviction",
     "policy_class",
 ]

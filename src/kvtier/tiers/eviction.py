@@ -1,37 +1,16 @@
-"""The ``eviction`` option of a capacity-bounded tier (fs, memory) and the policy it names.
+"""The policy of a capacity-bounded tier (fs, memory), named by its ``eviction`` option.
 
-Same names and meaning as the host pool's top-level ``eviction`` (``kvtier.registry.POLICIES``
-or ``package.module:Class``): the tier keeps its own accounting (bytes, pins, files) and asks the
-policy only which blocks to give up.
+Same names and meaning as the host pool's top-level ``eviction`` (``policies.parse_eviction``):
+the tier keeps its own accounting (bytes, pins, files) and asks the policy only which blocks to
+give up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container
 
-from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
-from kvtier.policies import DEFAULT_EVICTION, EvictionPolicy, make_policy, policy_class
-from kvtier.registry import POLICIES
-from kvtier.validation import Section
-
-
-def parse_eviction(section: Section) -> str:
-    """The section's ``eviction``: a registered policy name or ``package.module:Class``, checked
-    now (imported, a policy class), so a typo fails when the config is loaded; ``ConfigError``
-    naming ``<section>.eviction`` otherwise."""
-    field = eviction_field(section)
-    try:
-        name = section.string("eviction", DEFAULT_EVICTION)
-    except ConfigError as exc:  # not a string: the same message as an unknown name
-        raise ConfigError(field, exc.value, POLICIES.allowed()) from None
-    policy_class(name, field)
-    return name
-
-
-def eviction_field(section: Section) -> str:
-    """The config path of the section's ``eviction`` (``tiers[1].eviction``), for errors."""
-    return f"{section.path}.eviction" if section.path else "eviction"
+from kvtier.policies import EvictionPolicy, make_policy
 
 
 def tier_policy(kind: str, capacity_blocks: int, field: str) -> EvictionPolicy:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
-from kvtier.policies import DEFAULT_EVICTION
-from kvtier.tiers.eviction import parse_eviction
+from kvtier.policies import DEFAULT_EVICTION, parse_eviction
 from kvtier.validation import Section
 
 

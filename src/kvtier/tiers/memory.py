@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey, Namespace
-from kvtier.policies import DEFAULT_EVICTION, EvictionPolicy
+from kvtier.policies import DEFAULT_EVICTION, EvictionPolicy, parse_eviction
 from kvtier.pool import HostPool
 from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.block_tier import BlockTier, Fault, Got, JobState, Put
-from kvtier.tiers.eviction import choose, eviction_field, parse_eviction, tier_policy
+from kvtier.tiers.eviction import choose, tier_policy
 from kvtier.tiers.payload import HEADER_BYTES
 from kvtier.validation import Section
 
@@ -76,7 +76,7 @@ class Options:
         )
         if section.has("eviction") and options.capacity is None and options.capacity_blocks is None:
             raise ConfigError(
-                eviction_field(section),
+                section.field("eviction"),
                 options.eviction,
                 "a tier with a capacity or capacity_blocks (an unbounded tier evicts nothing)",
             )
