@@ -36,9 +36,18 @@ def fs_store_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def make_fs(fs_store_dir: Path, pool: HostPool, namespace: Namespace) -> Iterator[MakeTier]:
-    tiers: list[FsTier] = []
+def built_tiers() -> Iterator[list[Tier]]:
+    """The tiers a test made through a factory fixture: closed after the test."""
+    tiers: list[Tier] = []
+    yield tiers
+    for tier in tiers:
+        tier.close()
 
+
+@pytest.fixture
+def make_fs(
+    fs_store_dir: Path, pool: HostPool, namespace: Namespace, built_tiers: list[Tier]
+) -> MakeTier:
     def make(blocks: float = 100, path: Path | None = None, **options: object) -> FsTier:
         opts = Options(
             path=str(path or fs_store_dir),
@@ -46,9 +55,7 @@ def make_fs(fs_store_dir: Path, pool: HostPool, namespace: Namespace) -> Iterato
             **options,  # type: ignore[arg-type]
         )
         tier = FsTier("disk", namespace, pool, opts)
-        tiers.append(tier)
+        built_tiers.append(tier)
         return tier
 
-    yield make
-    for tier in tiers:
-        tier.close()
+    return make

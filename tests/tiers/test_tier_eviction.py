@@ -23,6 +23,7 @@ from kvtier.policies import ARCPolicy, LRUPolicy, SegmentedPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.pool import HostPool
 from kvtier.tiers import fs_options, memory
+from kvtier.tiers.base import Tier
 from kvtier.tiers.block_tier import BlockTier, Got, Put
 from kvtier.tiers.fs import FsTier
 from kvtier.tiers.fs_index import FsIndex
@@ -37,18 +38,15 @@ MakeAny = Callable[..., BlockTier]
 
 
 @pytest.fixture
-def make_memory(pool: HostPool, namespace: Namespace) -> Iterator[Callable[..., MemoryTier]]:
-    tiers: list[MemoryTier] = []
-
+def make_memory(
+    pool: HostPool, namespace: Namespace, built_tiers: list[Tier]
+) -> Callable[..., MemoryTier]:
     def make(blocks: int, **options: Any) -> MemoryTier:
-        opts = memory.Options(capacity_blocks=blocks, **options)
-        tier = MemoryTier("mem", namespace, pool, opts)
-        tiers.append(tier)
+        tier = MemoryTier("mem", namespace, pool, memory.Options(capacity_blocks=blocks, **options))
+        built_tiers.append(tier)
         return tier
 
-    yield make
-    for tier in tiers:
-        tier.close()
+    return make
 
 
 @pytest.fixture(params=["fs", "memory"])
