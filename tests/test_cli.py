@@ -81,7 +81,7 @@ def test_simulate_defaults_to_bundled_trace_and_config(capsys: pytest.CaptureFix
     assert result["requests"] == 300
     assert result["pool_blocks"] == 4000  # 250GiB / 64MiB in the embedded config
     assert result["block_bytes"] == 64 * 1024**2 and result["payload_bytes"] == 4096
-    assert result["policy"] == "lru" and result["admission_min_seen"] == 1
+    assert result["policy"] == "hinted" and result["admission_min_seen"] == 1
     assert [t["name"] for t in result["tiers"]] == ["pool"]
     assert result["mismatched_blocks"] == 0
     assert 0 < result["hit_blocks"] < result["blocks"]

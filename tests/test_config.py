@@ -102,7 +102,7 @@ def test_empty_mapping_gives_documented_defaults() -> None:
     assert config.pool.shm_dir == "/dev/shm"
     assert config.pool.allow_pageable is False
     assert (config.block.tokens, config.block.bytes) == (512, 64 * 1024**2)
-    assert config.eviction == "lru"
+    assert config.eviction == "hinted"
     assert config.admission == AdmissionConfig(min_seen=1, max_tracked=1_000_000)
     assert not config.admission.enabled
     assert config.tiers == ()
@@ -182,7 +182,7 @@ def test_empty_yaml_file_gives_defaults(tmp_path: Path) -> None:
 def test_bundled_simulate_config_is_valid_and_holds_4000_blocks() -> None:
     config = load_config(bundled_config_mapping())
     assert config.pool.size // config.block.bytes == 4000
-    assert config.eviction == "lru"
+    assert config.eviction == "hinted"
     assert config.tiers == ()
 
 

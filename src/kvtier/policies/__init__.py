@@ -20,10 +20,14 @@ from kvtier.policies.segmented import SegmentedPolicy
 from kvtier.registry import POLICIES
 from kvtier.validation import Section
 
-DEFAULT_EVICTION: str = LRUPolicy.kind
-"""The default policy: the one policy never below LRU both in the trace replay and in the vLLM
-demo. ``hinted`` is ahead in the replay at every pool size but loads fewer prompt tokens than LRU
-in the demo's engine, where every request is re-sent a few requests later (docs/policies.md)."""
+DEFAULT_EVICTION: str = HintedPolicy.kind
+"""The host pool's default: above LRU at every pool size in the trace replay (with hints after
+each request, 4 requests late, or before the last store) and as many prompt tokens loaded as LRU
+in the vLLM demo, where it demotes nothing; exactly LRU when an engine gives no hints
+(docs/policies.md)."""
+DEFAULT_TIER_EVICTION: str = LRUPolicy.kind
+"""A secondary tier's default: no request hints reach a tier, so ``hinted`` would be LRU there
+with learning state it never uses."""
 
 
 def policy_class(kind: str, field: str = "eviction") -> type[EvictionPolicy]:
@@ -33,13 +37,13 @@ def policy_class(kind: str, field: str = "eviction") -> type[EvictionPolicy]:
     return cls
 
 
-def parse_eviction(section: Section) -> str:
+def parse_eviction(section: Section, default: str = DEFAULT_EVICTION) -> str:
     """The section's ``eviction``: a registered policy name or ``package.module:Class``, checked
     now (imported, a policy class), so a typo fails when the config is loaded; ``ConfigError``
     naming ``<section>.eviction`` otherwise."""
     field = section.field("eviction")
     try:
-        name = section.string("eviction", DEFAULT_EVICTION)
+        name = section.string("eviction", default)
     except ConfigError as exc:  # not a string: the same message as an unknown name
         raise ConfigError(field, exc.value, POLICIES.allowed()) from None
     policy_class(name, field)
@@ -60,6 +64,7 @@ def make_policy(kind: str, capacity_blocks: int, field: str = "eviction") -> Evi
 
 __all__ = [
     "DEFAULT_EVICTION",
+    "DEFAULT_TIER_EVICTION",
     "ARCPolicy",
     "EvictionPolicy",
     "HintedPolicy",

@@ -1,5 +1,5 @@
-"""What the segmented policies (``segmented``, ``hinted``) share: their options and segments,
-taking the oldest unpinned keys of a segment, and the ghost history of evicted keys."""
+"""Segments of a policy (``segmented``'s base with its options; taking the oldest unpinned keys of
+a segment) and the ghost history of evicted keys (``segmented``, ``hinted``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
-from kvtier.policies import DEFAULT_EVICTION, parse_eviction
+from kvtier.policies import DEFAULT_TIER_EVICTION, parse_eviction
 from kvtier.validation import Section
 
 
@@ -27,7 +27,7 @@ class Options:
     1% of the filesystem's size, at most ``fs.MIN_FREE_MAX``."""
     io_timeout_s: float = 10.0
     """An I/O thread busy on one block this long is stuck; see ``fs.py``'s module docstring."""
-    eviction: str = DEFAULT_EVICTION
+    eviction: str = DEFAULT_TIER_EVICTION
     """Which blocks go first when room is needed: an eviction policy's name or
     ``package.module:Class``, as the top-level ``eviction`` (``tiers/eviction.py``)."""
     config_path: str = field(default="fs", compare=False)
@@ -44,7 +44,7 @@ class Options:
             dir_mode=_mode(section, "dir_mode", 0o700, 0o700),
             min_free=section.size("min_free") if section.has("min_free") else None,
             io_timeout_s=section.number("io_timeout_s", 10.0, minimum=0.01, maximum=3600.0),
-            eviction=parse_eviction(section),
+            eviction=parse_eviction(section, DEFAULT_TIER_EVICTION),
             config_path=section.path or "fs",
         )
         section.done()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey, Namespace
-from kvtier.policies import DEFAULT_EVICTION, EvictionPolicy, parse_eviction
+from kvtier.policies import DEFAULT_TIER_EVICTION, EvictionPolicy, parse_eviction
 from kvtier.pool import HostPool
 from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.block_tier import BlockTier, Fault, Got, JobState, Put
@@ -56,7 +56,7 @@ class Options:
     failure_rate: float = 0.0
     corrupt_rate: float = 0.0
     seed: int = 0
-    eviction: str = DEFAULT_EVICTION
+    eviction: str = DEFAULT_TIER_EVICTION
     """Which blocks go first when a capacity is reached, as the top-level ``eviction``."""
 
     @classmethod
@@ -72,7 +72,7 @@ class Options:
             failure_rate=section.number("failure_rate", 0.0, minimum=0.0, maximum=1.0),
             corrupt_rate=section.number("corrupt_rate", 0.0, minimum=0.0, maximum=1.0),
             seed=section.integer("seed", 0),
-            eviction=parse_eviction(section),
+            eviction=parse_eviction(section, DEFAULT_TIER_EVICTION),
         )
         if section.has("eviction") and options.capacity is None and options.capacity_blocks is None:
             raise ConfigError(
