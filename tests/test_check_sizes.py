@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_sizes.py"
+from support.scripts import REPO, load_script
 
 BODY = [f"value_{i} = compute_{i}(argument_{i})" for i in range(8)]
 
 
 @pytest.fixture(scope="module")
 def cs() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("check_sizes", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/check_sizes.py")
 
 
 def write(root: Path, rel: str, lines: list[str]) -> None:
@@ -33,7 +26,7 @@ def write(root: Path, rel: str, lines: list[str]) -> None:
 
 def run(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), "--root", str(root), *args],
+        [sys.executable, str(REPO / "scripts" / "check_sizes.py"), "--root", str(root), *args],
         capture_output=True,
         text=True,
         check=False,

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vllm_offline_wheelhouse.py"
+from support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def wh() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vllm_offline_wheelhouse", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/vllm_offline_wheelhouse.py")
 
 
 def test_names_normalise_and_both_installed_formats_read(wh: ModuleType, tmp_path: Path) -> None:

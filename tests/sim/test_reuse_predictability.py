@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
+from support.scripts import load_script
 
 from kvtier.sim.trace import TraceRequest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "reuse_predictability.py"
 
 
 @pytest.fixture(scope="module")
 def rp() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("reuse_predictability", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/reuse_predictability.py")
 
 
 def brute_auc(scores: list[float], labels: list[bool]) -> float:
