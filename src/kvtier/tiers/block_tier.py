@@ -357,15 +357,16 @@ class BlockTier(Tier):
         n = len(state.keys)
         size = self.batch_size
         workers = self._workers
-        # A write task lets queued reads run between its batches (on this thread).
-        yields = workers is not None and self._reads_first and state.kind is TierJobKind.WRITE
+        run_first = None
+        if workers is not None and self._reads_first and state.kind is TierJobKind.WRITE:
+            run_first = workers.run_first  # queued reads run between a write's batches
         for batch in state.cursor:
             start = batch * size
             if start >= n:
                 return
             self._run_batch(state, range(start, min(start + size, n)))
-            if yields:
-                workers.run_first()  # type: ignore[union-attr]
+            if run_first is not None:
+                run_first()
 
     def _run_batch(self, state: JobState, positions: range) -> None:
         keys, slots = state.keys, state.slots

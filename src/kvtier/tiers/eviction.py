@@ -7,7 +7,7 @@ give up.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 from kvtier.keys import BlockKey
 from kvtier.policies import EvictionPolicy, make_policy
@@ -31,4 +31,30 @@ def choose(
             policy.insert(key)
         elif key in held:
             victims.append(key)
+    return victims
+
+
+def victims_for(
+    policy: EvictionPolicy,
+    pins: Container[BlockKey],
+    held: Container[BlockKey],
+    size_of: Callable[[BlockKey], int],
+    largest: int,
+    need_bytes: int,
+    need_blocks: int = 0,
+) -> list[BlockKey]:
+    """Victims in the policy's order (``choose``) until they free ``need_bytes`` bytes and
+    ``need_blocks`` blocks; fewer when the policy has no unpinned block left. Each round asks for
+    as many as could be needed if every victim were of ``largest`` bytes: never more than needed.
+    The victims are out of the policy; the caller drops them from its storage."""
+    victims: list[BlockKey] = []
+    while need_bytes > 0 or need_blocks > 0:
+        wanted = max(need_blocks, -(-need_bytes // max(1, largest)))
+        chosen = choose(policy, wanted, pins, held)
+        if not chosen:
+            break
+        for key in chosen:
+            victims.append(key)
+            need_bytes -= size_of(key)
+            need_blocks -= 1
     return victims

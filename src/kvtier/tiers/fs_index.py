@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
-from kvtier.tiers.eviction import choose
+from kvtier.tiers.eviction import victims_for
 from kvtier.tiers.fs_files import Found
 
 MAX_UNDELETABLE = 65536
@@ -223,15 +223,10 @@ class FsIndex:
                 need -= entries[key].size
         for key, _ in victims:
             del self.unused[key]
-        while need > 0:
-            # As many as could be needed if every victim were the largest file: never more.
-            chosen = choose(self.policy, -(-need // max(1, self.largest)), pins, entries)
-            if not chosen:
-                break
-            for key in chosen:
-                size = entries[key].size
-                victims.append((key, size))
-                need -= size
+        chosen = victims_for(
+            self.policy, pins, entries, lambda key: entries[key].size, self.largest, need
+        )
+        victims += [(key, entries[key].size) for key in chosen]
         for key, size in victims:
             del entries[key]
             self.indexed -= size

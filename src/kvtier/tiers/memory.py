@@ -33,7 +33,7 @@ from kvtier.policies import DEFAULT_TIER_EVICTION, EvictionPolicy, parse_evictio
 from kvtier.pool import HostPool
 from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.block_tier import BlockTier, Fault, Got, JobState, Put
-from kvtier.tiers.eviction import choose, tier_policy
+from kvtier.tiers.eviction import tier_policy, victims_for
 from kvtier.tiers.payload import HEADER_BYTES
 from kvtier.validation import Section
 
@@ -245,19 +245,23 @@ class MemoryTier(BlockTier):
         if len(store) - len(held) < excess_blocks or self._bytes - sum(held) < excess_bytes:
             return False  # not even every unpinned block would make room: evict none
         largest = max(size, self.pool.slot_bytes)  # every block is one pool slot
-        while excess_bytes > 0 or excess_blocks > 0:
-            # As many as could be needed if every victim were the largest block: never more.
-            chosen = choose(policy, max(excess_blocks, -(-excess_bytes // largest)), pins, store)
-            if not chosen:
-                return False  # only a policy that broke its contract gets here
-            for key in chosen:
-                data = store.pop(key)  # out of the policy already
-                self._bytes -= len(data) - HEADER_BYTES
-                excess_bytes -= len(data) - HEADER_BYTES
-                excess_blocks -= 1
-                self._report_evicted(key)
-                self.counters.evictions += 1
-        return True
+        victims = victims_for(
+            policy,
+            pins,
+            store,
+            lambda key: len(store[key]) - HEADER_BYTES,
+            largest,
+            excess_bytes,
+            excess_blocks,
+        )
+        for key in victims:
+            data = store.pop(key)  # out of the policy already
+            self._bytes -= len(data) - HEADER_BYTES
+            excess_bytes -= len(data) - HEADER_BYTES
+            excess_blocks -= 1
+            self._report_evicted(key)
+            self.counters.evictions += 1
+        return excess_bytes <= 0 and excess_blocks <= 0  # short: a policy broke its contract
 
     def _drop(self, key: BlockKey) -> bool:
         """Under the lock: forget ``key``; True when it was held."""

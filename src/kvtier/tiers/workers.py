@@ -91,7 +91,7 @@ class WorkerPool:
         thread_state: Callable[[], ThreadState] | None = None,
     ) -> None:
         if threads < 1 or aside_threads < 0:
-            raise ValueError("a worker pool needs at least one thread")
+            raise ValueError("a worker pool needs at least one thread and no negative aside count")
         self.name = name
         self.stuck_after_s = stuck_after_s
         self._make_state = thread_state
