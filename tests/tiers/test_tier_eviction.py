@@ -231,6 +231,25 @@ def test_a_policy_offering_a_pinned_block_does_not_get_it_evicted() -> None:
     assert k(0) in index.entries and len(index.policy) == 1
 
 
+def test_a_memory_tier_rejects_a_store_when_its_policy_offers_only_a_pinned_block(
+    make_memory: Callable[..., MemoryTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_memory(2)
+    a, b, c = make_keys(3)
+    drive = Driver(tier)
+    assert drive.store(a) and drive.store(b)
+    stubborn = Stubborn()
+    for key in (a, b):
+        stubborn.insert(key)
+    monkeypatch.setattr(tier, "_policy", stubborn)
+    with read_held(tier, a, monkeypatch):
+        assert put(tier, c) is Put.REJECTED  # a offered, not taken (ranked again): no room
+        assert tier.take_evicted() == []
+        assert put(tier, c) is Put.STORED  # b offered next
+        assert tier.take_evicted() == [b]
+    assert tier.lookup([a, b, c]) == [True, False, True] and len(stubborn) == 2
+
+
 def test_files_a_rescan_finds_go_first_until_used() -> None:
     index = FsIndex(400, {}, ARCPolicy(4))
     index.load([(k(0), 100, 1.0), (k(1), 100, 0.5)])  # oldest first into the policy
