@@ -58,6 +58,9 @@ def test_full_options(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"url": "redis://"}, "tiers[0].url"),
         ({"url": "unix:///tmp/r.sock", "cluster": True}, "tiers[0].url"),
         ({"url": "redis://h/3", "cluster": True}, "tiers[0].url"),
+        ({"url": "redis://h:1/xyz"}, "tiers[0].url"),  # redis-py would silently use db 0
+        ({"url": "redis://h:1/-1"}, "tiers[0].url"),
+        ({"url": "rediss://h:1/0/1"}, "tiers[0].url"),
         ({"password": "a", "password_env": "B"}, "tiers[0].password_env"),
         ({"password_env": "KVTIER_TEST_SURELY_UNSET"}, "tiers[0].password_env"),
         ({"url": "redis://u:p@h", "password": "x"}, "tiers[0].password"),
@@ -77,6 +80,14 @@ def test_bad_options_name_the_field(values: dict[str, object], field: str) -> No
     with pytest.raises(ConfigError) as info:
         options(**values)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize(("url", "db"), [("redis://h", 0), ("redis://h/", 0), ("redis://h:1/7", 7)])
+def test_url_database_is_a_number(url: str, db: int) -> None:
+    from redis.connection import parse_url
+
+    assert options(url=url).url == url
+    assert parse_url(url).get("db", 0) == db
 
 
 def test_errors_never_show_a_password() -> None:

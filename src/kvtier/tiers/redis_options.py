@@ -23,6 +23,8 @@ _PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 """Key prefixes may not hold ``{`` or ``}``: a hash tag would put all blocks on one cluster node."""
 MAX_TTL_S = 10 * 365 * 86_400.0
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_DATABASE = re.compile(r"(/[0-9]{0,9})?")
+"""A ``redis://`` URL's path: none, ``/`` or ``/N`` (the database number)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +190,9 @@ def _parse_url(section: Section, where: Where, default: str) -> tuple[str, Split
         raise ConfigError(where("url"), masked_url(url), "redis:// or rediss:// in cluster mode")
     if cluster and parts.path not in ("", "/", "/0"):
         raise ConfigError(where("url"), masked_url(url), "database 0 in cluster mode")
+    if parts.scheme != "unix" and not _DATABASE.fullmatch(parts.path):
+        # redis-py reads a path it cannot parse as database 0 (and /0/1 as 1): refuse it here.
+        raise ConfigError(where("url"), masked_url(url), "a database number as its path (/0)")
     return url, parts, cluster
 
 
