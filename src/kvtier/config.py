@@ -46,7 +46,8 @@ MAX_JOB_TIMEOUT_S = 86_400.0
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     size: int
-    """Bytes of shared host memory; the pool holds ``size // slot_bytes`` blocks."""
+    """Bytes of shared host memory; the pool holds ``size // slot_stride`` blocks
+    (``slot_stride``: a block's bytes rounded up to 256), so it never takes more."""
     shm_dir: str = DEFAULT_SHM_DIR
     allow_pageable: bool = False
     """Keep running with pageable memory where pinning (page-locking for DMA) fails."""

@@ -12,21 +12,24 @@ from kvtier.keys import Namespace
 from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import make_policy
 from kvtier.policies.admission import AdmissionFilter
-from kvtier.pool import HostPool, ShmDirError
+from kvtier.pool import HostPool, ShmDirError, slot_stride
 from kvtier.tiers import tier_class
 from kvtier.validation import format_size
 
 
 def pool_slots(config: KVTierConfig, slot_bytes: int) -> int:
-    """How many slots of ``slot_bytes`` fit in ``pool.size`` (``ConfigError`` when none does)."""
+    """How many slots of ``slot_bytes`` fit in ``pool.size`` (``ConfigError`` when none does).
+
+    Counted in aligned slots (``slot_stride``): the region never exceeds ``pool.size``."""
     if slot_bytes <= 0:
         raise ConfigError("slot_bytes", slot_bytes, "a positive byte count")
-    num_slots = config.pool.size // slot_bytes
+    stride = slot_stride(slot_bytes)
+    num_slots = config.pool.size // stride
     if num_slots < 1:
         raise ConfigError(
             "pool.size",
             config.pool.size,
-            f"at least one block of {slot_bytes} bytes ({format_size(slot_bytes)})",
+            f"at least one block of {slot_bytes} bytes, {stride} aligned ({format_size(stride)})",
         )
     return num_slots
 
@@ -34,8 +37,8 @@ def pool_slots(config: KVTierConfig, slot_bytes: int) -> int:
 def build_cache(
     config: KVTierConfig, namespace: Namespace, slot_bytes: int
 ) -> tuple[HostPool, TieredCache]:
-    """A new host pool of ``pool.size // slot_bytes`` slots and the cache over it, with the
-    secondary tiers in config order (fastest first).
+    """A new host pool of ``pool_slots(config, slot_bytes)`` slots and the cache over it, with
+    the secondary tiers in config order (fastest first).
 
     The caller owns both: ``cache.close()`` closes the tiers, ``pool.close()`` the pool. When a
     step fails, everything built before it is closed and the error propagates (``ConfigError`` for

@@ -43,6 +43,12 @@ NAME_PREFIX = "kvtier-pool-"
 SLOT_ALIGN = 256
 
 
+def slot_stride(slot_bytes: int) -> int:
+    """Bytes one slot of ``slot_bytes`` takes in the region (rounded up to ``SLOT_ALIGN``): what
+    a pool size is divided by, so that the region never exceeds it."""
+    return -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
 class ShmDirError(PoolError):
     """The shared-memory directory itself is unusable (missing, not a directory, not writable):
     a configuration problem, reported by the factory as a ``ConfigError`` on ``pool.shm_dir``."""
@@ -101,7 +107,7 @@ class HostPool:
         """A new pool in ``shm_dir``; ``ShmDirError`` when that directory is unusable."""
         if num_slots <= 0 or slot_bytes <= 0:
             raise PoolError(f"pool needs slots and slot bytes > 0, got {num_slots} x {slot_bytes}")
-        stride = -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        stride = slot_stride(slot_bytes)
         dir_fd = _open_dir(shm_dir)
         try:
             cleanup_stale_pools(shm_dir)

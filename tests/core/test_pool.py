@@ -13,7 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.errors import PoolError
+from kvtier.config import parse_config
+from kvtier.errors import ConfigError, PoolError
+from kvtier.factory import build_cache
+from kvtier.keys import Namespace
 from kvtier.pool import NAME_PREFIX, HostPool, PoolHandle, cleanup_stale_pools
 
 
@@ -291,3 +294,29 @@ def test_an_unusable_shm_dir_is_a_config_error_naming_it(tmp_path, shared_dir):
     out = _create_in_child(read_only, as_user=NOBODY)
     assert out.startswith(ShmDirError.__name__) and "Permission denied" in out
     assert list(read_only.iterdir()) == []
+
+
+@pytest.mark.parametrize(("size", "slot_bytes"), [(1024 * 1024, 1000), (4096, 257), (1024, 1024)])
+def test_a_pool_built_from_config_never_exceeds_pool_size(
+    tmp_path: Path, namespace: Namespace, size: int, slot_bytes: int
+) -> None:
+    # Slots are aligned to 256 bytes: 1 MiB of 1000-byte slots once made 1048 slots of 1024
+    # bytes, 1,073,152 bytes in all.
+    config = parse_config({"pool": {"size": size, "shm_dir": str(tmp_path)}})
+    pool, cache = build_cache(config, namespace, slot_bytes)
+    try:
+        assert pool.num_slots * pool.slot_stride <= size
+        assert os.path.getsize(pool.handle.path) <= size
+        assert pool.num_slots == size // pool.slot_stride  # and no slot is lost
+    finally:
+        cache.close()
+        pool.close()
+
+
+def test_a_pool_size_below_one_aligned_slot_names_the_field(
+    tmp_path: Path, namespace: Namespace
+) -> None:
+    config = parse_config({"pool": {"size": 1000, "shm_dir": str(tmp_path)}})
+    with pytest.raises(ConfigError) as info:
+        build_cache(config, namespace, 1000)  # one slot takes 1024 bytes
+    assert info.value.field == "pool.size"
