@@ -4,23 +4,48 @@ Every field is something an engine has without looking ahead: the request's own 
 of its leading blocks were already cached when it was looked up, and, once it finished, how many
 tokens it generated. A field the caller does not know is ``None``; a policy must then decide
 without it (docs/policies.md lists which policy uses what, and when an engine knows it).
+
+The numbers come from an engine (or its plugin) and are never trusted: a hint holds a count or
+"not known", whatever it was given, so no value can raise in the policy (or here).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+
+MAX_COUNT = 2**62
+"""Counts are clamped to this: a policy may do arithmetic on them without big integers."""
+
+
+def count_or_none(value: object) -> int | None:
+    """``value`` as a count: a non-negative integer (a fraction rounded down, at most
+    ``MAX_COUNT``), or None for anything that is no finite number >= 0 (NaN, infinities,
+    negative numbers, text, other objects)."""
+    if type(value) is int:  # the common case, first
+        return value if 0 <= value <= MAX_COUNT else (MAX_COUNT if value > 0 else None)
+    if not isinstance(value, numbers.Real):  # text, bytes, complex, Decimal, None
+        return None
+    try:
+        number = float(value)
+        if not math.isfinite(number) or number < 0:
+            return None
+        return MAX_COUNT if number >= MAX_COUNT else math.floor(number)
+    except (ArithmeticError, TypeError, ValueError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
 class RequestHint:
     hit_blocks: int
     """Leading blocks of the request that were cached when it was looked up (in any cache,
-    the engine's own prefix cache included): the rest were computed by this request."""
+    the engine's own prefix cache included): the rest were computed by this request. A value
+    that is no count becomes 0 (nothing known to be cached)."""
     output_tokens: int | None = None
-    """Tokens the request generated; known once it finished, ``None`` before."""
+    """Tokens the request generated; known once it finished, ``None`` before (and for a value
+    that is no count)."""
 
     def __post_init__(self) -> None:
-        if self.hit_blocks < 0:
-            raise ValueError(f"hit_blocks must be >= 0, got {self.hit_blocks}")
-        if self.output_tokens is not None and self.output_tokens < 0:
-            raise ValueError(f"output_tokens must be >= 0, got {self.output_tokens}")
+        object.__setattr__(self, "hit_blocks", count_or_none(self.hit_blocks) or 0)
+        object.__setattr__(self, "output_tokens", count_or_none(self.output_tokens))
