@@ -1,0 +1,66 @@
+"""What the manager accepts from a tier at run time (the ``Tier`` contract in ``tiers/base.py``).
+
+A tier may be a plugin: its answers are checked here before the manager uses them. Each function
+returns the answer in the manager's form, or None when it is malformed; the manager then counts an
+error in the tier's ``counters`` and treats the answer as a miss or a failed job. Nothing here
+raises, whatever object a tier hands over (an attribute or ``__eq__`` that raises, a generator, an
+infinite iterator: only lists and tuples are read, never iterated past their length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.keys import BlockKey
+
+
+def lookup_flags(answer: object, n: int) -> list[bool | None] | None:
+    """``lookup``'s answer for ``n`` keys: a list or tuple of ``n`` flags, each True, False or
+    None (not known yet); the same list when it already is one."""
+    if not isinstance(answer, list | tuple) or len(answer) != n:
+        return None
+    for flag in answer:
+        if flag is not True and flag is not False and flag is not None:
+            return None
+    return answer if type(answer) is list else list(answer)
+
+
+def job_flags(ok: object, n: int) -> list[bool] | None:
+    """A job result's ok-list for a job of ``n`` keys: ``n`` flags, each True or False."""
+    if not isinstance(ok, list | tuple) or len(ok) != n:
+        return None
+    for flag in ok:
+        if flag is not True and flag is not False:
+            return None
+    return ok if type(ok) is list else list(ok)
+
+
+def job_reports(results: object) -> tuple[list[tuple[int, object]], int] | None:
+    """``poll``'s answer as (job id, ok-list as reported) pairs, plus how many results were
+    malformed (no integer ``job_id``, no ``ok``) and left out; None when it is no list or tuple.
+    A job left out is never settled by its tier: it times out after ``job_timeout_s``."""
+    if not isinstance(results, list | tuple):
+        return None
+    reports: list[tuple[int, object]] = []
+    malformed = 0
+    for result in results:
+        try:
+            job_id, ok = result.job_id, result.ok
+        except Exception:
+            malformed += 1
+            continue
+        if type(job_id) is not int:
+            malformed += 1
+            continue
+        reports.append((job_id, ok))
+    return reports, malformed
+
+
+def evicted_keys(evicted: object) -> Sequence[BlockKey] | None:
+    """``take_evicted``'s answer: a list or tuple of keys (bytes)."""
+    if not isinstance(evicted, list | tuple):
+        return None
+    for key in evicted:
+        if type(key) is not bytes:
+            return None
+    return evicted
