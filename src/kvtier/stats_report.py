@@ -3,23 +3,51 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import KVTierError
-from kvtier.validation import format_size
+from kvtier.errors import KVTierError, shown
+from kvtier.safe_files import read_text
+from kvtier.validation import INT64_MAX, INT64_MIN, format_size
+
+STATS_MAX_BYTES = 16 * 2**20
+"""Largest stats file written or read (a snapshot of a few tiers is a few KiB)."""
 
 
 class StatsFileError(KVTierError):
     """The file is missing, not JSON, or not a kvtier stats snapshot."""
 
 
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a snapshot holds")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400
+        raise ValueError(f"{shown(text)} is beyond a float")
+    return value
+
+
 def read_snapshot(path: Path) -> dict[str, Any]:
+    """The snapshot in ``path`` (read through ``kvtier.safe_files``: a regular file of at most
+    ``STATS_MAX_BYTES``). Anything else is one ``StatsFileError`` line."""
     try:
-        data = json.loads(path.read_text())
+        text = read_text(path, STATS_MAX_BYTES)
     except FileNotFoundError:
         raise StatsFileError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:
+        raise StatsFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise StatsFileError(f"{path}: not a JSON stats snapshot ({exc.reason})") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+    except json.JSONDecodeError as exc:
+        raise StatsFileError(f"{path}: not a JSON stats snapshot ({exc})") from None
+    except RecursionError:
+        raise StatsFileError(f"{path}: not a JSON stats snapshot (nested too deeply)") from None
+    except ValueError as exc:  # a refused constant or float, or an int of over 4,300 digits
         raise StatsFileError(f"{path}: not a JSON stats snapshot ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("cache"), dict):
         raise StatsFileError(f"{path}: not a kvtier stats snapshot (no 'cache' section)")
@@ -27,8 +55,18 @@ def read_snapshot(path: Path) -> dict[str, Any]:
 
 
 def _int(section: dict[str, Any], key: str) -> int:
+    """A count of the snapshot, 0 where it holds anything but a 64-bit number."""
     value = section.get(key, 0)
-    return int(value) if isinstance(value, int | float) else 0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0
+    return int(value) if INT64_MIN <= value <= INT64_MAX else 0
+
+
+def _name(value: object) -> str:
+    """A name or value from the file as printable text (no terminal escapes), cut short."""
+    if isinstance(value, str) and value.isprintable() and len(value) <= 64:
+        return value
+    return shown(value)
 
 
 def _ratio(part: int, whole: int) -> str:
@@ -63,7 +101,7 @@ def format_snapshot(data: dict[str, Any]) -> str:
             if not isinstance(tier, dict):
                 continue
             lines.append(
-                f"{name:<10} {_int(tier, 'lookups'):>9} {_int(tier, 'lookup_hits'):>7} "
+                f"{_name(name):<10} {_int(tier, 'lookups'):>9} {_int(tier, 'lookup_hits'):>7} "
                 f"{format_size(_int(tier, 'read_bytes')):>10} "
                 f"{format_size(_int(tier, 'write_bytes')):>10} {_int(tier, 'evictions'):>9} "
                 f"{_int(tier, 'errors'):>6} {_int(tier, 'corrupt'):>7} {_int(tier, 'timeouts'):>8}"
@@ -73,7 +111,9 @@ def format_snapshot(data: dict[str, Any]) -> str:
         lines.append(
             "connector "
             + ", ".join(
-                f"{key} {value}" for key, value in connector.items() if value or key == "hit_tokens"
+                f"{_name(key)} {_name(value)}"
+                for key, value in connector.items()
+                if value or key == "hit_tokens"
             )
         )
     lines.append(
