@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from kvtier.cli_metrics import add_metrics_arguments, replay_metrics
 from kvtier.config import (
     KVTierConfig,
     bundled_config_mapping,
@@ -29,6 +30,7 @@ from kvtier.config import (
     read_config_file,
 )
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.redaction import printable, redact_text, yaml_problem
 from kvtier.registry import PLUGIN_FORM, POLICIES, TIERS, is_plugin_path
 from kvtier.sim.optimal import OPTIMAL_POLICY, format_optimal, optimal_hit_ratio
 from kvtier.sim.replay import ReplayResult, TierResult
@@ -50,8 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except (KVTierError, ValueError) as exc:
-        # ConfigError, PoolError, TraceError: a message, never a traceback; one line.
-        print("kvtier: error: " + " ".join(str(exc).split()), file=sys.stderr)
+        # ConfigError, PoolError, TraceError: a message, never a traceback; one line, redacted
+        # (kvtier.redaction: no password, no control character reaches the terminal).
+        print("kvtier: error: " + redact_text(" ".join(str(exc).split())), file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
         # stdout closed early (`kvtier simulate | head`): not an error worth a traceback.
@@ -183,21 +186,7 @@ def _add_run_arguments(sim: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="the sweep as a plot (needs kvtier[plot])",
     )
-    sim.add_argument(
-        "--metrics-port",
-        type=_port,
-        default=None,
-        metavar="PORT",
-        help="serve kvtier's Prometheus series on http://0.0.0.0:PORT/metrics during the replay "
-        "(0: a free port; needs kvtier[prometheus])",
-    )
-    sim.add_argument(
-        "--metrics-hold",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="keep serving the final metrics this long after the replay (default 0)",
-    )
+    add_metrics_arguments(sim)
     sim.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -225,18 +214,8 @@ def package_version() -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    print(format_snapshot(read_snapshot(args.file)))
+    print(printable(format_snapshot(read_snapshot(args.file)), keep_newlines=True))
     return EXIT_OK
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0 to 65535: {value}")
-    return value
 
 
 def _policy_name(text: str) -> str:
@@ -275,7 +254,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         bound = optimal_hit_ratio(read_trace(trace, args.limit), pool_blocks)
         print(format_optimal(bound, Path(trace).name))
         return EXIT_OK
-    metrics = _metrics_server(args.metrics_port) if args.metrics_port is not None else None
+    metrics = replay_metrics(args) if args.metrics_port is not None else None
     result = simulate(
         config,
         trace,
@@ -295,47 +274,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         metrics.hold(args.metrics_hold)
     return EXIT_MISMATCH if result.mismatched_blocks else EXIT_OK
-
-
-class _SimulateMetrics:
-    """``--metrics-port``: the replay's cache stats in a registry served over HTTP."""
-
-    EVERY = 20
-    """Requests between two updates (and one after the last)."""
-
-    def __init__(self, port: int) -> None:
-        from prometheus_client import CollectorRegistry
-
-        from kvtier.prometheus import PrometheusExporter, serve
-
-        self.registry = CollectorRegistry()
-        self.exporter = PrometheusExporter(self.registry)
-        self.server = serve(port, self.registry)
-        self.requests = 0
-        self.cache: Any = None
-        print(f"metrics     http://0.0.0.0:{self.server.server_port}/metrics", file=sys.stderr)
-
-    def after_request(self, cache: Any) -> None:
-        self.cache = cache
-        self.requests += 1
-        if self.requests % self.EVERY == 0:
-            self.exporter.update(cache.stats())
-
-    def hold(self, seconds: float) -> None:
-        import time
-
-        if self.cache is not None:
-            self.exporter.update(self.cache.stats())
-        if seconds > 0:
-            time.sleep(seconds)
-        self.server.shutdown()
-
-
-def _metrics_server(port: int) -> _SimulateMetrics:
-    from kvtier.prometheus import _client
-
-    _client()  # a clear error without prometheus-client
-    return _SimulateMetrics(port)
 
 
 def cmd_sweep(config: KVTierConfig, args: argparse.Namespace) -> int:
@@ -428,8 +366,12 @@ def _spec_value(spec: str, key: str, text: str) -> Any:
         return yaml.safe_load(text)
     except (yaml.YAMLError, ValueError, RecursionError) as exc:
         # ValueError: an integer of more than 4,300 digits.
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        reason = " ".join(reason.split())  # YAML's messages span lines
+        if isinstance(exc, RecursionError):
+            reason = "nested too deeply"
+        elif isinstance(exc, yaml.YAMLError):
+            reason = yaml_problem(exc)  # not str(exc): it quotes the text (a password's, too)
+        else:
+            reason = " ".join(str(exc).split())
         raise ConfigError("--tier", spec, f"a YAML value for {key} ({reason})") from exc
 
 
@@ -489,7 +431,7 @@ def format_result(r: ReplayResult) -> str:
         f"(inside the manager {r.manager_s:.2f} s: {r.manager_ops_per_s:,.0f} ops/s)",
         f"machine     {r.machine}",
     ]
-    return "\n".join(lines)
+    return printable("\n".join(lines), keep_newlines=True)
 
 
 # -- check-config -----------------------------------------------------------------------------
@@ -497,12 +439,12 @@ def format_result(r: ReplayResult) -> str:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = parse_config(read_config_file(args.config))
-    print(f"{args.config}: valid")
+    print(f"{printable(str(args.config))}: valid")
     print(describe_config(config))
     from kvtier.capacity import capacity_warnings
 
     for warning in capacity_warnings(config):
-        print(f"warning: {warning}")
+        print(f"warning: {printable(warning)}")
     return EXIT_OK
 
 
@@ -522,7 +464,7 @@ def describe_config(config: KVTierConfig) -> str:
         f"copy {config.copy.strategy.value}"
         + (f" (max {config.copy.max_sms} SMs)" if config.copy.max_sms else "")
     )
-    return "\n".join(lines)
+    return printable("\n".join(lines), keep_newlines=True)  # paths and names may hold escapes
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.policies import DEFAULT_EVICTION, parse_eviction
 from kvtier.pool import DEFAULT_SHM_DIR
+from kvtier.redaction import yaml_problem
 from kvtier.registry import is_plugin_path
 from kvtier.tiers import tier_class
 from kvtier.tiers.base import WriteMode
@@ -139,8 +140,11 @@ def _parse_text(text: str, where: str, json_syntax: bool) -> dict[str, Any]:
     syntax = "JSON" if json_syntax else "YAML"
     try:
         data = json.loads(text) if json_syntax else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+    except json.JSONDecodeError as exc:
         raise ConfigError("config file", where, f"valid {syntax} ({_one_line(exc)})") from exc
+    except yaml.YAMLError as exc:
+        # Not str(exc): PyYAML quotes the offending line, which can be the password's.
+        raise ConfigError("config file", where, f"valid {syntax} ({yaml_problem(exc)})") from exc
     except RecursionError as exc:
         raise ConfigError("config file", where, f"valid {syntax} (nested too deeply)") from exc
     except ValueError as exc:  # an integer of more digits than Python converts (4,300)

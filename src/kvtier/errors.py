@@ -6,6 +6,8 @@ misses or failed jobs and are counted in stats instead.
 
 import reprlib
 
+from kvtier.redaction import MASK, is_secret_name, printable, redact_text, redact_value
+
 
 class KVTierError(Exception):
     """Base class of every exception kvtier raises on purpose."""
@@ -21,8 +23,14 @@ class ConfigError(KVTierError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        text = shown(value) if show_value else HIDDEN_VALUE
-        super().__init__(f"invalid config {field}={text}: {allowed}")
+        # The one redaction rule (kvtier.redaction): secrets masked, control characters escaped.
+        if not show_value:
+            text = HIDDEN_VALUE
+        elif is_secret_name(field):
+            text = MASK
+        else:
+            text = redact_text(shown(redact_value(value)))
+        super().__init__(f"invalid config {printable(field)}={text}: {redact_text(allowed)}")
 
 
 HIDDEN_VALUE = "<not shown>"

@@ -1,7 +1,7 @@
 """Options of the ``redis`` tier, validated from config with field-named errors.
 
-Secrets never reach a message: ``masked_url`` replaces a URL's password with ``***`` and the
-``password`` field is left out of ``repr``.
+Secrets never reach a message (kvtier.redaction's rule): ``masked_url`` replaces a URL's
+password with ``***`` and the ``password`` field is left out of ``repr``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from urllib.parse import SplitResult, urlsplit
 
 from kvtier.errors import ConfigError
+from kvtier.redaction import mask_url
 from kvtier.validation import Section
 
 SCHEMES = ("redis", "rediss", "unix")
@@ -286,15 +287,7 @@ def _existing_file(section: Section, key: str, where: Where) -> str | None:
 
 
 def masked_url(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``.
-
-    Plain text work, no URL parsing: a URL that does not parse (``redis://u:pw@[::1``) is shown
-    in the error about it, and a password holding ``/`` or ``@`` is masked whole. Everything
-    between the first ``:`` after the user name and the last ``@`` is the password.
-    """
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, host = rest.rpartition("@")
-    if not sep or not at or ":" not in userinfo:
-        return url
-    user = userinfo.partition(":")[0]
-    return f"{scheme}://{user}:***@{host}"
+    """``url`` with its password (if any) replaced by ``***``: kvtier.redaction's URL rule
+    (everything between the first ``:`` after the user name and the last ``@``; a user-info
+    without ``:`` masked whole)."""
+    return mask_url(url)
