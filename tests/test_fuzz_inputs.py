@@ -181,7 +181,10 @@ def tier_entry() -> st.SearchStrategy[Any]:
 TOP: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("model", values),
     ("tenant", values),
-    ("pool", section(["size", "shm_dir", "allow_pageable", "writeback_window"])),
+    (
+        "pool",
+        section(["size", "shm_dir", "allow_pageable", "writeback_window", "promotion_budget"]),
+    ),
     ("block", section(["tokens", "bytes"])),
     ("eviction", values),
     ("admission", section(["min_seen", "max_tracked"])),

@@ -54,6 +54,9 @@ class PoolConfig:
     """Keep running with pageable memory where pinning (page-locking for DMA) fails."""
     writeback_window: float = 0.25
     """Fraction of the pool, coldest first, copied ahead of eviction to write-on-evict tiers."""
+    promotion_budget: float = 0.5
+    """Fraction of the pool that blocks promoted for waiting requests may hold
+    (``kvtier.promotion``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,7 @@ def _pool(s: Section) -> PoolConfig:
         shm_dir=s.file_path("shm_dir", DEFAULT_SHM_DIR),
         allow_pageable=s.boolean("allow_pageable", False),
         writeback_window=s.number("writeback_window", 0.25, minimum=0.0, maximum=1.0),
+        promotion_budget=s.number("promotion_budget", 0.5, minimum=0.0, maximum=1.0),
     )
     s.done()
     return pool

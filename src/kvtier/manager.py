@@ -20,21 +20,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
-from kvtier import invariants
 from kvtier.cache_records import LookupResult, OpenTierJob, StoreReservation, TierBinding
+from kvtier.cache_reports import CacheReports
 from kvtier.closing import close_tiers
 from kvtier.event_log import MAX_EVENTS, EventLog
-from kvtier.events import POOL_TIER, CacheEvent, EventKind
+from kvtier.events import POOL_TIER, EventKind
 from kvtier.keys import BlockKey
-from kvtier.metrics import CacheCounters, CacheStats
+from kvtier.metrics import CacheCounters
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
+from kvtier.promotion import Owner, PromotionRules, tier_answers
 from kvtier.retry import FailedPromotions
 from kvtier.tier_jobs import TierJobs
+from kvtier.tiers import contract
 from kvtier.tiers.base import Tier, TierJobKind, WriteMode
 from kvtier.write_back import WriteBack
 
@@ -43,7 +44,7 @@ __all__ = ["MAX_EVENTS", "LookupResult", "StoreReservation", "TierBinding", "Tie
 log = logging.getLogger(__name__)
 
 
-class TieredCache:
+class TieredCache(CacheReports):
     def __init__(
         self,
         pool: HostPool,
@@ -56,6 +57,8 @@ class TieredCache:
         clock: Callable[[], float] = time.monotonic,
         max_events: int = MAX_EVENTS,
         close_timeout_s: float | None = None,
+        promotion_budget: float = 0.5,
+        block_tokens: int = 1,
     ) -> None:
         self._pool = pool
         self._policy = policy
@@ -83,6 +86,8 @@ class TieredCache:
         """Slots owned by running jobs after their key left the pool -> number of such jobs."""
         self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
         self._jobs = TierJobs(self._tiers, job_timeout_s, clock)
+        budget = int(pool.num_slots * promotion_budget)  # a fraction of the slots
+        self._rules = PromotionRules(len(self._tiers), budget, block_tokens, job_timeout_s)
         self._failed_promotions = FailedPromotions()
         self._events = EventLog(max_events)
         self._counters = CacheCounters()
@@ -94,13 +99,16 @@ class TieredCache:
 
     # -- lookups and loads ----------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+    def lookup(self, keys: Sequence[BlockKey], owner: Owner | None = None) -> LookupResult:
         """How many leading ``keys`` are in the pool, and whether that answer is final.
 
         Not final while a promotion of the next keys from a secondary tier is in flight (this call
-        starts one when a tier has them), while a tier cannot tell yet, or while one of the hit
-        keys is being loaded for another request (loading it twice would waste engine memory: ask
-        again once that load finished and the engine's own prefix cache has it).
+        starts one when a tier has them and reading is expected to beat computing,
+        ``kvtier.promotion``), while a tier cannot tell yet, or while one of the hit keys is being
+        loaded for another request (loading it twice would waste engine memory: ask again once
+        that load finished and the engine's own prefix cache has it). ``owner`` (the request)
+        keeps the blocks promoted for it pinned until its ``prepare_load`` or ``forget``, and
+        stops its wait at a deadline; without one, promoted blocks are not held.
         """
         counters = self._counters
         counters.lookups += 1
@@ -112,8 +120,12 @@ class TieredCache:
             hits += 1
         if self._loading and hits and not self._loading.keys().isdisjoint(keys[:hits]):
             return self._pending(hits)
-        if hits < len(keys) and self._secondary:
-            final = self._promote(keys, hits)
+        rules = self._rules
+        waits = None if owner is None else rules.waits(owner, self._promoting, self._clock())
+        if waits:
+            return self._pending(hits)
+        if waits is None and hits < len(keys) and self._secondary:
+            final = self._promote(keys, hits, owner)
             if not final:
                 return self._pending(hits)
         counters.lookup_blocks += len(keys)
@@ -124,11 +136,12 @@ class TieredCache:
         self._counters.pending_lookups += 1
         return LookupResult(hits, False)
 
-    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
+    def prepare_load(self, keys: Sequence[BlockKey], owner: Owner | None = None) -> list[int]:
         """Pin the leading visible ``keys`` for reading and return their slots.
 
         Fewer slots than keys when a key is no longer visible. Every pinned key must later be
-        passed to ``complete_load``.
+        passed to ``complete_load``. The blocks promoted for ``owner`` are released to these
+        pins (its promotion ends).
         """
         index = self._index
         slots: list[int] = []
@@ -142,7 +155,19 @@ class TieredCache:
             pins[key] = pins.get(key, 0) + 1
             loading[key] = loading.get(key, 0) + 1
             access(key)
+        if owner is not None:
+            self.forget(owner)
         return slots
+
+    def forget(self, owner: Owner) -> None:
+        """The request stopped waiting (it left, or loaded): unpin what was promoted for it."""
+        for key in self._rules.end(owner):
+            self._unpin(key)
+
+    def engine_step(self, tokens: int) -> None:
+        """An engine step computing ``tokens`` starts (measures the engine's compute rate, which
+        decides whether reading a tier's blocks beats recomputing them)."""
+        self._rules.compute.step(tokens, self._clock())
 
     def complete_load(self, keys: Sequence[BlockKey], ok: bool = True) -> None:
         """Unpin keys returned by ``prepare_load`` after the copy; ``ok=False`` counts a failure."""
@@ -255,21 +280,26 @@ class TieredCache:
         ended = 0
         for tier_index, tier in enumerate(self._tiers):
             try:
-                results = tier.poll()
-                evicted = tier.take_evicted()
+                reports = contract.job_reports(tier.poll())
+                evicted = contract.evicted_keys(tier.take_evicted())
             except Exception:
                 log.exception("tier %s failed to report", tier.name)
                 tier.counters.errors += 1
                 continue
-            for result in results:
-                job = self._jobs.settle(tier_index, result.job_id)
+            if reports is None or evicted is None or reports[1]:
+                tier.counters.errors += 1  # what is malformed is left out; its jobs time out
+            for job_id, ok in reports[0] if reports is not None else ():
+                job = self._jobs.settle(tier_index, job_id)
                 if job is not None:
-                    self._finish_job(job, result.ok)
+                    self._finish_job(job, ok)
                     ended += 1
             if evicted and self._record:
                 self._events.add(EventKind.EVICTED, evicted, tier.name)
         if self._jobs:
             self._time_out_jobs()
+        if self._rules.promises:
+            for owner in self._rules.expired(self._clock()):
+                self.forget(owner)
         if self._writeback.due():
             candidates = self._writeback.take_coldest(self._policy.coldest)
             for tier_index in self._writeback.tiers if candidates else ():
@@ -288,60 +318,6 @@ class TieredCache:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
-
-    def take_events(self) -> list[CacheEvent]:
-        """Events since the last call, oldest first (at most ``max_events``: when nobody takes
-        them, the oldest are dropped and counted in ``stats().cache.events_dropped``)."""
-        return self._events.take()
-
-    def stats(self) -> CacheStats:
-        self._counters.events_dropped = self._events.dropped
-        return CacheStats(
-            cache=replace(self._counters),
-            pool_slots=self._pool.num_slots,
-            pool_used=self._pool.num_slots - self._pool.num_free,
-            pool_pinned=len(self._pins),
-            tiers={t.name: replace(t.counters) for t in self._tiers},
-            promoted=dict(self._promoted),
-        )
-
-    def origins(self, keys: Sequence[BlockKey]) -> list[str]:
-        """For each key in the pool: the secondary tier it was promoted from, or ``pool`` when
-        the engine stored it (or it is not in the pool)."""
-        origin, tiers = self._origin, self._tiers
-        if not origin:
-            return [POOL_TIER] * len(keys)
-        out: list[str] = []
-        for key in keys:
-            index = origin.get(key)
-            out.append(POOL_TIER if index is None else tiers[index].name)
-        return out
-
-    @property
-    def jobs_in_flight(self) -> int:
-        """Tier jobs not reported yet, timed-out (abandoned) ones included: their slots stay
-        held until their tier really returns."""
-        return len(self._jobs)
-
-    def jobs_waiting(self) -> dict[str, int]:
-        """Per tier name: jobs not reported yet and not timed out (what is worth waiting for)."""
-        return self._jobs.waiting()
-
-    def check_invariants(self, settled: bool = False) -> None:
-        """Raise ``AssertionError`` naming the first broken slot or pin invariant (for tests and
-        soaks: it walks every slot). See ``kvtier.invariants.check``."""
-        state = invariants.CacheState(
-            num_slots=self._pool.num_slots,
-            visible=self._index,
-            inflight=self._inflight,
-            held=self._held.keys(),
-            free=self._pool.free_slots(),
-            policy_size=len(self._policy),
-            pins=self._pins,
-            loading=self._loading,
-            jobs=len(self._jobs),
-        )
-        invariants.check(state, settled)
 
     def close(self) -> None:
         """Close the secondary tiers (they finish running jobs) and settle what they report.
@@ -425,14 +401,17 @@ class TieredCache:
                 held[slot] = held.get(slot, 0) + 1
         self._submit(tier_index, TierJobKind.WRITE, job_keys, job_slots, evicted_slots is not None)
 
-    def _promote(self, keys: Sequence[BlockKey], hits: int) -> bool:
-        """Start promoting the secondary-tier run after the pool hits; True if the answer is final
-        (nothing to promote), False if a promotion is in flight or a tier cannot tell yet."""
+    def _promote(self, keys: Sequence[BlockKey], hits: int, owner: Owner | None) -> bool:
+        """Start promoting the secondary-tier run after the pool hits, as far as the budget and the
+        costs allow (``PromotionRules.claim``); True if the answer is final (nothing to promote),
+        False if a promotion is in flight or a tier cannot tell yet."""
         rest = keys[hits:]
         inflight, index = self._inflight, self._index
         if rest[0] in self._promoting:
             return False
-        answers = [self._safe_lookup(tier, rest) for tier in self._tiers]
+        answers = tier_answers(self._tiers, rest, self._safe_lookup)
+        if answers is None:
+            return True
         failed = self._failed_promotions
         if failed:
             failed.expire(self._clock())
@@ -460,6 +439,13 @@ class TieredCache:
         wanted = [(key, t) for key, t in run if t >= 0]
         if not wanted:
             return not unknown
+        now = self._clock()
+        claim = self._rules.claim([t for _, t in wanted], len(self._promoting), now)
+        if claim.blocks < len(wanted):
+            self._counters.promotions_declined += len(wanted) - claim.blocks
+            wanted = wanted[: claim.blocks]
+            if not wanted:
+                return True
         slots = self._reserve_protected(len(wanted), keys[:hits], [k for k, t in run if t < 0])
         if not slots:
             # The pool is full of pinned blocks. Tier writes in flight release theirs when they
@@ -474,7 +460,11 @@ class TieredCache:
             self._promoting.add(key)
         for tier_index, (tier_keys, tier_slots) in by_tier.items():
             self._counters.promotions += len(tier_keys)
+            self._rules.reads[tier_index].started(len(tier_keys))
             self._submit(tier_index, TierJobKind.READ, tier_keys, tier_slots, False)
+        if owner is not None:
+            claimed = [key for key, _ in wanted[: len(slots)]]
+            self._rules.promise(owner, claimed, claim.deadline, now)
         return False
 
     def _reserve_protected(
@@ -505,14 +495,17 @@ class TieredCache:
             log.exception("tier %s lookup failed", tier.name)
             tier.counters.errors += 1
             return [False] * len(keys)
-        if len(answer) != len(keys):
+        flags = contract.lookup_flags(answer, len(keys))
+        if flags is None:
             tier.counters.errors += 1
             return [False] * len(keys)
-        return answer
+        return flags
 
-    def _finish_job(self, job: OpenTierJob, ok: list[bool]) -> None:
-        if len(ok) != len(job.keys):
-            ok = [False] * len(job.keys)  # a malformed report proves nothing: treat as failed
+    def _finish_job(self, job: OpenTierJob, reported: object) -> None:
+        ok = contract.job_flags(reported, len(job.keys))
+        if ok is None:  # a malformed report proves nothing: treat as failed
+            self._tiers[job.tier_index].counters.errors += 1
+            ok = [False] * len(job.keys)
         if job.kind is TierJobKind.READ:
             self._finish_promotion(job, ok)
         else:
@@ -523,29 +516,35 @@ class TieredCache:
             self._release_held(job.slots)
             return
         inflight, index, insert = self._inflight, self._index, self._policy.insert
-        promoting = self._promoting
-        counters = self._counters
-        tier_name = self._tiers[job.tier_index].name
+        promoting, counters, rules, pins = self._promoting, self._counters, self._rules, self._pins
         free: list[int] = []
         now = self._clock()
+        self._read_ended(job, now)
         for key, slot, good in zip(job.keys, job.slots, ok, strict=True):
             inflight.pop(key, None)
             promoting.discard(key)
             if good:
                 index[key] = slot
                 insert(key)
+                if rules.landed(key):  # held for the request that waits for it
+                    pins[key] = pins.get(key, 0) + 1
                 self._origin[key] = job.tier_index
                 if self._record:
                     self._events.add(EventKind.STORED, (key,), POOL_TIER)
             else:
                 free.append(slot)
+                rules.dropped(key)
                 self._failed_promotions.remember(job.tier_index, key, now)
         promoted = len(job.keys) - len(free)
-        self._promoted[tier_name] += promoted
+        self._promoted[self._tiers[job.tier_index].name] += promoted
         counters.promoted_blocks += promoted
         if free:
             counters.promotion_failures += len(free)
             self._pool.free(free)
+
+    def _read_ended(self, job: OpenTierJob, now: float) -> None:
+        submitted = job.deadline - self._jobs.timeout_s
+        self._rules.reads[job.tier_index].ended(len(job.keys), submitted, now)
 
     def _finish_write(self, job: OpenTierJob, ok: list[bool]) -> None:
         writing = self._writing[job.tier_index]
@@ -587,7 +586,9 @@ class TieredCache:
                 # The request stops waiting (the keys become misses), but the slots stay owned by
                 # the job: its thread may still write into them.
                 held = self._held
+                self._read_ended(job, now)
                 for key, slot in zip(job.keys, job.slots, strict=True):
+                    self._rules.dropped(key)
                     self._inflight.pop(key, None)
                     self._promoting.discard(key)
                     self._failed_promotions.remember(job.tier_index, key, now)

@@ -50,6 +50,9 @@ class CacheCounters:
     promotions: int = 0
     """Blocks whose promotion was started."""
     promotion_failures: int = 0
+    promotions_declined: int = 0
+    """Blocks found in a tier and not promoted: over the promotion budget, or expected to be read
+    later than the engine would compute them (``kvtier.promotion``)."""
     cascade_writes: int = 0
     cascade_failures: int = 0
     job_timeouts: int = 0

@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from kvtier import series
@@ -27,6 +26,8 @@ from kvtier.factory import build_cache
 from kvtier.keys import BlockKey, Namespace, chain_keys, chain_root
 from kvtier.metrics import CacheStats
 from kvtier.policies.hints import RequestHint
+from kvtier.safe_files import write_atomic
+from kvtier.stats_report import STATS_MAX_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,7 @@ class Planner:
         limit = min((request.num_tokens - 1) // bt, len(keys))  # >= 1 token left to compute
         start = num_computed // bt
         if start >= limit:
+            self.cache.forget(req_id)  # nothing to load: nothing to hold for it
             self.counters.engine_hit_blocks += limit
             self._hit_blocks[req_id] = start
             return 0, False
@@ -200,7 +202,7 @@ class Planner:
             self.counters.requests_looked_up += 1
         if self.recorder is not None:
             self.recorder.record(request, keys)  # once per request
-        result = self.cache.lookup(keys[start:limit])
+        result = self.cache.lookup(keys[start:limit], req_id)
         if not result.final:
             self.counters.deferred_lookups += 1
             self._deferred = True
@@ -213,7 +215,7 @@ class Planner:
         origins = self.cache.origins(hit_keys) if hit_keys else []
         for origin in origins:
             self.hits_by_tier[origin] = self.hits_by_tier.get(origin, 0) + 1
-        slots = self.cache.prepare_load(hit_keys) if hit_keys else []
+        slots = self.cache.prepare_load(hit_keys, req_id)  # ends its promotion's pins
         external = (start + len(slots)) * bt - num_computed
         if external <= 0:
             if slots:
@@ -303,6 +305,7 @@ class Planner:
         the step fills. ``scheduled``: tokens scheduled per request; ``tables``: the requests'
         engine block ids; ``fresh_blocks``: blocks this step's scheduling handed out (None:
         unknown, see ``StepOrders``)."""
+        self.cache.engine_step(sum(scheduled.values()))
         if self._deferred and not scheduled:  # a step with work runs the model (frees the GIL)
             self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended
         else:
@@ -372,6 +375,7 @@ class Planner:
     def request_finished(self, request: EngineRequest) -> None:
         req_id = request.request_id
         self._release_plan(req_id)
+        self.cache.forget(req_id)
         self._end_wait(req_id)
         self._hit_sources.pop(req_id, None)
         if self.recorder is not None:
@@ -472,13 +476,12 @@ class Planner:
         if not force and now - self._stats_written < STATS_INTERVAL_S:
             return
         self._stats_written = now
-        target = Path(path)
-        tmp = target.with_suffix(target.suffix + ".tmp")
+        # On the engine's step: never blocks or writes through a planted name (safe_files).
         try:
-            tmp.write_text(json.dumps(self.stats(), indent=1))
-            tmp.replace(target)
-        except OSError:
-            log.exception("cannot write kvtier stats to %s", path)
+            data = json.dumps(self.stats(), indent=1).encode()
+            write_atomic(path, data, STATS_MAX_BYTES)
+        except OSError as exc:
+            log.error("cannot write kvtier stats to %s: %s", path, exc.strerror or exc)
 
     def close(self) -> None:
         for req_id in list(self._plans):

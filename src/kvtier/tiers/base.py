@@ -62,6 +62,10 @@ class Tier(ABC):
     def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
         """For each key: True (stored here), False (not here) or None (not known yet: ask again)."""
 
+    def is_empty(self) -> bool:
+        """True only when the tier surely holds no block (the manager then skips its lookup)."""
+        return False
+
     @abstractmethod
     def submit(self, job: TierJob) -> None:
         """Start a job; its result arrives through ``poll``."""

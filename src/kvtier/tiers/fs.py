@@ -231,6 +231,9 @@ class FsTier(BlockTier):
         with self._lock:
             return self._index.used
 
+    def is_empty(self) -> bool:
+        return len(self) == 0
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)

@@ -200,6 +200,9 @@ class MemoryTier(BlockTier):
         with self._lock:
             return self._bytes
 
+    def is_empty(self) -> bool:
+        return len(self) == 0
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._store)

@@ -1,0 +1,90 @@
+"""What a ``TieredCache`` reports about itself: events, counters, where pool blocks came from,
+open jobs and its invariants. Reads the cache's state and changes nothing (except handing over
+events)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvtier import invariants
+from kvtier.event_log import EventLog
+from kvtier.events import POOL_TIER, CacheEvent
+from kvtier.keys import BlockKey
+from kvtier.metrics import CacheCounters, CacheStats
+from kvtier.policies.base import EvictionPolicy
+from kvtier.pool import HostPool
+from kvtier.tier_jobs import TierJobs
+from kvtier.tiers.base import Tier
+
+
+class CacheReports:
+    """The reporting half of ``TieredCache`` (which sets these attributes)."""
+
+    _pool: HostPool
+    _policy: EvictionPolicy
+    _tiers: list[Tier]
+    _index: dict[BlockKey, int]
+    _inflight: dict[BlockKey, int]
+    _pins: dict[BlockKey, int]
+    _loading: dict[BlockKey, int]
+    _held: dict[int, int]
+    _jobs: TierJobs
+    _events: EventLog
+    _counters: CacheCounters
+    _promoted: dict[str, int]
+    _origin: dict[BlockKey, int]
+
+    def take_events(self) -> list[CacheEvent]:
+        """Events since the last call, oldest first (at most ``max_events``: when nobody takes
+        them, the oldest are dropped and counted in ``stats().cache.events_dropped``)."""
+        return self._events.take()
+
+    def stats(self) -> CacheStats:
+        self._counters.events_dropped = self._events.dropped
+        return CacheStats(
+            cache=replace(self._counters),
+            pool_slots=self._pool.num_slots,
+            pool_used=self._pool.num_slots - self._pool.num_free,
+            pool_pinned=len(self._pins),
+            tiers={t.name: replace(t.counters) for t in self._tiers},
+            promoted=dict(self._promoted),
+        )
+
+    def origins(self, keys: Sequence[BlockKey]) -> list[str]:
+        """For each key in the pool: the secondary tier it was promoted from, or ``pool`` when
+        the engine stored it (or it is not in the pool)."""
+        origin, tiers = self._origin, self._tiers
+        if not origin:
+            return [POOL_TIER] * len(keys)
+        out: list[str] = []
+        for key in keys:
+            index = origin.get(key)
+            out.append(POOL_TIER if index is None else tiers[index].name)
+        return out
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """Tier jobs not reported yet, timed-out (abandoned) ones included: their slots stay
+        held until their tier really returns."""
+        return len(self._jobs)
+
+    def jobs_waiting(self) -> dict[str, int]:
+        """Per tier name: jobs not reported yet and not timed out (what is worth waiting for)."""
+        return self._jobs.waiting()
+
+    def check_invariants(self, settled: bool = False) -> None:
+        """Raise ``AssertionError`` naming the first broken slot or pin invariant (for tests and
+        soaks: it walks every slot). See ``kvtier.invariants.check``."""
+        state = invariants.CacheState(
+            num_slots=self._pool.num_slots,
+            visible=self._index,
+            inflight=self._inflight,
+            held=self._held.keys(),
+            free=self._pool.free_slots(),
+            policy_size=len(self._policy),
+            pins=self._pins,
+            loading=self._loading,
+            jobs=len(self._jobs),
+        )
+        invariants.check(state, settled)

@@ -1,0 +1,242 @@
+"""Promotions on behalf of waiting requests: how many pool slots they may hold, what a tier's
+reads cost, and how long a request waits for them.
+
+A request whose next blocks sit in a secondary tier waits (its lookup is pending) while they are
+read into the pool. Under load, without these rules, promotions for many waiting requests evicted
+each other's blocks before the requests loaded them (the same blocks were read again and again), a
+tier with a backlog made a hit slower than computing the tokens, and a request waited for a read
+that its own prefill would have beaten. So:
+
+* **Budget.** Promotions hold at most ``budget`` pool slots: blocks being read plus blocks landed
+  for a request that has not loaded them yet (those are pinned: no store or other promotion evicts
+  them). Requests are served in the order they ask; one whose run does not fit gets the part that
+  fits, and one that finds the budget spent gets the pool's hits at once instead of waiting.
+* **Cost.** Each tier's read time per block is measured from its jobs (service time, queueing
+  excluded) and the engine's compute rate from its steps. A run is claimed only as far as reading
+  it, behind what the tier still has to read, is expected to end before computing it would.
+* **Deadline.** A waiting request stops waiting when computing the claimed tokens would have been
+  done by now, and takes what has landed; the rest is recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence, Set
+from dataclasses import dataclass, field
+
+from kvtier.keys import BlockKey
+from kvtier.tiers.base import Tier
+
+EWMA_WEIGHT = 0.2
+"""Weight of a new sample in the moving averages (about the last 5-10 jobs or steps count)."""
+MIN_STEP_TOKENS = 64
+"""Engine steps computing fewer tokens (pure decode) say little about its prefill rate."""
+LEASE_S = 30.0
+"""A promise whose request never came back is dropped (its pins released) after this long."""
+
+Owner = Hashable
+"""Who waits for a promotion: the engine's request id."""
+
+
+@dataclass(slots=True)
+class ReadCost:
+    """One tier's reads: seconds per block and the blocks still to be read."""
+
+    seconds_per_block: float | None = None
+    """Moving average of a job's service time per block (None: no read measured yet)."""
+    outstanding: int = 0
+    """Blocks of read jobs submitted and not yet reported."""
+    busy_until: float = 0.0
+    """When the last measured job ended: a later job's service time starts no earlier."""
+
+    def started(self, blocks: int) -> None:
+        self.outstanding += blocks
+
+    def ended(self, blocks: int, submitted: float, now: float) -> None:
+        """A read job of ``blocks`` submitted at ``submitted`` ended at ``now`` (ok or not: a
+        failing tier is slow too)."""
+        self.outstanding = max(0, self.outstanding - blocks)
+        start = max(submitted, self.busy_until)
+        self.busy_until = now
+        if blocks <= 0:
+            return
+        sample = max(now - start, 1e-7) / blocks
+        old = self.seconds_per_block
+        self.seconds_per_block = sample if old is None else old + EWMA_WEIGHT * (sample - old)
+
+    def expected_s(self, blocks: int) -> float | None:
+        """Seconds until ``blocks`` more, read behind the outstanding ones, would have landed."""
+        spb = self.seconds_per_block
+        return None if spb is None else (self.outstanding + blocks) * spb
+
+
+@dataclass(slots=True)
+class ComputeRate:
+    """Tokens per second the engine computes, from the tokens of each step and its duration."""
+
+    tokens_per_s: float | None = None
+    _last: float | None = None
+    _tokens: int = 0
+
+    def step(self, tokens: int, now: float) -> None:
+        """A step scheduling ``tokens`` starts at ``now`` (the previous one ended)."""
+        last, done = self._last, self._tokens
+        self._last, self._tokens = now, tokens
+        if last is None or done < MIN_STEP_TOKENS or now <= last:
+            return
+        sample = done / (now - last)
+        old = self.tokens_per_s
+        self.tokens_per_s = sample if old is None else old + EWMA_WEIGHT * (sample - old)
+
+    def seconds(self, tokens: int) -> float | None:
+        rate = self.tokens_per_s
+        return None if not rate else tokens / rate
+
+
+@dataclass(slots=True)
+class Promise:
+    """Blocks being promoted for one waiting request."""
+
+    keys: list[BlockKey]
+    """The blocks claimed for it, in request order."""
+    deadline: float
+    """The request stops waiting at this time (``lookup`` answers with what landed)."""
+    lease_end: float
+    pinned: list[BlockKey] = field(default_factory=list)
+    """Claimed blocks that landed: pinned until the request loads them or stops waiting."""
+    done: bool = False
+    """Final answer given: no more promotions for this request until it loaded (or left)."""
+
+
+@dataclass(slots=True)
+class Claim:
+    """What a lookup may promote: the leading ``blocks`` of its run, and until when to wait."""
+
+    blocks: int
+    deadline: float
+
+
+class PromotionRules:
+    """Budget, costs and promises of a ``TieredCache``'s promotions (see the module docstring)."""
+
+    def __init__(self, tiers: int, budget: int, block_tokens: int, max_wait_s: float) -> None:
+        self.budget = budget
+        self.block_tokens = block_tokens
+        self.max_wait_s = max_wait_s
+        self.reads = [ReadCost() for _ in range(tiers)]
+        self.compute = ComputeRate()
+        self.promises: dict[Owner, Promise] = {}
+        self.claimed_by: dict[BlockKey, Owner] = {}
+        """Claimed blocks still being read -> the request they are read for."""
+        self.promised_pins = 0
+        """Landed blocks pinned for their requests (``Promise.pinned``, all promises)."""
+
+    def claim(self, run_tiers: list[int], in_flight: int, now: float) -> Claim:
+        """How many leading blocks of a run (the tier index of each) to promote now.
+
+        ``in_flight``: blocks of promotions being read (any request). The budget caps the claim;
+        then the longest prefix whose expected read time (per tier: behind its outstanding reads)
+        is at most its compute time. Unmeasured tiers or engine: claimed (a first job measures).
+        """
+        room = self.budget - in_flight - self.promised_pins
+        n = max(0, min(len(run_tiers), room))
+        best, wait = 0, 0.0
+        per_tier: dict[int, int] = {}
+        for i in range(n):
+            tier = run_tiers[i]
+            per_tier[tier] = per_tier.get(tier, 0) + 1
+            read = self._read_s(per_tier)
+            compute = self.compute.seconds((i + 1) * self.block_tokens)
+            if read is None or compute is None or read <= compute:
+                best, wait = i + 1, compute if compute is not None else self.max_wait_s
+        return Claim(best, now + min(self.max_wait_s, wait))
+
+    def _read_s(self, per_tier: dict[int, int]) -> float | None:
+        # Tiers read in parallel: the run has landed when the slowest tier's part has.
+        worst = 0.0
+        for tier, blocks in per_tier.items():
+            expected = self.reads[tier].expected_s(blocks)
+            if expected is None:
+                return None
+            worst = max(worst, expected)
+        return worst
+
+    def promise(self, owner: Owner, keys: list[BlockKey], deadline: float, now: float) -> None:
+        self.promises[owner] = Promise(list(keys), deadline, now + LEASE_S)
+        claimed = self.claimed_by
+        for key in keys:
+            claimed.setdefault(key, owner)
+
+    def waits(self, owner: Owner, promoting: Set[BlockKey], now: float) -> bool | None:
+        """Whether ``owner`` still waits for its promotion: None without one (a lookup may start
+        one), True while a claimed block is being read before the deadline, else False: what
+        has landed is the answer, and no second promotion starts until the promise ends."""
+        promise = self.promises.get(owner)
+        if promise is None:
+            return None
+        if not promise.done:
+            if now < promise.deadline and not promoting.isdisjoint(promise.keys):
+                return True
+            promise.done = True
+        return False
+
+    def landed(self, key: BlockKey) -> bool:
+        """A promoted block arrived: True if a waiting request claimed it (pin it for that
+        request; the caller pins)."""
+        owner = self.claimed_by.pop(key, None)
+        promise = None if owner is None else self.promises.get(owner)
+        if promise is None:
+            return False
+        promise.pinned.append(key)
+        self.promised_pins += 1
+        return True
+
+    def dropped(self, key: BlockKey) -> None:
+        """A promoted block will not arrive (its read failed or timed out)."""
+        self.claimed_by.pop(key, None)
+
+    def end(self, owner: Owner) -> list[BlockKey]:
+        """The request loaded its blocks or left: its promise ends. Returns the keys to unpin."""
+        promise = self.promises.pop(owner, None)
+        if promise is None:
+            return []
+        claimed = self.claimed_by
+        for key in promise.keys:
+            if claimed.get(key) == owner:
+                del claimed[key]
+        self.promised_pins -= len(promise.pinned)
+        return promise.pinned
+
+    def expired(self, now: float) -> list[Owner]:
+        """Requests whose promise outlived its lease (they never came back)."""
+        return [owner for owner, p in self.promises.items() if p.lease_end <= now]
+
+
+Answer = list[bool | None]
+
+
+def tier_answers(
+    tiers: Sequence[Tier],
+    rest: Sequence[BlockKey],
+    ask: Callable[[Tier, Sequence[BlockKey]], Answer],
+) -> list[Answer] | None:
+    """Each tier's answer (``ask``: a lookup that never raises) for the blocks after the pool's
+    hits; None when no tier can hold the first one. A tier that surely holds nothing
+    (``Tier.is_empty``) is not asked, and the first block is asked alone first: a miss, the common
+    answer, then costs one key per tier instead of the request's whole tail."""
+    empty = [_surely_empty(tier) for tier in tiers]
+    if all(empty):
+        return None
+    nothing: Answer = [False] * len(rest)
+    first = [nothing[:1] if e else ask(t, rest[:1]) for t, e in zip(tiers, empty, strict=True)]
+    if all(answer[0] is False for answer in first):
+        return None
+    if len(rest) == 1:
+        return first
+    return [nothing if a[0] is False else ask(t, rest) for t, a in zip(tiers, first, strict=True)]
+
+
+def _surely_empty(tier: Tier) -> bool:
+    try:
+        return tier.is_empty() is True
+    except Exception:  # a plugin's answer proves nothing: ask it
+        return False

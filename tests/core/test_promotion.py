@@ -1,0 +1,249 @@
+"""Promotions for waiting requests under pressure (``kvtier.promotion``): blocks promoted for a
+request stay until it loads them, a budget caps what promotions hold, a tier slower than the
+engine is not waited for, a wait ends at its deadline, and an empty tier is not asked."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from core.conftest import keys_for
+from core.scripted_tier import ScriptedTier
+from kvtier.keys import BlockKey, Namespace
+from kvtier.manager import TierBinding, TieredCache
+from kvtier.policies import LRUPolicy
+from kvtier.pool import HostPool
+from kvtier.promotion import ComputeRate, PromotionRules, ReadCost
+from kvtier.tiers.base import TierJobKind
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def payload(key: BlockKey, size: int) -> bytes:
+    return (key * (size // len(key) + 1))[:size]
+
+
+def store(cache: TieredCache, pool: HostPool, keys: Sequence[BlockKey]) -> list[BlockKey]:
+    res = cache.prepare_store(keys)
+    for key, slot in zip(res.keys, res.slots, strict=True):
+        pool.view(slot)[:] = payload(key, pool.slot_bytes)
+    cache.complete_store(res.keys)
+    return res.keys
+
+
+def check_settled(cache: TieredCache, tier: ScriptedTier) -> None:
+    tier.release()  # the cascade's writes
+    cache.step()
+    cache.check_invariants(settled=True)
+
+
+def reads(tier: ScriptedTier) -> int:
+    return sum(job.kind is TierJobKind.READ for job in tier.submitted)
+
+
+def tier_with(ns: Namespace, pool: HostPool, keys: Sequence[BlockKey]) -> ScriptedTier:
+    tier = ScriptedTier("fs", ns, pool)
+    tier.stored = {k: payload(k, pool.slot_bytes) for k in keys}
+    return tier
+
+
+# -- the rules alone ------------------------------------------------------------------------------
+
+
+def test_read_cost_counts_service_time_not_queueing():
+    cost = ReadCost()
+    cost.started(10)
+    cost.started(10)
+    cost.ended(10, submitted=0.0, now=1.0)  # 0.1 s per block
+    cost.ended(10, submitted=0.0, now=2.0)  # queued behind the first: served from 1.0 to 2.0
+    assert cost.seconds_per_block == pytest.approx(0.1)
+    assert cost.outstanding == 0
+    cost.started(5)
+    assert cost.expected_s(3) == pytest.approx((5 + 3) * 0.1)
+
+
+def test_compute_rate_ignores_decode_steps():
+    rate = ComputeRate()
+    rate.step(1000, now=0.0)
+    rate.step(8, now=0.5)  # the 1000-token step took 0.5 s
+    rate.step(1000, now=10.0)  # an 8-token step says nothing about prefill
+    assert rate.tokens_per_s == pytest.approx(2000.0)
+    assert rate.seconds(4000) == pytest.approx(2.0)
+
+
+def test_claim_is_capped_by_the_budget_and_what_promotions_hold():
+    rules = PromotionRules(tiers=1, budget=10, block_tokens=16, max_wait_s=30.0)
+    assert rules.claim([0] * 8, in_flight=0, now=0.0).blocks == 8  # nothing measured: claim
+    assert rules.claim([0] * 8, in_flight=6, now=0.0).blocks == 4
+    rules.promised_pins = 4
+    assert rules.claim([0] * 8, in_flight=6, now=0.0).blocks == 0
+
+
+def test_claim_stops_where_reading_would_take_longer_than_computing():
+    rules = PromotionRules(tiers=2, budget=1000, block_tokens=100, max_wait_s=30.0)
+    rules.compute.tokens_per_s = 1000.0  # a block computes in 0.1 s
+    rules.reads[0].seconds_per_block = 0.01
+    rules.reads[1].seconds_per_block = 0.5  # slower than computing
+    claim = rules.claim([0, 0, 0, 1, 1], in_flight=0, now=5.0)
+    assert claim.blocks == 3
+    assert claim.deadline == pytest.approx(5.0 + 0.3)  # computing those 3 blocks would take 0.3 s
+
+
+def test_a_backlog_makes_a_short_run_not_worth_reading():
+    rules = PromotionRules(tiers=1, budget=1000, block_tokens=100, max_wait_s=30.0)
+    rules.compute.tokens_per_s = 1000.0  # 0.1 s per block
+    rules.reads[0].seconds_per_block = 0.05
+    assert rules.claim([0] * 4, in_flight=0, now=0.0).blocks == 4
+    rules.reads[0].outstanding = 20  # 1 s of reads queued ahead
+    assert rules.claim([0] * 4, in_flight=0, now=0.0).blocks == 0
+    assert rules.claim([0] * 30, in_flight=0, now=0.0).blocks == 30  # long enough to pay off
+
+
+# -- the manager --------------------------------------------------------------------------------
+
+
+def promote_for(cache: TieredCache, tier: ScriptedTier, keys: list[BlockKey], owner: str) -> None:
+    assert cache.lookup(keys, owner) == (0, False)
+    tier.release()
+    cache.step()
+
+
+def test_blocks_promoted_for_a_request_are_not_evicted_before_it_loads_them(ns, make_pool):
+    """Before: stores of other requests evicted them, and the request promoted them again."""
+    pool = make_pool(8)
+    wanted = keys_for(ns, 4, seed=1)
+    tier = tier_with(ns, pool, wanted)
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    promote_for(cache, tier, wanted, "a")
+    assert store(cache, pool, keys_for(ns, 8, seed=2)) != []  # room only for the free 4 slots
+    assert cache.lookup(wanted, "a") == (4, True)
+    slots = cache.prepare_load(wanted, "a")
+    assert [bytes(pool.view(s)) for s in slots] == [payload(k, pool.slot_bytes) for k in wanted]
+    cache.complete_load(wanted)
+    assert reads(tier) == 1  # read once
+    stats = cache.stats().cache
+    assert (stats.promoted_blocks, stats.loaded_blocks) == (4, 4)
+    check_settled(cache, tier)
+
+
+def test_a_request_that_leaves_releases_its_promoted_blocks(ns, make_pool):
+    pool = make_pool(8)
+    wanted = keys_for(ns, 4, seed=1)
+    tier = tier_with(ns, pool, wanted)
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    promote_for(cache, tier, wanted, "a")
+    assert cache.stats().pool_pinned == 4
+    cache.forget("a")
+    assert cache.stats().pool_pinned == 0
+    assert len(store(cache, pool, keys_for(ns, 8, seed=2))) == 8  # evictable again
+    check_settled(cache, tier)
+
+
+def test_promoted_blocks_of_a_request_that_never_returns_are_released_after_the_lease(
+    ns, make_pool
+):
+    pool = make_pool(8)
+    clock = Clock()
+    wanted = keys_for(ns, 4, seed=1)
+    tier = tier_with(ns, pool, wanted)
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)], clock=clock)
+    promote_for(cache, tier, wanted, "a")
+    clock.now += 31.0
+    cache.step()
+    check_settled(cache, tier)
+
+
+def test_the_budget_serves_requests_in_order_and_the_next_one_does_not_wait(ns, make_pool):
+    pool = make_pool(16)  # budget 0.5: 8 slots
+    first, second = keys_for(ns, 6, seed=1), keys_for(ns, 6, seed=2)
+    tier = tier_with(ns, pool, [*first, *second])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    assert cache.lookup(first, "a") == (0, False)
+    assert cache.lookup(second, "b") == (0, False)  # gets the 2 slots left
+    assert [len(job.keys) for job in tier.submitted] == [6, 2]
+    tier.release()
+    cache.step()
+    assert cache.lookup(first, "a") == (6, True)
+    assert cache.lookup(second, "b") == (2, True)  # the part that fit, not a second wait
+    assert cache.stats().cache.promotions_declined == 4
+    third = keys_for(ns, 2, seed=3)
+    tier.stored.update({k: payload(k, pool.slot_bytes) for k in third})
+    assert cache.lookup(third, "c") == (0, True)  # budget spent: no wait at all
+    cache.prepare_load(first[:6], "a")
+    cache.complete_load(first[:6])
+    cache.prepare_load(second[:2], "b")
+    cache.complete_load(second[:2])
+    assert cache.lookup(third, "c") == (0, False)  # room again
+
+
+def test_a_tier_slower_than_computing_is_not_waited_for(ns, make_pool):
+    pool = make_pool(16)
+    clock = Clock()
+    first, later = keys_for(ns, 4, seed=1), keys_for(ns, 4, seed=2)
+    tier = tier_with(ns, pool, [*first, *later])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)], clock=clock, block_tokens=4)
+    cache.engine_step(4000)
+    clock.now += 1.0
+    cache.engine_step(0)  # 4,000 tokens/s: a block of 4 tokens computes in 1 ms
+    assert cache.lookup(first, "a") == (0, False)
+    clock.now += 2.0  # the read took 0.5 s per block
+    tier.release()
+    cache.step()
+    assert cache.lookup(later, "b") == (0, True)
+    assert cache.stats().cache.promotions_declined == 4
+    assert reads(tier) == 1
+
+
+def test_a_wait_ends_at_its_deadline_with_what_landed(ns, make_pool):
+    pool = make_pool(16)
+    clock = Clock()
+    keys = keys_for(ns, 4, seed=1)
+    tier = tier_with(ns, pool, keys)
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)], clock=clock, block_tokens=4)
+    cache.engine_step(400)
+    clock.now += 1.0
+    cache.engine_step(0)  # 400 tokens/s: the 4 blocks compute in 40 ms
+    assert cache.lookup(keys, "a") == (0, False)
+    clock.now += 0.02
+    assert cache.lookup(keys, "a") == (0, False)
+    clock.now += 0.03  # past the deadline, the read still running
+    assert cache.lookup(keys, "a") == (0, True)
+    tier.release()
+    cache.step()
+    assert cache.lookup(keys, "a") == (4, True)  # landed later: a hit, but no second promotion
+    assert reads(tier) == 1
+    cache.forget("a")
+    check_settled(cache, tier)
+
+
+class CountingTier(ScriptedTier):
+    def __init__(self, name: str, namespace: Namespace, pool: HostPool) -> None:
+        super().__init__(name, namespace, pool)
+        self.asked = 0
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        self.asked += len(keys)
+        return super().lookup(keys)
+
+    def is_empty(self) -> bool:
+        return not self.stored
+
+
+def test_an_empty_tier_is_not_asked_and_a_miss_asks_one_key(ns, make_pool):
+    """Before: every lookup asked every tier for the request's whole tail."""
+    pool = make_pool(8)
+    tier = CountingTier("fs", ns, pool)
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    keys = keys_for(ns, 50, seed=1)
+    assert cache.lookup(keys, "a") == (0, True)
+    assert tier.asked == 0
+    tier.stored = {b"x" * 16: b""}
+    assert cache.lookup(keys, "a") == (0, True)
+    assert tier.asked == 1
