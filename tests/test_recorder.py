@@ -3,9 +3,14 @@ salted ids (equal prefixes equal, nothing recoverable), a salt that survives res
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import signal
 import stat
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -105,3 +110,119 @@ def test_a_failed_write_stops_recording_without_raising(tmp_path: Path) -> None:
     rec.record(request("b", tokens), keys(tokens))
     assert rec.recorded == 0
     assert json.loads(salt_path(tmp_path / "t.jsonl").read_text())["block_tokens"] == 4
+
+
+def constructed_in_time(path: Path, seconds: float = 5.0) -> TraceRecorder | BaseException:
+    """``TraceRecorder(path, 4)`` on a thread that must end within ``seconds``: the recorder or
+    what it raised."""
+    out: list[TraceRecorder | BaseException] = []
+
+    def build() -> None:
+        try:
+            out.append(TraceRecorder(path, 4))
+        except BaseException as exc:  # handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the recorder's constructor blocked"
+    return out[0]
+
+
+@pytest.mark.parametrize("where", ["trace", "salt"])
+def test_a_fifo_at_the_trace_or_its_salt_is_refused_without_blocking(
+    tmp_path: Path, where: str
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    if where == "salt":
+        TraceRecorder(trace, 4).close()
+        salt_path(trace).unlink()
+    os.mkfifo(trace if where == "trace" else salt_path(trace))
+    got = constructed_in_time(trace)
+    assert isinstance(got, ConfigError), got
+    assert "vllm.trace_path" in str(got) and "not a regular file (a FIFO)" in str(got)
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "real"])
+def test_a_salt_or_trace_that_is_a_link_is_refused(tmp_path: Path, target: str) -> None:
+    trace = tmp_path / "t.jsonl"
+    if target == "real":  # even to a salt this recorder wrote
+        TraceRecorder(tmp_path / "r.jsonl", 4).close()
+        target = str(salt_path(tmp_path / "r.jsonl"))
+    salt_path(trace).symlink_to(target)
+    got = constructed_in_time(trace)
+    assert isinstance(got, ConfigError) and "symbolic link" in str(got), got
+    salt_path(trace).unlink()
+    trace.symlink_to(tmp_path / "elsewhere.jsonl")
+    got = constructed_in_time(trace)
+    assert isinstance(got, ConfigError) and "symbolic link" in str(got), got
+    assert not (tmp_path / "elsewhere.jsonl").exists()
+
+
+@contextlib.contextmanager
+def no_file_may_grow() -> Iterator[None]:
+    """Every write to a regular file fails (EFBIG), as on a full disk, for this process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_full_disk_at_the_first_start_disables_recording_and_leaves_no_salt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    tokens = list(range(8))
+    with no_file_may_grow():
+        rec = TraceRecorder(trace, 4)  # the engine starts anyway
+        rec.record(request("a", tokens), keys(tokens))
+        rec.close()
+    assert rec.recorded == 0
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "recording" in errors[0].getMessage()
+    assert not salt_path(trace).exists()
+    # Room again: the next start records (no bad salt blocks it).
+    again = TraceRecorder(trace, 4)
+    again.record(request("a", tokens), keys(tokens))
+    again.close()
+    assert again.recorded == 1 and len(read_trace(trace)) == 1
+
+
+BAD_NUMBERS: list[object] = [
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    None,
+    "12",
+    -3,
+    10**30,
+    True,
+    2.5,
+    [],
+]
+
+
+def test_record_never_raises_on_odd_request_fields(tmp_path: Path) -> None:
+    rec = TraceRecorder(tmp_path / "t.jsonl", 4)
+    tokens = list(range(8))
+    for i, bad in enumerate(BAD_NUMBERS):
+        rec.record(
+            SimpleNamespace(request_id=f"p{i}", num_prompt_tokens=bad, max_tokens=7),
+            keys(tokens),
+        )
+        rec.record(
+            SimpleNamespace(request_id=f"m{i}", num_prompt_tokens=8, max_tokens=bad),
+            keys(tokens),
+        )
+    rec.record(SimpleNamespace(request_id=["unhashable"], num_prompt_tokens=8), keys(tokens))
+    rec.record(SimpleNamespace(), keys(tokens))
+    rec.close()
+    trace = read_trace(tmp_path / "t.jsonl")  # every line written is one the replay reads
+    assert rec.recorded == len(trace) >= 2 * len(BAD_NUMBERS)
+    by_output = [r for r in trace if r.output_length == 7]
+    assert all(r.input_length == 8 and len(r.hash_ids) == 2 for r in by_output)

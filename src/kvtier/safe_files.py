@@ -26,7 +26,7 @@ import fcntl
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 PRIVATE_MODE = 0o600
@@ -129,7 +129,7 @@ def read_text(path: StrPath, max_bytes: int, encoding: str = "utf-8") -> str:
     return read_bytes(path, max_bytes).decode(encoding)
 
 
-def iter_lines(path: StrPath, max_line_bytes: int) -> Iterator[bytes]:
+def iter_lines(path: StrPath, max_line_bytes: int) -> Generator[bytes, None, None]:
     """The file's lines (bytes, with their newline), each at most ``max_line_bytes`` long
     (``LineTooLong`` names the first longer one). Opened at the first ``next()``."""
     name = os.fspath(path)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -93,3 +96,45 @@ def test_non_utf8_line_names_file_and_line(tmp_path: Path) -> None:
 def test_missing_trace(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot read trace"):
         read_trace(tmp_path / "missing.jsonl")
+
+
+def simulate_in_time(trace: Path | str, seconds: float = 20.0) -> int:
+    """``kvtier simulate --trace`` on a thread that must end within ``seconds``."""
+    from kvtier.cli import main
+
+    codes: list[int] = []
+    argv = ["simulate", "--trace", str(trace), "--no-progress", "--pool-blocks", "8"]
+    thread = threading.Thread(target=lambda: codes.append(main(argv)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "kvtier simulate hung"
+    assert codes, "kvtier simulate raised"
+    return codes[0]
+
+
+def test_a_fifo_device_or_link_trace_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(bundled_trace_path())
+    for path in (fifo, "/dev/zero", link):
+        assert simulate_in_time(path) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvtier: error: cannot read trace {path}: not a regular file")
+        assert err.count("\n") == 1
+
+
+def test_a_huge_line_is_an_error_naming_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    with path.open("wb") as f:
+        f.write(b'{"hash_ids": [1]}\n{"hash_ids": [1, ')
+        f.truncate(2**30)  # a 1 GiB second line (sparse: no disk used)
+    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))}:2: a line longer than 16 MiB$"):
+        read_trace(path)
+    assert read_trace(path, limit=1) == [TraceRequest(0.0, 512, 0, (1,))]
+    assert simulate_in_time(path) == 2
+    assert f"{path}:2: a line longer than 16 MiB" in capsys.readouterr().err

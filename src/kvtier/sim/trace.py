@@ -3,7 +3,9 @@
 blocks: equal ids mean equal prefixes).
 
 Every malformed line, whatever it holds (bytes that are not UTF-8, JSON nested 100,000 deep,
-5,000-digit numbers, NaN), is a ``TraceError`` naming the file and line.
+5,000-digit numbers, NaN, a line over ``TRACE_LINE_MAX_BYTES``), is a ``TraceError`` naming the
+file and line. The file is read through :mod:`kvtier.safe_files`: a FIFO, a device or a symbolic
+link is refused, never waited on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvtier.errors import KVTierError, shown
+from kvtier.safe_files import LineTooLong, iter_lines
 from kvtier.validation import INT64_MAX, finite_float
 
 BUNDLED_TRACE = "synthetic_trace.jsonl"
@@ -23,6 +26,9 @@ TRACE_BLOCK_TOKENS = 512
 HASH_ID_MIN = -(2**127)
 HASH_ID_MAX = 2**127 - 1
 """``hash_ids`` become keys as 16-byte signed integers (``keys_from_hashes``)."""
+TRACE_LINE_MAX_BYTES = 16 * 2**20
+"""Longest trace line read (and recorded): 16 MiB is some 700,000 block ids, a 1 GiB line would
+be a ``MemoryError`` on most machines."""
 
 
 class TraceError(KVTierError):
@@ -49,16 +55,11 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 
 def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[TraceRequest]:
     path = Path(path)
-    try:
-        # Bytes, decoded line by line: a decoding error then names its line.
-        handle = path.open("rb")
-    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise TraceError(
-            f"cannot read trace {path}: {getattr(exc, 'strerror', None) or exc}"
-        ) from exc
+    # Bytes, decoded line by line: a decoding error then names its line.
+    lines = iter_lines(path, TRACE_LINE_MAX_BYTES)
     count = 0
-    with handle:
-        for lineno, raw in enumerate(handle, 1):
+    try:
+        for lineno, raw in enumerate(lines, 1):
             if limit is not None and count >= limit:
                 return
             where = f"{path}:{lineno}"
@@ -70,6 +71,16 @@ def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[TraceRequ
                 continue
             yield parse_request(line, where)
             count += 1
+            if count == limit:  # not a line more is read
+                return
+    except LineTooLong as exc:
+        most = f"{TRACE_LINE_MAX_BYTES // 2**20} MiB"
+        raise TraceError(f"{path}:{exc.lineno}: a line longer than {most}") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        what = getattr(exc, "strerror", None) or exc
+        raise TraceError(f"cannot read trace {path}: {what}") from exc
+    finally:
+        lines.close()
 
 
 def parse_request(line: str, where: str) -> TraceRequest:
