@@ -9,7 +9,6 @@ starts from (``key_scope``).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -21,17 +20,15 @@ from kvtier.config import KVTierConfig
 from kvtier.copy.base import Direction
 from kvtier.engine.ledger import JobLedger
 from kvtier.engine.orders import SKIP, CopyOrder, RankReport, StepOrders
+from kvtier.engine.stats_file import StatsFile
 from kvtier.events import POOL_TIER, CacheEvent
 from kvtier.factory import build_cache
 from kvtier.keys import BlockKey, Namespace, chain_keys, chain_root
 from kvtier.metrics import CacheStats
 from kvtier.policies.hints import RequestHint
-from kvtier.safe_files import write_atomic
-from kvtier.stats_report import STATS_MAX_BYTES
 
 log = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 1.0
 DEFERRED_WAIT_S = 0.001
 """After a step that deferred a request and scheduled nothing, the scheduler thread waits up to
 this long for a tier job to end. The engine (vLLM) re-asks a deferred request every step, and
@@ -153,7 +150,7 @@ class Planner:
         self._requests: dict[str, EngineRequest] = {}
         self._loads: list[CopyOrder] = []
         self._jobs = JobLedger(tp_size)
-        self._stats_written = 0.0
+        self._stats_file = None if settings.stats_path is None else StatsFile(settings.stats_path)
         self._deferred = False
         self.hits_by_tier: dict[str, int] = {POOL_TIER: 0, **{t.name: 0 for t in config.tiers}}
         """Hit blocks of final lookups by the tier that held them (``TieredCache.origins``)."""
@@ -317,7 +314,8 @@ class Planner:
             if order is not None:
                 stores.append(order)
         loads, self._loads = self._loads, []
-        self._maybe_write_stats()
+        if self._stats_file is not None and self._stats_file.due():
+            self._stats_file.offer(self.stats())
         return StepOrders(self.pool.handle, loads, stores, fresh_blocks)
 
     def _store_order(
@@ -468,26 +466,12 @@ class Planner:
             self._waits = []
         return None if series.is_empty(payload) else payload
 
-    def _maybe_write_stats(self, force: bool = False) -> None:
-        path = self.settings.stats_path
-        if path is None:
-            return
-        now = time.monotonic()
-        if not force and now - self._stats_written < STATS_INTERVAL_S:
-            return
-        self._stats_written = now
-        # On the engine's step: never blocks or writes through a planted name (safe_files).
-        try:
-            data = json.dumps(self.stats(), indent=1).encode()
-            write_atomic(path, data, STATS_MAX_BYTES)
-        except OSError as exc:
-            log.error("cannot write kvtier stats to %s: %s", path, exc.strerror or exc)
-
     def close(self) -> None:
         for req_id in list(self._plans):
             self._release_plan(req_id)
         if self.recorder is not None:
             self.recorder.close()
         self.cache.close()
-        self._maybe_write_stats(force=True)
+        if self._stats_file is not None:
+            self._stats_file.close(self.stats())
         self.pool.close()

@@ -1,0 +1,215 @@
+"""The connector's scheduler-side time per engine step, without an engine or a GPU.
+
+Drives kvtier's ``Planner`` the way vLLM's scheduler does (``matched_tokens`` for every waiting
+request each step until it is scheduled, ``after_alloc``, ``plan_step``, the workers' reports,
+``take_stats`` and ``take_events`` each step, ``request_finished``), with the copies reported done
+at once, so what is timed is kvtier's own work on the scheduler thread: lookups, pins, store
+reservations, the ledger, stats and the tiers' threads competing for the GIL.
+
+Workload: ``--concurrency`` multi-turn conversations in flight (each turn re-sends the previous
+prompt plus ``--turn-blocks`` new blocks), ``--waiting`` of them kept waiting each step as
+vLLM's queue does when its KV cache is full, ``--prefill-blocks`` blocks computed per step.
+Prints p50/p90/p99/max of the time per step and the functions that took it (cProfile), and
+writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import load_config
+from kvtier.engine.orders import RankReport
+from kvtier.engine.planner import Planner, PlannerSettings
+from kvtier.keys import Namespace
+
+BLOCK_TOKENS = 16
+
+
+@dataclass
+class Request:
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class Tables(dict[str, list[int]]):
+    def get(self, req_id: str) -> list[int]:  # type: ignore[override]
+        return super().get(req_id, [])
+
+
+def conversations(n: int, turns: int, turn_blocks: int, seed: int) -> list[list[list[int]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt: list[int] = []
+        conv = []
+        for _ in range(turns):
+            prompt = prompt + [rng.randrange(1, 1 << 30) for _ in range(turn_blocks * BLOCK_TOKENS)]
+            conv.append(list(prompt))
+        out.append(conv)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    tiers = []
+    if args.fs:
+        tiers.append({"kind": "fs", "path": str(workdir / "fs"), "capacity": "4GiB"})
+    config = load_config(
+        {
+            "model": "bench",
+            "pool": {"size": args.pool_blocks * args.block_bytes, "shm_dir": str(workdir)},
+            "tiers": tiers,
+        }
+    )
+    ns = Namespace(model="bench", dtype="bf16", block_tokens=BLOCK_TOKENS)
+    stats_path = str(workdir / "stats.json") if args.stats_file else None
+    settings = PlannerSettings(stats_path=stats_path)
+    planner = Planner(config, settings, ns, args.block_bytes, BLOCK_TOKENS, 1)
+    convs = conversations(args.conversations, args.turns, args.turn_blocks, seed=1)
+    pending = list(range(len(convs)))
+    turn = [0] * len(convs)
+    active: dict[str, tuple[int, Request]] = {}
+    waiting: list[str] = []
+    tables = Tables()
+    next_block = 0
+    counter = 0
+    steps: list[float] = []
+
+    def submit(conv: int) -> None:
+        nonlocal counter
+        req = Request(f"r{counter}", convs[conv][turn[conv]])
+        counter += 1
+        active[req.request_id] = (conv, req)
+        waiting.append(req.request_id)
+        planner.on_new_request(req)
+
+    while pending and len(active) < args.concurrency:
+        submit(pending.pop(0))
+    profiler = cProfile.Profile()
+    while active:
+        started = time.perf_counter()
+        if args.profile:
+            profiler.enable()
+        scheduled: dict[str, int] = {}
+        budget = args.prefill_blocks * BLOCK_TOKENS
+        for req_id in list(waiting):
+            conv, req = active[req_id]
+            matched, _ = planner.matched_tokens(req, 0)
+            if matched is None or budget <= 0 or len(active) - len(waiting) >= args.running:
+                continue  # deferred, or vLLM has no room for it this step
+            waiting.remove(req_id)
+            req.num_computed_tokens = matched
+            need = -(-req.num_tokens // BLOCK_TOKENS)
+            req.blocks = list(range(next_block, next_block + need))
+            next_block += need
+            tables[req_id] = req.blocks
+            planner.after_alloc(req, req.blocks, matched)
+        for req_id, (_, req) in active.items():
+            if req_id in waiting or budget <= 0:
+                continue
+            todo = min(req.num_tokens - req.num_computed_tokens, budget)
+            if todo > 0:
+                scheduled[req_id] = todo
+                budget -= todo
+        orders = planner.plan_step(scheduled, tables, None)
+        report = RankReport(
+            {o.job_id: 1 for o in (*orders.loads, *orders.stores)},
+            {},
+        )
+        planner.on_report(report)
+        planner.take_stats()
+        planner.take_events()
+        for req_id, n in scheduled.items():
+            conv, req = active[req_id]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens:
+                planner.request_finished(req)
+                del active[req_id]
+                tables.pop(req_id, None)
+                turn[conv] += 1
+                if turn[conv] < args.turns:
+                    submit(conv)
+                elif pending:
+                    submit(pending.pop(0))
+        if args.profile:
+            profiler.disable()
+        steps.append(time.perf_counter() - started)
+        time.sleep(args.forward_ms / 1000)  # the forward pass: tier threads run meanwhile
+    stats = planner.stats()
+    planner.close()
+    us = [s * 1e6 for s in steps]
+    out: dict[str, Any] = {
+        "steps": len(us),
+        "step_us": {
+            "p50": round(percentile(us, 50), 1),
+            "p90": round(percentile(us, 90), 1),
+            "p99": round(percentile(us, 99), 1),
+            "max": round(max(us), 1),
+            "mean": round(statistics.fmean(us), 1),
+        },
+        "hit_blocks": stats["cache"]["hit_blocks"],
+        "promoted_blocks": stats["cache"]["promoted_blocks"],
+        "loaded_blocks": stats["cache"]["loaded_blocks"],
+    }
+    if args.profile:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+        out["profile"] = text.getvalue()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--running", type=int, default=8, help="requests vLLM runs at once")
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--turn-blocks", type=int, default=100)
+    parser.add_argument("--prefill-blocks", type=int, default=512)
+    parser.add_argument("--pool-blocks", type=int, default=1536)
+    parser.add_argument("--block-bytes", type=int, default=4096)
+    parser.add_argument("--forward-ms", type=float, default=2.0)
+    parser.add_argument("--fs", action="store_true", help="an fs tier behind the pool")
+    parser.add_argument("--stats-file", action="store_true", help="vllm.stats_path set")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run(args, Path(tmp))
+    profile = result.pop("profile", None)
+    print(json.dumps(result, indent=1))
+    if profile:
+        print(profile)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), **result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
