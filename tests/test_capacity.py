@@ -76,3 +76,19 @@ def test_check_config_prints_the_warnings(
     assert "valid" in out
     assert "warning: tiers[0].capacity (fs) 1000.0 TiB exceeds the free space of" in out
     assert "warning: pool.size" not in out
+
+
+@pytest.mark.parametrize("field", ["pool.shm_dir", "tiers[0].path"])
+def test_a_path_component_too_long_is_a_config_error_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    long = str(tmp_path / ("x" * 300) / "y")
+    raw: dict[str, object] = {"pool": {"shm_dir": long if field == "pool.shm_dir" else "/dev/shm"}}
+    if field == "tiers[0].path":
+        raw["tiers"] = [{"kind": "fs", "path": long, "capacity": "1MiB"}]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvtier: error: invalid config {field}=") and err.count("\n") == 1
+    assert "File name too long" in err and "Traceback" not in err

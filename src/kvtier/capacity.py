@@ -4,6 +4,7 @@ fills, an fs tier larger than its disk's free space fills the disk before it evi
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 from kvtier.validation import format_size
 
 
@@ -32,15 +34,19 @@ def capacity_warnings(
     config: KVTierConfig, usage: Callable[[str], DiskUsage] | None = None
 ) -> list[str]:
     """One line per setting that exceeds the free space where it lives (``usage``: for tests,
-    ``shutil.disk_usage`` by default). A directory that cannot be examined gets a line too."""
+    ``shutil.disk_usage`` by default). A directory that cannot be examined gets a line too; a
+    path that no filesystem takes (a component over 255 bytes) is a ``ConfigError``."""
     disk_usage = usage or (lambda p: DiskUsage(*shutil.disk_usage(p)))
     out: list[str] = []
 
-    def check(field: str, want: int, where: str) -> None:
-        base = _existing(Path(where))
+    def check(field: str, want: int, where: str, path_field: str) -> None:
+        base = Path(where)
         try:
+            base = _existing(base)
             free = disk_usage(os.fspath(base)).free
         except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                raise ConfigError(path_field, where, f"a usable path ({exc.strerror})") from None
             out.append(f"{field}: cannot tell the free space of {base} ({exc.strerror or exc})")
             return
         if want > free:
@@ -49,10 +55,10 @@ def capacity_warnings(
                 f"({format_size(free)} free)"
             )
 
-    check("pool.size", config.pool.size, config.pool.shm_dir)
+    check("pool.size", config.pool.size, config.pool.shm_dir, "pool.shm_dir")
     for i, tier in enumerate(config.tiers):
         path = getattr(tier.options, "path", None)
         capacity = getattr(tier.options, "capacity", None)
         if tier.kind == "fs" and isinstance(path, str) and isinstance(capacity, int):
-            check(f"tiers[{i}].capacity ({tier.name})", capacity, path)
+            check(f"tiers[{i}].capacity ({tier.name})", capacity, path, f"tiers[{i}].path")
     return out
