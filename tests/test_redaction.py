@@ -39,6 +39,8 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
         f"redis:url=rediss://:{SECRET}@h,io_threads=x=y",
         f"redis:password=[{SECRET}",
         f"redis:redis://:{SECRET}@h:1/xyz",
+        f"fs:redis://:{SECRET}@h",  # split at its last ":", the password was shown as a capacity
+        f"memory:rediss://u:{SECRET}@h",
     ],
 )
 def test_an_invalid_tier_spec_never_prints_its_password(
@@ -73,7 +75,7 @@ def test_a_yaml_error_in_a_tier_spec_value_is_described_without_its_text(
 def test_config_values_shown_in_errors_are_redacted() -> None:
     with pytest.raises(ConfigError) as info:
         parse_config({"tiers": [f"redis:password={SECRET}"]})  # not a mapping: shown
-    assert SECRET not in str(info.value) and "password=***" in str(info.value)
+    assert SECRET not in str(info.value) and "password=***'" in str(info.value)
     with pytest.raises(ConfigError) as info:
         Section({"api_token": SECRET}, "tiers[0]").integer("api_token")  # a plugin's secret
     assert SECRET not in str(info.value)
@@ -148,7 +150,9 @@ def test_redact_value_masks_secret_keys_at_any_depth_and_keeps_sharing() -> None
     out = redact_value(value)
     assert SECRET not in repr(out)
     assert out["tokens"] == 5 and out["a"][0] is out["a"][1]
-    assert redact_string(f"redis:password={SECRET},timeout_s=2") == "redis:password=***,timeout_s=2"
+    # The rest of the string goes too: a password may hold "," (the spec then splits it).
+    assert redact_string(f"redis:password={SECRET},timeout_s=2") == "redis:password=***"
+    assert redact_string(f"redis:password=ab,{SECRET}") == "redis:password=***"
 
 
 def test_printable() -> None:
@@ -165,3 +169,7 @@ def test_yaml_problem_has_no_snippet() -> None:
         yaml.safe_load(f'password: "{SECRET}\n')
     assert SECRET in str(info.value)  # PyYAML quotes the line
     assert SECRET not in yaml_problem(info.value)
+    with pytest.raises(yaml.YAMLError) as info:
+        yaml.safe_load(f"password: *{SECRET}")  # PyYAML names the undefined alias
+    assert SECRET not in yaml_problem(info.value)
+    assert "line 1, column 11" in yaml_problem(info.value)

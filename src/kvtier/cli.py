@@ -340,6 +340,10 @@ def parse_tier_spec(spec: str) -> dict[str, Any]:
                 raise ConfigError("--tier", spec, "key=value pairs separated by commas")
             entry[key.strip()] = _spec_value(spec, key.strip(), value)
         return entry
+    if kind in ("memory", "fs") and "://" in rest:
+        # A URL (maybe with a password) is not a path or a size: refused whole, so the error
+        # shows the redacted spec rather than a piece of the URL as a capacity.
+        raise ConfigError("--tier", spec, f"{kind}:... takes no URL (redis:URL does)")
     if kind == "memory":
         entry["capacity"] = rest
     elif kind == "fs":
@@ -458,7 +462,8 @@ def describe_config(config: KVTierConfig) -> str:
         + (f"after {config.admission.min_seen} offers" if config.admission.enabled else "off"),
     ]
     for t in config.tiers:
-        lines.append(f"tier {t.name}: {t.kind}, write {t.write.value}, {t.options}")
+        # Options' repr masks what it knows; the rule masks any URL password a plugin shows.
+        lines.append(redact_text(f"tier {t.name}: {t.kind}, write {t.write.value}, {t.options}"))
     lines.append(
         f"job_timeout_s {config.job_timeout_s:g}, events {'on' if config.events else 'off'}, "
         f"copy {config.copy.strategy.value}"

@@ -6,10 +6,12 @@ specs, URLs, YAML errors, tier names):
      (a password may hold ``@``, ``/`` or spaces; masking too much is the safe way to be wrong);
      a user-info without ``:`` is masked whole (it may be a password written alone);
    - the value of a key whose name ends in ``password``, ``passwd``, ``secret`` or ``token``:
-     in a mapping, and in text as ``password=VALUE`` or ``password: VALUE`` up to the next ``,``
-     or line end (a ``--tier`` spec cannot hold a ``,`` inside a value);
+     in a mapping, and in a string as ``password=VALUE`` or ``password: VALUE`` up to the end of
+     the string (a password may hold ``,`` or a newline, so nothing after it is shown);
    - a YAML syntax error is described by its problem and position only, never by the snippet of
-     the line it quotes (which can be the password line).
+     the line it quotes (which can be the password line); text the problem quotes from the input
+     (an alias or tag name) is shown only when it is at most 2 characters or a token name such
+     as ``'<stream end>'``.
 2. **Control characters are neutralised**: whatever is not printable (ANSI escapes, NUL, bidi
    overrides) is shown as its escape (``\\x1b``), so echoed text cannot drive the terminal.
 
@@ -28,10 +30,11 @@ SECRET_NAME = re.compile(r"(?:password|passwd|secret|token)$", re.IGNORECASE)
 """A key that holds a secret (``password``, ``api_token``); ``tokens`` (a count) does not."""
 _SECRET_ASSIGNMENT = re.compile(
     r"(?P<key>[A-Za-z0-9_-]*(?:password|passwd|secret|token))(?P<sep>['\"]?\s*[=:][ \t]*)"
-    r"(?P<value>[^,\n]+)",
-    re.IGNORECASE,
+    r"(?P<value>.+)",
+    re.IGNORECASE | re.DOTALL,
 )
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
 _MAX_DEPTH = 6
 """Mappings are redacted this deep; ``errors.shown`` prints no deeper."""
 
@@ -127,7 +130,14 @@ def yaml_problem(exc: BaseException) -> str:
     if problem is None and context is None:
         # Not a marked error (a YAMLError raised with a plain message): its text, redacted.
         return redact_text(" ".join(redact_string(str(exc)).split()))
-    words = [str(part) for part in (context, problem) if part]
+    words = [_QUOTED.sub(_short_quote, str(part)) for part in (context, problem) if part]
     if mark is not None:
         words.append(f"line {mark.line + 1}, column {mark.column + 1}")
     return redact_text(" ".join(", ".join(words).split()))
+
+
+def _short_quote(match: re.Match[str]) -> str:
+    """A quoted fragment of a YAML problem, kept when it cannot be a secret."""
+    text = match.group(0)
+    inner = text[1:-1]
+    return text if len(inner) <= 2 or (inner.startswith("<") and inner.endswith(">")) else "'...'"
