@@ -88,11 +88,11 @@ def test_learns_which_outputs_are_reused_and_evicts_the_dead_first() -> None:
     policy.on_request(long_, RequestHint(0, 500))
     policy.on_request(short, RequestHint(0, 8))
     # The long request's blocks are dead (out first, after older dead ones); the short one's stay
-    # where LRU has them: the most recent.
+    # where LRU has them: the most recent, touched again deepest first (its prefix goes last).
     dead = len(policy._dead)
     order = policy.coldest(len(policy))
     assert order[dead - 3 : dead] == long_
-    assert order[-3:] == short
+    assert order[-3:] == short[::-1]
     assert policy.evict(dead, set())[-3:] == long_
 
 
@@ -103,7 +103,7 @@ def test_unknown_output_and_hit_blocks_are_not_demoted() -> None:
     keys = request(nxt, 3)
     store(policy, keys)
     policy.on_request(keys, RequestHint(0, None))
-    assert policy.coldest(len(policy))[-3:] == keys and not set(keys) & set(policy._dead)
+    assert policy.coldest(len(policy))[-3:] == keys[::-1] and not set(keys) & set(policy._dead)
     # Blocks before hit_blocks were not computed by the request: never ranked.
     keys = request(nxt + 3, 3)
     store(policy, keys)
@@ -271,12 +271,13 @@ def test_every_class_reused_alike_evicts_as_lru() -> None:
             victims.append(policy.evict(len(policy) + len(new) - 40, set()))
             for k in new:
                 policy.insert(k)
-        assert victims[0] == victims[1]
+        # The same blocks (a request's own blocks go deepest first under hinted).
+        assert sorted(victims[0]) == sorted(victims[1])
         hinted.on_request(new, RequestHint(0, 1))
         if resent:
             hinted.on_request(resent, RequestHint(4, 1))
-        assert not hinted._dead
-        assert hinted.coldest(40) == lru.coldest(40)
+        assert not hinted._dead and not hinted.pressure
+        assert set(hinted.coldest(40)) == set(lru.coldest(40))
 
 
 def test_engine_timing_on_the_bundled_trace_stays_above_lru() -> None:
@@ -292,7 +293,7 @@ def test_engine_timing_on_the_bundled_trace_stays_above_lru() -> None:
         )
     # Without lag the engine replay is the simulate replay.
     assert engine_hit_ratio(requests, "hinted", 1000, EngineTiming()) == pytest.approx(
-        0.0868, abs=5e-5
+        0.0901, abs=5e-5
     )
 
 

@@ -37,6 +37,13 @@ class EvictionPolicy(ABC):
     def coldest(self, n: int) -> list[BlockKey]:
         """Up to ``n`` keys in the order they would be evicted, pins ignored; nothing changes."""
 
+    def admit_store(self, n: int, free: int) -> int:
+        """How many of ``n`` new blocks (the leading ones) a store may bring into a pool that
+        has ``free`` free slots; the rest are not stored. Optional: the default admits all.
+        ``hinted`` refuses newcomers while its pool is under pressure (``policies/pressure.py``).
+        """
+        return n
+
     def on_request(self, keys: Sequence[BlockKey], hint: RequestHint) -> None:
         """A request with these blocks (in order) was served; ``hint`` says what the engine knows
         of it. Optional: the default ignores it, and a policy must work when it never comes."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
+
+V = TypeVar("V")
 
 PROBATION_FRACTION = 0.05
 GHOST_FACTOR = 4.0
@@ -69,7 +71,7 @@ def oldest_unpinned(
 
 
 def take(
-    order: OrderedDict[BlockKey, None],
+    order: OrderedDict[BlockKey, V],
     n: int,
     pinned: Container[BlockKey],
     victims: list[BlockKey],

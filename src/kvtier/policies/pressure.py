@@ -1,0 +1,145 @@
+"""When a pool is under pressure: the traffic's conversations return after more blocks than the
+pool holds, so LRU evicts each of them before its next turn and caches nothing (for ``hinted``).
+
+A *conversation* is the requests that start with the same block (their root; Mooncake traces and
+``kvtier.demo`` group requests the same way). ``PressureGauge`` watches the requests that
+``on_request`` hints name, at the level of conversations, not blocks (a few dict operations per
+request):
+
+* the gap between two requests of a conversation, in requests, learned as a moving mean; a
+  conversation not seen for ``EXPIRY_GAPS`` times that gap is presumed finished;
+* two shadow caches of the pool's capacity that hold whole conversations (their last request's
+  blocks): one LRU, one *stable* (it keeps the conversations it holds until they expire, grows
+  one only into free room, and admits a conversation only into free room). Each counts the blocks
+  it would have served (the shorter of the request and what it holds), with a decay of
+  ``GATE_DECAY`` per request.
+
+Pressure is on while the stable shadow serves more than ``GATE_MARGIN`` times what the LRU shadow
+serves: the shadows are coarse (whole conversations, a request's blocks taken as its previous
+request's plus new ones), so the stable mode is taken only where it is far ahead, as where LRU
+serves nothing. Both shadows see the same
+traffic whatever the pool does, so the gauge does not follow its own decisions.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvtier.keys import BlockKey
+
+EXPIRY_GAPS = 1.0
+"""A conversation not seen for this many mean gaps is presumed finished. One gap: a conversation
+in flight returns within its gap (an engine touches its blocks at the next turn's lookup, before
+that turn's hint), and a finished one stops holding the pool one gap after its last turn."""
+GATE_MARGIN = 3.0
+"""On the bundled trace, 1.25-2.0 turned the stable mode on at 300 blocks where it lost a little to
+``hinted``'s LRU (with hints 4 requests late, down to LRU); at 3.0 the replay is at or above the
+previous ``hinted`` at every pool size, and the engine benchmark's workload, where LRU serves
+nothing, is far above it (docs/policies.md)."""
+GATE_DECAY = 0.99
+"""Per request: the gauge follows about the last hundred requests."""
+GAP_WEIGHT = 0.05
+"""Weight of each new gap in the moving mean."""
+MIN_ROOTS = 4096
+"""Conversations remembered for their gap at least (else the pool's capacity in blocks)."""
+
+
+class ShadowLRU:
+    """Whole conversations in LRU order, at most ``capacity`` blocks."""
+
+    __slots__ = ("_held", "_total", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: OrderedDict[BlockKey, int] = OrderedDict()
+        self._total = 0
+
+    def request(self, root: BlockKey, blocks: int) -> int:
+        """A request of ``blocks`` blocks of conversation ``root``; returns the blocks served."""
+        held = self._held
+        old = held.pop(root, 0)
+        self._total -= old
+        size = min(blocks, self.capacity)
+        held[root] = size
+        self._total += size
+        while self._total > self.capacity:
+            _, evicted = held.popitem(last=False)
+            self._total -= evicted
+        return min(old, blocks)
+
+
+class ShadowStable:
+    """Whole conversations kept until they expire; newcomers and growth only into free room."""
+
+    __slots__ = ("_held", "_total", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: OrderedDict[BlockKey, tuple[int, int]] = OrderedDict()
+        """Conversation -> (blocks held, request of its last use), oldest use first."""
+        self._total = 0
+
+    def request(self, root: BlockKey, blocks: int, now: int, expired_before: float) -> int:
+        """A request of conversation ``root`` at request ``now``; conversations last used before
+        ``expired_before`` are dropped first. Returns the blocks served."""
+        held = self._held
+        size, _ = held.pop(root, (0, 0))
+        served = min(size, blocks)
+        while held:
+            oldest, (old_size, used) = next(iter(held.items()))
+            if used >= expired_before:
+                break
+            del held[oldest]
+            self._total -= old_size
+        grow = min(blocks - size, self.capacity - self._total)
+        if grow > 0:
+            size += grow
+            self._total += grow
+        if size:
+            held[root] = (size, now)
+        return served
+
+
+class PressureGauge:
+    """Conversation gaps and the two shadows; see the module docstring."""
+
+    def __init__(self, capacity: int) -> None:
+        self.requests = 0
+        """Requests seen (the clock of ``expired_before``)."""
+        self.mean_gap = 0.0
+        """Requests between two requests of a conversation (0 before any returned)."""
+        self._last: OrderedDict[BlockKey, int] = OrderedDict()
+        self._max_roots = max(MIN_ROOTS, capacity)
+        self._lru = ShadowLRU(capacity)
+        self._stable = ShadowStable(capacity)
+        self.lru_served = 0.0
+        self.stable_served = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.stable_served > GATE_MARGIN * self.lru_served
+
+    def expired_before(self) -> float:
+        """Blocks last used before this request are presumed finished (-inf: none is yet)."""
+        if not self.mean_gap:
+            return float("-inf")
+        return self.requests - EXPIRY_GAPS * self.mean_gap
+
+    def request(self, root: BlockKey, blocks: int) -> None:
+        """A request of ``blocks`` blocks whose first block is ``root``."""
+        self.requests += 1
+        now = self.requests
+        last = self._last
+        previous = last.pop(root, None)
+        if previous is not None:
+            gap = now - previous
+            self.mean_gap = (
+                gap if not self.mean_gap else self.mean_gap + GAP_WEIGHT * (gap - self.mean_gap)
+            )
+        last[root] = now
+        if len(last) > self._max_roots:
+            last.popitem(last=False)
+        lru = self._lru.request(root, blocks)
+        stable = self._stable.request(root, blocks, now, self.expired_before())
+        self.lru_served = self.lru_served * GATE_DECAY + lru
+        self.stable_served = self.stable_served * GATE_DECAY + stable
