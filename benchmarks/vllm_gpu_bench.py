@@ -1,11 +1,26 @@
-"""kvtier against vLLM's own CPU offloading, in a real vLLM on one GPU, on one request sequence.
+"""kvtier against vLLM's own offloading, in a real vLLM on one GPU, on one request sequence.
 
 Configurations (``--configs``, run in that order, each in a fresh engine):
 
 * ``none``: vLLM alone (its GPU prefix cache only);
-* ``native``: vLLM's own offloading (``kv_offloading_size`` = ``--host-gib``, backend ``native``);
-* ``kvtier``: kvtier with a host pool of the same ``--host-gib``;
-* ``kvtier_fs``: that pool plus an fs tier in ``--workdir``/fs.
+* ``native``: vLLM's own CPU offloading, ``LLM(kv_offloading_size=H, kv_offloading_backend=
+  "native")`` with H = the host size in GiB; vLLM turns it into ``kv_transfer_config =
+  {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config":
+  {"cpu_bytes_to_use": H * 2**30}}``;
+* ``native_fs``: vLLM's own multi-tier offloading (``TieringOffloadingSpec``, in
+  ``vllm.v1.kv_offload.tiering`` since before 0.25.1) with its fs tier, the same host size:
+  ``kv_transfer_config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+  "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use":
+  int(H * 2**30), "secondary_tiers": [{"type": "fs", "root_dir": "<workdir>/native_fs/tier"}]}}``.
+  vLLM's fs tier (``FileSystemTierManager``: ``root_dir``, ``n_read_threads``,
+  ``n_write_threads``, 16 each by default) has no capacity option in 0.25.1 or 0.32: it writes
+  every block the CPU tier stores and never deletes one. So it gets the disk kvtier's fs tier is
+  sized to, and the run stops (an ``error`` row) if the disk's free space falls below half the
+  reserve (``vllm_grid.disk_floor_bytes``). A vLLM without the tiering module (or its ``fs``
+  tier) fails this configuration with a message saying so;
+* ``kvtier``: kvtier with a host pool of the same size;
+* ``kvtier_fs``: that pool plus an fs tier in ``<workdir>/fs``, capacity ``--fs-gib`` (default:
+  the free space at ``--workdir`` less the larger of 8 GiB and 15% of the disk).
 
 Model: Llama-3.1-8B's architecture (``--model llama8b``; ``config.json`` only, vLLM's dummy
 weights, bfloat16, CUDA graphs on, vLLM's default attention backend, prefix caching on) or a
@@ -15,32 +30,38 @@ Workload: the demo's multi-turn conversations from the bundled trace (``kvtier.d
 turn re-sends the previous prompt and answer, then a new question), each demo token widened to
 ``--widen`` tokens (4: a 512-token trace block becomes 128 tokens) so prompts are 1k-8k tokens.
 ``--concurrency`` conversations are in flight: a conversation's next turn is sent only when its
-previous turn finished, and a finished conversation's place goes to the next one. Every request
-generates ``--max-tokens`` tokens (greedy, EOS ignored). vLLM's GPU KV cache holds the
-concurrent requests and little more (``--gpu-kv-gib``, default: ``concurrency`` longest prompts
-with their outputs), so a conversation is evicted from it between its turns.
+previous turn finished, and a finished conversation's place goes to the next one. A conversation
+with a prompt longer than ``--max-model-len`` less the output is left out (counted in the
+workload's ``dropped_conversations``). Every request generates ``--max-tokens`` tokens (greedy,
+EOS ignored). vLLM's GPU KV cache holds the concurrent requests and little more
+(``--gpu-kv-gib``), so a conversation is evicted from it between its turns.
 
-Measured on the host per request: TTFT (``add_request`` to the step that returns its first
-token), cached prompt tokens (``num_cached_tokens``: vLLM's GPU prefix cache plus connector
-loads). Per configuration: TTFT p50/p90/p99, mean TTFT of requests with and without cached
+Measured on the host per request (kept in the JSON as ``per_request``): its submission id
+``c<conversation>.t<turn>`` (the same request in every configuration), TTFT (``add_request`` to
+the step that returns its first token), prompt tokens, cached prompt tokens
+(``num_cached_tokens``: vLLM's GPU prefix cache plus connector loads) and a digest of its output
+tokens. Per configuration: TTFT p50/p90/p99, mean TTFT of requests with and without cached
 tokens, output tokens/s over the timed run, prompt tokens cached vs computed, host memory (the
 machine's MemTotal - MemAvailable before the engine started and at the end of the run, the
-process's peak RSS), engine start time, and the scheduler-side time the connector adds per
-engine step (every scheduler-side connector call timed in this process, summed per step,
-p50/p99 over the timed steps). Results are merged into ``--json`` per configuration as each
-finishes, so the configurations can run in separate invocations; ``--report-only`` prints the
-table from that file.
+process's peak RSS), engine start time, the scheduler-side time the connector adds per engine
+step (every scheduler-side connector call timed in this process, nested calls once, summed per
+step, p50/p99 over the timed steps; the same hooks for vLLM's OffloadingConnector and kvtier's),
+and kvtier's counters over the timed run (blocks promoted from tiers into the pool, blocks loaded
+into vLLM). Results are merged into ``--json`` per configuration as each finishes;
+``--report-only`` prints the table from that file.
+
+``--grid`` runs the grid of issue 24 (``benchmarks/vllm_grid.py``: points, skip/rerun, time
+budget; ``benchmarks/vllm_grid_report.py``: table, acceptance checks, plot) into
+``docs/results/vllm_gpu_bench_grid.json`` and a PNG next to it.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
+import hashlib
 import os
 import platform
-import random
 import shutil
 import statistics
 import sys
@@ -52,120 +73,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.demo import FIRST_TOKEN, MODELS, ModelSize, Workload, build_workload, write_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CONFIGS = ("none", "native", "kvtier", "kvtier_fs")
-LLAMA_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
-SCHEDULER_HOOKS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "take_events",
-    "get_kv_connector_stats",
+import vllm_bench_engine as eng
+import vllm_grid as grid
+import vllm_grid_report as gr
+
+SINGLE_JSON = "docs/results/vllm_gpu_bench.json"
+GRID_JSON = "docs/results/vllm_gpu_bench_grid.json"
+KVTIER_COUNTERS = (
+    ("cache", "promoted_blocks"),
+    ("cache", "loaded_blocks"),
+    ("cache", "promotions"),
+    ("cache", "promotion_failures"),
+    ("cache", "store_skipped_full"),
+    ("connector", "hit_tokens"),
+    ("connector", "load_blocks_failed"),
+    ("connector", "deferred_lookups"),
 )
-
-
-@dataclass(slots=True)
-class ModelSpec:
-    name: str
-    path: Path
-    vocab: int
-    kv_bytes_per_token: int
-    gpu: bool
-
-
-def make_model(kind: str, workdir: Path) -> ModelSpec:
-    path = workdir / f"model-{kind}"
-    path.mkdir(parents=True, exist_ok=True)
-    if kind == "llama8b":
-        (path / "config.json").write_text(json.dumps(LLAMA_8B, indent=1))
-        c = LLAMA_8B
-        per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
-        return ModelSpec(
-            "Llama-3.1-8B architecture, dummy weights, bf16", path, 128256, per_token, True
-        )
-    size: ModelSize = MODELS["tiny"]
-    write_model(path, size)
-    per_token = size.num_hidden_layers * 2 * size.num_key_value_heads * size.head_dim * 4
-    return ModelSpec("tiny Llama, float32 (CPU smoke run)", path, size.vocab_size, per_token, False)
-
-
-def widen(tokens: tuple[int, ...], factor: int, vocab: int) -> list[int]:
-    """Each token becomes ``factor`` tokens derived from it: equal prefixes stay equal."""
-    span = vocab - FIRST_TOKEN
-    out: list[int] = []
-    for t in tokens:
-        out.extend(FIRST_TOKEN + (t * 7919 + k * 104729) % span for k in range(factor))
-    return out
-
-
-Conversation = deque[list[int]]
-"""A conversation's turns not sent yet, each a prompt."""
-
-
-def conversations(workload: Workload, factor: int, vocab: int) -> list[Conversation]:
-    """The workload's turns grouped by conversation, conversations in the order they start."""
-    by_session: dict[int, Conversation] = {}
-    for turn in workload.turns:
-        by_session.setdefault(turn.session, deque()).append(widen(turn.tokens, factor, vocab))
-    return list(by_session.values())
-
-
-# -- connector timing ---------------------------------------------------------------------------
-
-
-class HookTimer:
-    """Wraps the scheduler-side connector's methods; a step ends with ``build_connector_meta``."""
-
-    def __init__(self, connector: Any) -> None:
-        self.steps: list[float] = []
-        self._current = 0.0
-        self.enabled = False
-        for name in SCHEDULER_HOOKS:
-            method = getattr(connector, name, None)
-            if method is not None:
-                setattr(connector, name, self._wrap(name, method))
-
-    def _wrap(self, name: str, method: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self._current += time.perf_counter() - started
-                if name == "build_connector_meta":
-                    if self.enabled:
-                        self.steps.append(self._current)
-                    self._current = 0.0
-
-        return timed
-
-
-# -- one configuration --------------------------------------------------------------------------
+"""kvtier's counters kept per row, as increments over the timed run."""
 
 
 @dataclass(slots=True)
 class Timed:
+    id: str
     ttft: float
     prompt: int
     cached: int
@@ -187,51 +118,6 @@ def peak_rss() -> int:
     return 0
 
 
-def kvtier_extra(config: str, args: argparse.Namespace, stats_path: Path) -> dict[str, Any]:
-    tiers = []
-    if config == "kvtier_fs":
-        fs = Path(args.workdir) / "fs"
-        fs.mkdir(parents=True, exist_ok=True)
-        tiers.append({"kind": "fs", "path": str(fs), "capacity": f"{args.fs_gib}GiB"})
-    return {
-        "pool": {"size": f"{args.host_gib}GiB"},
-        "tiers": tiers,
-        "vllm": {"stats_path": str(stats_path)},
-    }
-
-
-def engine_kwargs(
-    config: str, args: argparse.Namespace, model: ModelSpec, kv_bytes: int
-) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "model": str(model.path),
-        "load_format": "dummy",
-        "skip_tokenizer_init": True,
-        "dtype": "bfloat16" if model.gpu else "float32",
-        "kv_cache_memory_bytes": kv_bytes,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": max(args.concurrency, 8),
-        "enable_prefix_caching": True,
-        "enforce_eager": not model.gpu,
-        "seed": 0,
-    }
-    if not model.gpu:
-        kwargs["block_size"] = 32
-    if config == "native":
-        kwargs["kv_offloading_size"] = args.host_gib
-        kwargs["kv_offloading_backend"] = "native"
-    elif config.startswith("kvtier"):
-        stats = Path(args.workdir) / f"stats-{config}.json"
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": kvtier_extra(config, args, stats),
-        }
-    return kwargs
-
-
 def connector_of(llm: Any) -> Any:
     core = llm.llm_engine.engine_core.engine_core
     return getattr(core.scheduler, "connector", None)
@@ -239,12 +125,34 @@ def connector_of(llm: Any) -> Any:
 
 def kvtier_counters(connector: Any) -> dict[str, Any]:
     # The cumulative snapshot (get_kv_connector_stats hands vLLM per-step increments).
-    data = connector.stats_snapshot() if connector is not None else None
+    snapshot = getattr(connector, "stats_snapshot", None)
+    data = snapshot() if callable(snapshot) else None
     return dict(data) if isinstance(data, dict) else {}
 
 
+def kvtier_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """kvtier's counters over the timed run (``tier_read_blocks``: blocks read from every
+    secondary tier)."""
+    out: dict[str, int] = {}
+    for section, name in KVTIER_COUNTERS:
+        out[name] = int(after.get(section, {}).get(name, 0)) - int(
+            before.get(section, {}).get(name, 0)
+        )
+
+    def reads(stats: dict[str, Any]) -> int:
+        return sum(int(t.get("read_blocks", 0)) for t in stats.get("tiers", {}).values())
+
+    out["tier_read_blocks"] = reads(after) - reads(before)
+    return out
+
+
 def drive(
-    llm: Any, convs: list[Conversation], args: argparse.Namespace, label: str
+    llm: Any,
+    convs: list[eng.Conversation],
+    concurrency: int,
+    max_tokens: int,
+    label: str,
+    guard: eng.DiskGuard | None,
 ) -> tuple[list[Timed], float]:
     """Keep ``concurrency`` conversations in flight; returns the timed requests and wall time."""
     from tqdm import tqdm
@@ -253,322 +161,391 @@ def drive(
 
     engine = llm.llm_engine
     params = SamplingParams(
-        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
     )
     pending = deque(convs)
-    active: dict[str, tuple[Conversation, float, int]] = {}
+    active: dict[str, tuple[eng.Conversation, str, float, int]] = {}
     first_token: dict[str, float] = {}
     done: list[Timed] = []
-    total = sum(len(c) for c in convs)
-    counter = 0
 
-    def submit(conv: Conversation) -> None:
-        nonlocal counter
-        tokens = conv.popleft()
-        req_id = f"{label}-{counter}"
-        counter += 1
-        active[req_id] = (conv, time.perf_counter(), len(tokens))
-        engine.add_request(req_id, TokensPrompt(prompt_token_ids=tokens), params)
+    def submit(conv: eng.Conversation) -> None:
+        request_id, tokens = conv.next_request()
+        engine_id = f"{label}-{request_id}"
+        active[engine_id] = (conv, request_id, time.perf_counter(), len(tokens))
+        engine.add_request(engine_id, TokensPrompt(prompt_token_ids=tokens), params)
 
+    total = sum(len(c.turns) for c in convs)
     started = time.perf_counter()
-    while pending and len(active) < args.concurrency:
+    while pending and len(active) < concurrency:
         submit(pending.popleft())
     with tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False) as bar:
         while active:
+            if guard is not None:
+                guard.check()
             outputs = engine.step()
             now = time.perf_counter()
             for out in outputs:
-                req_id = out.request_id
-                if req_id not in active:
+                if out.request_id not in active:
                     continue
-                if req_id not in first_token and out.outputs and out.outputs[0].token_ids:
-                    first_token[req_id] = now
+                if out.request_id not in first_token and out.outputs and out.outputs[0].token_ids:
+                    first_token[out.request_id] = now
                 if not out.finished:
                     continue
-                conv, sent, prompt = active.pop(req_id)
-                done.append(
-                    Timed(
-                        first_token.get(req_id, now) - sent,
-                        prompt,
-                        int(out.num_cached_tokens or 0),
-                        list(out.outputs[0].token_ids),
-                    )
-                )
+                conv, request_id, sent, prompt = active.pop(out.request_id)
+                ttft = first_token.get(out.request_id, now) - sent
+                cached = int(out.num_cached_tokens or 0)
+                done.append(Timed(request_id, ttft, prompt, cached, list(out.outputs[0].token_ids)))
                 bar.update(1)
-                if conv:
+                if conv.turns:
                     submit(conv)
                 elif pending:
                     submit(pending.popleft())
     return done, time.perf_counter() - started
 
 
-def warmup(llm: Any, model: ModelSpec, lengths: list[int]) -> None:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    rng = random.Random("warmup")
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
-    prompts = [[rng.randrange(FIRST_TOKEN, model.vocab) for _ in range(n)] for n in lengths]
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    # The first prompt again, longer, after a reset: connectors load it (their first load).
-    llm.reset_prefix_cache()
-    again = prompts[0] + [FIRST_TOKEN] * 64
-    llm.generate([TokensPrompt(prompt_token_ids=again)], params, use_tqdm=False)
-    llm.reset_prefix_cache()
-
-
 def output_digest(tokens: list[int]) -> str:
     """A request's output tokens, short enough to keep per request in the JSON."""
-    import hashlib
-
     return hashlib.blake2b(repr(tokens).encode(), digest_size=6).hexdigest()
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
-
-
-def run_config(
-    config: str, args: argparse.Namespace, model: ModelSpec, workload: Workload, kv_bytes: int
-) -> dict[str, Any]:
-    from vllm import LLM
-
-    convs = conversations(workload, args.widen, model.vocab)
-    used_before = meminfo_used()
-    started = time.perf_counter()
-    llm = LLM(**engine_kwargs(config, args, model, kv_bytes))
-    start_s = time.perf_counter() - started
-    try:
-        lengths = sorted(len(t) for c in convs for t in c)
-        warmup(llm, model, [lengths[len(lengths) // 4], lengths[len(lengths) // 2], lengths[-1]])
-        connector = connector_of(llm)
-        timer = HookTimer(connector) if connector is not None else None
-        before = kvtier_counters(connector) if config.startswith("kvtier") else {}
-        if timer is not None:
-            timer.enabled = True
-        timed, wall = drive(llm, convs, args, config)
-        if timer is not None:
-            timer.enabled = False
-        after = kvtier_counters(connector) if config.startswith("kvtier") else {}
-        used_after = meminfo_used()
-    finally:
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None:
-            core.shutdown()
-        del llm
-        gc.collect()
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:
-            pass
+def summarize(timed: list[Timed], wall: float, steps: list[float]) -> dict[str, Any]:
+    """A configuration's row from its timed requests and the connector's time per step."""
     ttft = [t.ttft * 1e3 for t in timed]
     hits = [t.ttft * 1e3 for t in timed if t.cached]
     misses = [t.ttft * 1e3 for t in timed if not t.cached]
     prompt_tokens = sum(t.prompt for t in timed)
     cached = sum(t.cached for t in timed)
     out_tokens = sum(len(t.output) for t in timed)
-    step_us = [s * 1e6 for s in (timer.steps if timer is not None else [])]
-    row: dict[str, Any] = {
+    step_us = [s * 1e6 for s in steps]
+    records = [
+        gr.RequestRecord(t.id, round(t.ttft * 1e3, 2), t.prompt, t.cached, output_digest(t.output))
+        for t in sorted(timed, key=lambda t: t.id)
+    ]
+    return {
         "requests": len(timed),
-        "ttft_ms": {str(q): round(percentile(ttft, q), 2) for q in (50, 90, 99)},
+        "ttft_ms": {str(q): round(gr.percentile(ttft, q), 2) for q in (50, 90, 99)},
         "ttft_mean_ms_with_cached_tokens": round(statistics.fmean(hits), 2) if hits else None,
         "ttft_mean_ms_without": round(statistics.fmean(misses), 2) if misses else None,
         "requests_with_cached_tokens": len(hits),
-        "output_tokens_per_s": round(out_tokens / wall, 1),
+        "output_tokens_per_s": round(out_tokens / wall, 1) if wall > 0 else 0.0,
         "wall_s": round(wall, 2),
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_cached": cached,
         "prompt_tokens_computed": prompt_tokens - cached,
-        "host_used_gib_delta": round((used_after - used_before) / (1 << 30), 2),
-        "peak_rss_gib": round(peak_rss() / (1 << 30), 2),
-        "engine_start_s": round(start_s, 1),
         "connector_step_us": {
-            "p50": round(percentile(step_us, 50), 1),
-            "p99": round(percentile(step_us, 99), 1),
+            "p50": round(gr.percentile(step_us, 50), 1),
+            "p99": round(gr.percentile(step_us, 99), 1),
             "steps": len(step_us),
         }
         if step_us
         else None,
-        "output_digests": [output_digest(t.output) for t in timed],
+        "per_request": gr.per_request(records),
     }
-    if config.startswith("kvtier"):
-        conn_before, conn_after = before.get("connector", {}), after.get("connector", {})
-        row["kvtier_hit_tokens"] = conn_after.get("hit_tokens", 0) - conn_before.get(
-            "hit_tokens", 0
+
+
+def shutdown(llm: Any) -> None:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    del llm
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def run_config(
+    spec: eng.RunSpec,
+    model: eng.ModelSpec,
+    prompts: eng.Prompts,
+    max_tokens: int,
+    guard: eng.DiskGuard | None,
+) -> dict[str, Any]:
+    from vllm import LLM
+
+    convs = prompts.conversations()
+    used_before = meminfo_used()
+    started = time.perf_counter()
+    llm = LLM(**eng.engine_kwargs(spec, model))
+    start_s = time.perf_counter() - started
+    try:
+        lengths = sorted(len(p) for p in prompts.all())
+        eng.warmup(
+            llm, model, [lengths[len(lengths) // 4], lengths[len(lengths) // 2], lengths[-1]]
         )
-        row["kvtier_load_blocks_failed"] = conn_after.get(
-            "load_blocks_failed", 0
-        ) - conn_before.get("load_blocks_failed", 0)
+        connector = connector_of(llm)
+        timer = eng.HookTimer(connector) if connector is not None else None
+        before = kvtier_counters(connector)
+        if timer is not None:
+            timer.enabled = True
+        timed, wall = drive(llm, convs, spec.concurrency, max_tokens, spec.config, guard)
+        if timer is not None:
+            timer.enabled = False
+        after = kvtier_counters(connector)
+        used_after = meminfo_used()
+    finally:
+        shutdown(llm)
+    row = summarize(timed, wall, timer.steps if timer is not None else [])
+    row["host_used_gib_delta"] = round((used_after - used_before) / (1 << 30), 2)
+    row["peak_rss_gib"] = round(peak_rss() / (1 << 30), 2)
+    row["engine_start_s"] = round(start_s, 1)
+    row["elapsed_s"] = round(time.perf_counter() - started, 1)
+    if spec.config in eng.FS_CONFIGS:
+        row["fs_gib"] = spec.fs_gib
+    if spec.config.startswith("kvtier"):
+        row["kvtier"] = kvtier_delta(before, after)
         row["kvtier_stats"] = after
     return row
 
 
-# -- report -------------------------------------------------------------------------------------
+def run_safely(
+    spec: eng.RunSpec, model: eng.ModelSpec, prompts: eng.Prompts, max_tokens: int
+) -> dict[str, Any]:
+    """``run_config``, or a row with the ``error`` when it failed; the fs tiers' directories and
+    any offloading region it left in /dev/shm are removed either way."""
+    shm_before = eng.offload_shm_files()
+    guard = None
+    if spec.config in eng.FS_CONFIGS:
+        total = shutil.disk_usage(spec.workdir).total
+        guard = eng.DiskGuard(spec.workdir, grid.disk_floor_bytes(total))
+    started = time.perf_counter()
+    try:
+        return run_config(spec, model, prompts, max_tokens, guard)
+    except Exception as exc:  # one failing configuration must not lose the others
+        traceback.print_exc()
+        # An engine that failed to start leaves its worker's connector registered in this
+        # process, and the next engine would reuse it.
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
+        gc.collect()
+        elapsed = round(time.perf_counter() - started, 1)
+        return {"error": f"{type(exc).__name__}: {exc}", "elapsed_s": elapsed}
+    finally:
+        eng.clear_fs(spec.workdir)
+        eng.remove_new_shm(shm_before)
+
+
+# -- provenance and the grid's engine side ------------------------------------------------------
 
 
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-    }
+    info: dict[str, Any] = {"python": platform.python_version(), "cpu_count": os.cpu_count()}
     try:
         import torch
         import vllm
 
         info["vllm"] = vllm.__version__
         info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except ImportError:
         pass
     return info
 
 
-def report(data: dict[str, Any]) -> None:
-    rows = data.get("configs", {})
+class VllmPointRunner:
+    """The grid's engine side: a point's workload and one configuration run at a time."""
+
+    def __init__(self, settings: eng.Settings, model: eng.ModelSpec, requests: dict[int, int]):
+        self.settings = settings
+        self.spec_model = model
+        self.model = model.name
+        self.machine = machine()
+        self.workdir = settings.workdir
+        self._requests = requests
+        self._prompts: dict[int, eng.Prompts] = {}
+
+    def workload(self, point: grid.GridPoint) -> grid.PointWorkload:
+        c = point.concurrency
+        prompts, summary = eng.build_point(
+            self.settings, self.spec_model, c, grid.requests_for(c, self._requests)
+        )
+        self._prompts = {c: prompts}  # one point's prompts at a time
+        return grid.PointWorkload(summary)
+
+    def clear_fs(self) -> None:
+        eng.clear_fs(self.workdir)
+
+    def run(
+        self, point: grid.GridPoint, workload: grid.PointWorkload, config: str, fs_gib: float
+    ) -> dict[str, Any]:
+        summary = workload.summary
+        spec = eng.RunSpec(
+            config=config,
+            concurrency=point.concurrency,
+            host_gib=point.host_gib,
+            fs_gib=fs_gib,
+            kv_bytes=int(summary["gpu_kv_bytes"]),
+            max_model_len=self.settings.max_model_len,
+            workdir=self.workdir,
+        )
+        prompts = self._prompts[point.concurrency]
+        return run_safely(spec, self.spec_model, prompts, self.settings.max_tokens)
+
+
+# -- the two modes ------------------------------------------------------------------------------
+
+
+def print_single(data: dict[str, Any]) -> None:
+    """One invocation's table (the grid's columns) and checks; ``data`` is shaped as a point."""
     print(f"model     {data.get('model')}")
     print(f"workload  {data.get('workload')}")
     print(f"machine   {data.get('machine')}")
-    head = (
-        f"{'config':<10} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'hit mean':>9} {'miss mean':>9} "
-        f"{'out tok/s':>10} {'cached':>9} {'computed':>9} {'host GiB':>8} {'step us p50/p99':>16}"
+    print(gr.TABLE_HEAD)
+    configs: dict[str, Any] = data.get("configs", {})
+    base = gr.usable(configs, "none")
+    for name in eng.CONFIGS:
+        if name in configs:
+            print(gr.table_row("-", name, configs[name], base))
+    print(f"checks (within {gr.TIE_BAND:.0%} a tie):")
+    for check in gr.point_checks(data):
+        if check.verdict is not gr.Verdict.MISSING:
+            print(f"  {check.verdict.value:<6} {check.name}: {check.detail}")
+
+
+def safe_fs_gib(workdir: Path, wanted: float | None) -> float:
+    eng.clear_fs(workdir)
+    usage = shutil.disk_usage(workdir)
+    safe = grid.fs_capacity_gib(usage.free, usage.total)
+    return round(safe, 1) if wanted is None else min(wanted, safe)
+
+
+def run_single(
+    args: argparse.Namespace, settings: eng.Settings, model: eng.ModelSpec, configs: list[str]
+) -> int:
+    out = Path(args.json or SINGLE_JSON)
+    data = grid.load(out)
+    prompts, summary = eng.build_point(settings, model, args.concurrency, args.requests)
+    summary["host_gib"] = args.host_gib
+    if data.get("workload", {}).get("digest") not in (None, summary["digest"]):
+        data["configs"] = {}  # rows of another request sequence do not pair with these
+    data.update(model=model.name, workload=summary, machine=machine())
+    data.setdefault("configs", {})
+    commit = args.commit or grid.git_commit(Path(__file__).resolve().parents[1])
+    print(f"workload  {summary}", file=sys.stderr)
+    for config in configs:
+        spec = eng.RunSpec(
+            config,
+            args.concurrency,
+            args.host_gib,
+            safe_fs_gib(settings.workdir, args.fs_gib),
+            int(summary["gpu_kv_bytes"]),
+            settings.max_model_len,
+            settings.workdir,
+        )
+        row = run_safely(spec, model, prompts, settings.max_tokens)
+        row.update(date=grid.now_utc(), commit=commit, workload_digest=summary["digest"])
+        data["configs"][config] = row
+        grid.save(out, data)
+    print_single(data)
+    return 0
+
+
+def report_grid(data: dict[str, Any], out: Path) -> None:
+    print("\n".join(gr.grid_lines(data)))
+    written = gr.write_plot(data, gr.plot_path(out))
+    print(f"plot      {written}" if written else "plot      not written (needs matplotlib)")
+
+
+def run_grid_mode(
+    args: argparse.Namespace, settings: eng.Settings, model: eng.ModelSpec, configs: list[str]
+) -> int:
+    out = Path(args.json or GRID_JSON)
+    concurrencies = grid.parse_numbers(args.grid_concurrency, "--grid-concurrency", int)
+    hosts = grid.parse_numbers(args.grid_host_gib, "--grid-host-gib", float)
+    selected = grid.parse_points(args.grid_points) if args.grid_points else None
+    points = grid.expand(concurrencies, hosts, selected)
+    rerun = {p.key for p in grid.parse_points(args.rerun)} if args.rerun else set()
+    commit = args.commit or grid.git_commit(Path(__file__).resolve().parents[1])
+    selection = grid.Selection(commit, args.skip_done, args.reuse_baselines, frozenset(rerun))
+    options = grid.GridOptions(configs, selection, args.max_minutes, args.fs_gib)
+    if commit == "unknown" or commit.endswith("+dirty"):
+        print(f"commit {commit}: a later --skip-done will not trust these rows", file=sys.stderr)
+    runner = VllmPointRunner(settings, model, grid.parse_requests(args.grid_requests))
+    data = grid.run_grid(points, options, runner, out)
+    report_grid(data, out)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--configs", default=",".join(eng.CONFIGS))
+    p.add_argument("--model", choices=["llama8b", "tiny"], default="llama8b")
+    p.add_argument("--host-gib", type=float, default=8.0)
+    p.add_argument("--fs-gib", type=float, default=None, help="default: the disk's safe size")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=160)
+    p.add_argument("--turns", type=int, default=None, help="default 4 (grid: 5)")
+    p.add_argument("--context-blocks", type=int, default=40)
+    p.add_argument("--widen", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=None, help="default 32 (grid: 64)")
+    p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--gpu-kv-gib", type=float, default=None, help="default: see the docstring")
+    p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "kvtier-gpu-bench"))
+    p.add_argument("--json", default=None, help=f"default {SINGLE_JSON} (grid: {GRID_JSON})")
+    p.add_argument("--commit", default=None, help="default: git rev-parse HEAD")
+    p.add_argument("--report-only", action="store_true")
+    g = p.add_argument_group("grid")
+    g.add_argument("--grid", action="store_true", help="run the grid (issue 24)")
+    g.add_argument("--grid-concurrency", default="4,8,16,32")
+    g.add_argument("--grid-host-gib", default="2,4,8")
+    g.add_argument("--grid-points", default=None, help="a subset, e.g. 16x4,32x2")
+    g.add_argument(
+        "--grid-requests",
+        default=",".join(f"{c}:{n}" for c, n in grid.DEFAULT_REQUESTS.items()),
+        help="requests per concurrency (others: 10 per conversation in flight)",
     )
-    print(head)
-    for name in CONFIGS:
-        row = rows.get(name)
-        if row is None:
-            continue
-        if "error" in row:
-            print(f"{name:<10} failed: {row['error'][:100]}")
-            continue
-        t = row["ttft_ms"]
-        step = row.get("connector_step_us")
-        steps = f"{step['p50']:.0f}/{step['p99']:.0f}" if step else "-"
-        print(
-            f"{name:<10} {t['50']:>9.1f} {t['90']:>8.1f} {t['99']:>8.1f} "
-            f"{row['ttft_mean_ms_with_cached_tokens'] or 0:>9.1f} "
-            f"{row['ttft_mean_ms_without'] or 0:>9.1f} {row['output_tokens_per_s']:>10.1f} "
-            f"{row['prompt_tokens_cached']:>9} {row['prompt_tokens_computed']:>9} "
-            f"{row['host_used_gib_delta']:>8.2f} {steps:>16}"
-        )
-    base = rows.get("none", {}).get("output_digests")
-    for name in CONFIGS:
-        row = rows.get(name)
-        if base and row and "output_digests" in row and name != "none":
-            same = sum(a == b for a, b in zip(base, row["output_digests"], strict=False))
-            print(f"outputs   {name}: {same} of {len(base)} requests as without offloading")
-    native, kv, kvfs = rows.get("native"), rows.get("kvtier"), rows.get("kvtier_fs")
-    if native and kv and "error" not in native and "error" not in kv:
-        print("check     kvtier vs native (within 3% = tie):")
-        for label, ours, theirs, higher in (
-            ("output tok/s", kv["output_tokens_per_s"], native["output_tokens_per_s"], True),
-            ("TTFT p50", kv["ttft_ms"]["50"], native["ttft_ms"]["50"], False),
-            ("TTFT p90", kv["ttft_ms"]["90"], native["ttft_ms"]["90"], False),
-        ):
-            ratio = ours / theirs if theirs else float("nan")
-            better = ratio >= 1 if higher else ratio <= 1
-            verdict = "better" if better else ("tie" if abs(ratio - 1) <= 0.03 else "worse")
-            print(f"          {label:<13} {ours:10.1f} vs {theirs:10.1f}  ({ratio:.3f}x) {verdict}")
-    if native and kvfs and "error" not in native and "error" not in kvfs:
-        p90 = kvfs["ttft_ms"]["90"] < native["ttft_ms"]["90"]
-        computed = kvfs["prompt_tokens_computed"] < native["prompt_tokens_computed"]
-        print(
-            f"check     kvtier_fs vs native: TTFT p90 {kvfs['ttft_ms']['90']:.1f} vs "
-            f"{native['ttft_ms']['90']:.1f} ({'better' if p90 else 'not better'}), computed "
-            f"{kvfs['prompt_tokens_computed']} vs {native['prompt_tokens_computed']} "
-            f"({'fewer' if computed else 'not fewer'})"
-        )
+    g.add_argument("--skip-done", action="store_true")
+    g.add_argument("--reuse-baselines", action="store_true")
+    g.add_argument("--rerun", default=None, help="points run again, e.g. 16x4")
+    g.add_argument("--max-minutes", type=float, default=None)
+    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--model", choices=["llama8b", "tiny"], default="llama8b")
-    parser.add_argument("--host-gib", type=float, default=8.0)
-    parser.add_argument("--fs-gib", type=float, default=200.0)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=160)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--context-blocks", type=int, default=40)
-    parser.add_argument("--widen", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-model-len", type=int, default=16384)
-    parser.add_argument("--gpu-kv-gib", type=float, default=None)
-    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "kvtier-gpu-bench"))
-    parser.add_argument("--json", default="docs/results/vllm_gpu_bench.json")
-    parser.add_argument("--report-only", action="store_true")
-    args = parser.parse_args(argv)
-    out = Path(args.json)
-    data: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
-    if args.report_only:
-        report(data)
-        return 0
+def prepare_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown:
-        parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    model = make_model(args.model, workdir)
-    workload = build_workload(
-        args.requests, args.concurrency, args.turns, args.context_blocks, vocab=model.vocab
-    )
-    lengths = sorted(len(t.tokens) * args.widen for t in workload.turns)
-    longest = lengths[-1] + args.max_tokens
-    if longest > args.max_model_len:
-        parser.error(f"the longest request needs {longest} tokens > --max-model-len")
-    kv_bytes = int(
-        args.gpu_kv_gib * (1 << 30)
-        if args.gpu_kv_gib
-        else args.concurrency * longest * model.kv_bytes_per_token
-    )
-    data["model"] = model.name
-    data["workload"] = {
-        "requests": len(workload.turns),
-        "conversations": workload.sessions,
-        "concurrency": args.concurrency,
-        "prompt_tokens": sum(lengths),
-        "prompt_tokens_p50": lengths[len(lengths) // 2],
-        "prompt_tokens_max": lengths[-1],
-        "max_tokens": args.max_tokens,
-        "gpu_kv_gib": round(kv_bytes / (1 << 30), 2),
-        "host_gib": args.host_gib,
-    }
-    data["machine"] = machine()
-    data.setdefault("configs", {})
-    print(f"workload  {data['workload']}", file=sys.stderr)
-    for config in configs:
-        if config.startswith("kvtier") and (workdir / "fs").exists():
-            shutil.rmtree(workdir / "fs")
-        try:
-            row = run_config(config, args, model, workload, kv_bytes)
-        except Exception as exc:  # one failing configuration must not lose the others
-            traceback.print_exc()
-            row = {"error": f"{type(exc).__name__}: {exc}"}
-            # An engine that failed to start leaves its worker's connector registered in this
-            # process, and the next engine would reuse it.
-            from vllm.distributed.kv_transfer.kv_transfer_state import (
-                ensure_kv_transfer_shutdown,
-            )
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
-            ensure_kv_transfer_shutdown()
-        data["configs"][config] = row
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(data, indent=1))
-    report(data)
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        if args.report_only:
+            out = Path(args.json or (GRID_JSON if args.grid else SINGLE_JSON))
+            data = grid.load(out)
+            if "points" in data:
+                report_grid(data, out)
+            else:
+                print_single(data)
+            return 0
+        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+        unknown = sorted(set(configs) - set(eng.CONFIGS))
+        if unknown:
+            p.error(f"unknown configs {unknown}; choose from {', '.join(eng.CONFIGS)}")
+        settings = eng.Settings(
+            turns=args.turns or (5 if args.grid else 4),
+            context_blocks=args.context_blocks,
+            widen=args.widen,
+            max_tokens=args.max_tokens or (64 if args.grid else 32),
+            max_model_len=args.max_model_len,
+            gpu_kv_gib=args.gpu_kv_gib or (2.0 if args.grid else None),
+            workdir=Path(args.workdir),
+        )
+        settings.workdir.mkdir(parents=True, exist_ok=True)
+        prepare_env()
+        model = eng.make_model(args.model, settings.workdir)
+        run = run_grid_mode if args.grid else run_single
+        return run(args, settings, model, configs)
+    except (grid.GridError, OSError, ValueError) as exc:
+        p.error(str(exc))
 
 
 if __name__ == "__main__":

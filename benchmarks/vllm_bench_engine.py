@@ -1,0 +1,446 @@
+"""The engine side of ``benchmarks/vllm_gpu_bench.py``: model, request sequence, each
+configuration's engine arguments, the connector's timer and the disk guard.
+
+Imports vLLM only inside the functions that start or drive an engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.demo import FIRST_TOKEN, MODELS, ModelSize, Workload, build_workload, write_model
+
+CONFIGS = ("none", "native", "native_fs", "kvtier", "kvtier_fs")
+FS_CONFIGS = frozenset({"native_fs", "kvtier_fs"})
+LLAMA_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+SCHEDULER_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "on_new_request",
+    "take_events",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+    "get_external_cache_hit_sources",
+    "has_pending_block_frees",
+)
+"""The scheduler-side connector methods vLLM's scheduler calls (0.25.1 to 0.32), the same for
+kvtier's connector and vLLM's OffloadingConnector; the ones a connector lacks are skipped."""
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    name: str
+    path: Path
+    vocab: int
+    kv_bytes_per_token: int
+    gpu: bool
+
+    @property
+    def block_tokens(self) -> int:
+        """vLLM's block size: its default on CUDA, 32 on CPU (its attention needs it)."""
+        return 16 if self.gpu else 32
+
+
+def make_model(kind: str, workdir: Path) -> ModelSpec:
+    path = workdir / f"model-{kind}"
+    path.mkdir(parents=True, exist_ok=True)
+    if kind == "llama8b":
+        (path / "config.json").write_text(json.dumps(LLAMA_8B, indent=1))
+        c = LLAMA_8B
+        per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
+        return ModelSpec(
+            "Llama-3.1-8B architecture, dummy weights, bf16", path, 128256, per_token, True
+        )
+    size: ModelSize = MODELS["tiny"]
+    write_model(path, size)
+    per_token = size.num_hidden_layers * 2 * size.num_key_value_heads * size.head_dim * 4
+    return ModelSpec("tiny Llama, float32 (CPU smoke run)", path, size.vocab_size, per_token, False)
+
+
+# -- the request sequence -----------------------------------------------------------------------
+
+
+def widen(tokens: tuple[int, ...], factor: int, vocab: int) -> list[int]:
+    """Each token becomes ``factor`` tokens derived from it: equal prefixes stay equal."""
+    span = vocab - FIRST_TOKEN
+    out: list[int] = []
+    for t in tokens:
+        out.extend(FIRST_TOKEN + (t * 7919 + k * 104729) % span for k in range(factor))
+    return out
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A conversation's turns not sent yet, each a (turn number, prompt)."""
+
+    index: int
+    turns: deque[tuple[int, list[int]]] = field(default_factory=deque)
+
+    def next_request(self) -> tuple[str, list[int]]:
+        """The next turn's submission id (``c<conversation>.t<turn>``, the same in every
+        configuration) and prompt."""
+        turn, prompt = self.turns.popleft()
+        return f"c{self.index}.t{turn}", prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    """The workload's prompts, widened, grouped by conversation in the order they start."""
+
+    by_conversation: list[tuple[int, list[tuple[int, list[int]]]]]
+    dropped: int
+    """Conversations left out because a prompt of theirs does not fit ``max_prompt``."""
+
+    def conversations(self) -> list[Conversation]:
+        """Fresh conversations to send (each run consumes its own)."""
+        return [Conversation(i, deque(turns)) for i, turns in self.by_conversation]
+
+    def all(self) -> list[list[int]]:
+        return [p for _i, turns in self.by_conversation for _t, p in turns]
+
+
+def conversations(workload: Workload, factor: int, vocab: int, max_prompt: int) -> Prompts:
+    by_session: dict[int, list[tuple[int, list[int]]]] = {}
+    for turn in workload.turns:
+        prompt = widen(turn.tokens, factor, vocab)
+        by_session.setdefault(turn.session, []).append((turn.turn, prompt))
+    kept = [
+        (session, turns)
+        for session, turns in by_session.items()
+        if all(len(p) <= max_prompt for _t, p in turns)
+    ]
+    return Prompts(kept, len(by_session) - len(kept))
+
+
+def workload_digest(settings: dict[str, Any], prompts: Iterable[list[int]]) -> str:
+    """Equal digests: the same request sequence sent to the same engine settings."""
+    h = hashlib.blake2b(json.dumps(settings, sort_keys=True).encode(), digest_size=8)
+    for prompt in prompts:
+        h.update(len(prompt).to_bytes(4, "little"))
+        h.update(b"".join(t.to_bytes(4, "little") for t in prompt))
+    return h.hexdigest()
+
+
+def reusable_tokens(prompts: list[list[int]], block: int) -> int:
+    """Prompt tokens in full blocks that an earlier prompt (in this order) already had: what an
+    unbounded cache could serve."""
+    ids: dict[tuple[int, tuple[int, ...]], int] = {}
+    reusable = 0
+    for prompt in prompts:
+        parent = -1
+        for b in range(len(prompt) // block):
+            key = (parent, tuple(prompt[b * block : (b + 1) * block]))
+            if key in ids:
+                reusable += block
+            parent = ids.setdefault(key, len(ids))
+    return reusable
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What every point shares (from the command line)."""
+
+    turns: int
+    context_blocks: int
+    widen: int
+    max_tokens: int
+    max_model_len: int
+    gpu_kv_gib: float | None
+    workdir: Path
+
+
+def kv_bytes(settings: Settings, model: ModelSpec, concurrency: int, longest: int) -> int:
+    """``--gpu-kv-gib``, else ``concurrency`` longest requests."""
+    if settings.gpu_kv_gib:
+        return int(settings.gpu_kv_gib * (1 << 30))
+    return concurrency * (longest + settings.max_tokens) * model.kv_bytes_per_token
+
+
+def build_point(
+    settings: Settings, model: ModelSpec, concurrency: int, requests: int
+) -> tuple[Prompts, dict[str, Any]]:
+    """The request sequence at ``concurrency`` and the JSON's summary of it (``digest``: equal
+    for an equal sequence and equal engine settings)."""
+    workload = build_workload(
+        requests, concurrency, settings.turns, settings.context_blocks, vocab=model.vocab
+    )
+    prompts = conversations(
+        workload, settings.widen, model.vocab, settings.max_model_len - settings.max_tokens
+    )
+    lengths = sorted(len(p) for p in prompts.all())
+    if not lengths:
+        raise ValueError(f"no conversation fits --max-model-len {settings.max_model_len}")
+    gpu_kv = kv_bytes(settings, model, concurrency, lengths[-1])
+    engine = {
+        "model": model.name,
+        "concurrency": concurrency,
+        "max_tokens": settings.max_tokens,
+        "gpu_kv_bytes": gpu_kv,
+        "max_model_len": settings.max_model_len,
+    }
+    summary = {
+        "requests": len(lengths),
+        "conversations": len(prompts.by_conversation),
+        "dropped_conversations": prompts.dropped,
+        "concurrency": concurrency,
+        "turns": settings.turns,
+        "context_blocks": settings.context_blocks,
+        "widen": settings.widen,
+        "prompt_tokens": sum(lengths),
+        "prompt_tokens_p50": lengths[len(lengths) // 2],
+        "prompt_tokens_max": lengths[-1],
+        "reusable_prompt_tokens": reusable_tokens(prompts.all(), model.block_tokens),
+        "max_tokens": settings.max_tokens,
+        "gpu_kv_gib": round(gpu_kv / (1 << 30), 3),
+        "gpu_kv_bytes": gpu_kv,
+        "max_model_len": settings.max_model_len,
+        "digest": workload_digest(engine, prompts.all()),
+    }
+    return prompts, summary
+
+
+# -- engine arguments ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """One configuration's engine: what ``engine_kwargs`` needs."""
+
+    config: str
+    concurrency: int
+    host_gib: float
+    fs_gib: float
+    kv_bytes: int
+    max_model_len: int
+    workdir: Path
+
+    @property
+    def kvtier_fs_dir(self) -> Path:
+        return self.workdir / "fs"
+
+    @property
+    def native_fs_dir(self) -> Path:
+        return self.workdir / "native_fs"
+
+    @property
+    def stats_path(self) -> Path:
+        return self.workdir / f"stats-{self.config}.json"
+
+
+def fs_dirs(workdir: Path) -> tuple[Path, Path]:
+    return workdir / "fs", workdir / "native_fs"
+
+
+def clear_fs(workdir: Path) -> None:
+    """Delete the fs tiers' directories (kvtier's and vLLM's) under ``workdir``."""
+    for path in fs_dirs(workdir):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def kvtier_extra(spec: RunSpec) -> dict[str, Any]:
+    tiers = []
+    if spec.config == "kvtier_fs":
+        spec.kvtier_fs_dir.mkdir(parents=True, exist_ok=True)
+        capacity = f"{spec.fs_gib:g}GiB"
+        tiers.append({"kind": "fs", "path": str(spec.kvtier_fs_dir), "capacity": capacity})
+    return {
+        "pool": {"size": f"{spec.host_gib:g}GiB"},
+        "tiers": tiers,
+        "vllm": {"stats_path": str(spec.stats_path)},
+    }
+
+
+def tiering_missing() -> str | None:
+    """Why this vLLM cannot run ``native_fs``, or None when it can."""
+    try:
+        found = importlib.util.find_spec("vllm.v1.kv_offload.tiering.factory")
+    except ImportError:
+        found = None
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    if found is None:
+        return (
+            f"vLLM {version} has no multi-tier offloading (vllm.v1.kv_offload.tiering, "
+            "TieringOffloadingSpec): native_fs needs a vLLM that has it"
+        )
+    factory = importlib.import_module("vllm.v1.kv_offload.tiering.factory")
+    registry = getattr(getattr(factory, "SecondaryTierFactory", None), "_registry", {})
+    if "fs" not in registry:
+        return f"vLLM {version}'s TieringOffloadingSpec has no 'fs' secondary tier"
+    return None
+
+
+def native_fs_transfer_config(host_gib: float, root: Path) -> dict[str, Any]:
+    """vLLM's OffloadingConnector with a CPU tier of ``host_gib`` and its fs tier in ``root``."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": int(host_gib * (1 << 30)),
+            "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+        },
+    }
+
+
+def engine_kwargs(spec: RunSpec, model: ModelSpec) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model": str(model.path),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16" if model.gpu else "float32",
+        "kv_cache_memory_bytes": spec.kv_bytes,
+        "max_model_len": spec.max_model_len,
+        "max_num_seqs": max(spec.concurrency, 8),
+        "enable_prefix_caching": True,
+        "enforce_eager": not model.gpu,
+        "seed": 0,
+    }
+    if not model.gpu:
+        kwargs["block_size"] = model.block_tokens
+    if spec.config == "native":
+        kwargs["kv_offloading_size"] = spec.host_gib
+        kwargs["kv_offloading_backend"] = "native"
+    elif spec.config == "native_fs":
+        missing = tiering_missing()
+        if missing is not None:
+            raise RuntimeError(missing)
+        root = spec.native_fs_dir / "tier"
+        root.mkdir(parents=True, exist_ok=True)
+        kwargs["kv_transfer_config"] = native_fs_transfer_config(spec.host_gib, root)
+    elif spec.config.startswith("kvtier"):
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": kvtier_extra(spec),
+        }
+    return kwargs
+
+
+# -- what runs alongside ------------------------------------------------------------------------
+
+
+class HookTimer:
+    """Wraps the scheduler-side connector's methods; a step ends with ``build_connector_meta``.
+    A hook called from inside another (a base class's default delegating to a wrapped method)
+    counts once, in the outer call."""
+
+    def __init__(self, connector: Any) -> None:
+        self.steps: list[float] = []
+        self._current = 0.0
+        self._depth = 0
+        self.enabled = False
+        for name in SCHEDULER_HOOKS:
+            method = getattr(connector, name, None)
+            if callable(method):
+                setattr(connector, name, self._wrap(name, method))
+
+    def _wrap(self, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._current += time.perf_counter() - started
+                    if name == "build_connector_meta":
+                        if self.enabled:
+                            self.steps.append(self._current)
+                        self._current = 0.0
+
+        return timed
+
+
+class DiskFloorReached(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class DiskGuard:
+    """Stops a run whose fs tier is filling the disk (vLLM's has no capacity option)."""
+
+    path: Path
+    floor: int
+    """Bytes that must stay free."""
+    interval_s: float = 0.5
+    _next: float = 0.0
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.interval_s
+        free = shutil.disk_usage(self.path).free
+        if free < self.floor:
+            raise DiskFloorReached(
+                f"free space at {self.path} fell to {free / (1 << 30):.1f} GiB, below the "
+                f"{self.floor / (1 << 30):.1f} GiB floor: run stopped (vLLM's fs tier has no "
+                "capacity limit)"
+            )
+
+
+def offload_shm_files() -> set[str]:
+    """vLLM's offloading regions in /dev/shm (a crashed engine may leave one behind)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_offload_")}
+    except OSError:
+        return set()
+
+
+def remove_new_shm(before: set[str]) -> None:
+    for name in offload_shm_files() - before:
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
+
+
+def warmup(llm: Any, model: ModelSpec, lengths: list[int]) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random("warmup")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    prompts = [[rng.randrange(FIRST_TOKEN, model.vocab) for _ in range(n)] for n in lengths]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    # The first prompt again, longer, after a reset: connectors load it (their first load).
+    llm.reset_prefix_cache()
+    again = prompts[0] + [FIRST_TOKEN] * 64
+    llm.generate([TokensPrompt(prompt_token_ids=again)], params, use_tqdm=False)
+    llm.reset_prefix_cache()

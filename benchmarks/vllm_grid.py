@@ -1,0 +1,438 @@
+"""The grid of ``benchmarks/vllm_gpu_bench.py --grid``: points, what to run, time and disk.
+
+A point is a number of conversations in flight and a host pool size (key ``16x4``). At each point
+every configuration runs in a fresh engine, and its row is merged into the JSON file as soon as it
+finishes (with its date, the commit and the machine), so a grid can be spread over several
+invocations. What runs is decided per point and configuration (:func:`plan`):
+
+* ``--skip-done`` skips a configuration already recorded without error for the same workload
+  (same request sequence and engine settings: ``workload.digest``) and the same commit;
+  ``--reuse-baselines`` also keeps vLLM's own configurations (``none``, ``native``,
+  ``native_fs``) recorded at another commit, since kvtier's code does not move them;
+* ``--rerun 16x4,32x2`` runs those points again all the same;
+* ``none`` (vLLM alone) does not depend on the host pool: a usable ``none`` row of the same
+  workload at another host size is copied (``copied_from``) instead of run again.
+
+``--max-minutes`` stops before a point whose estimate does not fit in what is left; estimates
+come from the rows already in the file (same model and GPU: engine start plus seconds per prompt
+token per configuration), else from ``PRIORS``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+BASELINES = frozenset({"none", "native", "native_fs"})
+"""vLLM's own configurations: kvtier's code does not move their figures."""
+DEFAULT_CONCURRENCY = (4, 8, 16, 32)
+DEFAULT_HOST_GIB = (2.0, 4.0, 8.0)
+DEFAULT_REQUESTS = {4: 80, 8: 160, 16: 240, 32: 320}
+"""Requests per point (the issue's table: 160 at 8 in flight, 240 at 16, 320 at 32)."""
+RESERVE_GIB = 8.0
+RESERVE_SHARE = 0.15
+"""The fs tiers leave the larger of 8 GiB and 15% of the disk free."""
+
+
+class GridError(ValueError):
+    """A bad grid argument (one line, for the command line)."""
+
+
+# -- points -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class GridPoint:
+    concurrency: int
+    host_gib: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.concurrency}x{self.host_gib:g}"
+
+
+def parse_point(text: str) -> GridPoint:
+    """``16x4`` -> 16 conversations in flight, 4 GiB host pool."""
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+(?:\.\d+)?)\s*", text)
+    if match is None:
+        raise GridError(f"grid point {text!r}: expected CONCURRENCYxHOST_GIB, e.g. 16x4")
+    point = GridPoint(int(match.group(1)), float(match.group(2)))
+    if point.concurrency < 1 or point.host_gib <= 0:
+        raise GridError(f"grid point {text!r}: concurrency and host GiB must be positive")
+    return point
+
+
+def parse_points(text: str) -> list[GridPoint]:
+    return [parse_point(part) for part in text.split(",") if part.strip()]
+
+
+def parse_numbers(text: str, name: str, kind: Callable[[str], float]) -> list[float]:
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise GridError(f"{name}: expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise GridError(f"{name}: expected positive numbers, got {text!r}")
+    return values
+
+
+def parse_requests(text: str) -> dict[int, int]:
+    """``4:80,8:160``: requests per concurrency."""
+    out: dict[int, int] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        c, sep, n = part.partition(":")
+        if not sep or not c.strip().isdigit() or not n.strip().isdigit():
+            raise GridError(f"--grid-requests: expected CONCURRENCY:REQUESTS,..., got {part!r}")
+        out[int(c)] = int(n)
+    return out
+
+
+def requests_for(concurrency: int, table: dict[int, int]) -> int:
+    """The table's entry, else 10 requests per conversation in flight."""
+    return table.get(concurrency, 10 * concurrency)
+
+
+def expand(
+    concurrencies: Iterable[float], hosts: Iterable[float], selected: list[GridPoint] | None
+) -> list[GridPoint]:
+    """The grid's points in run order (fewest conversations first, then the smallest pool), or
+    the ``selected`` ones in that order."""
+    if selected:
+        return sorted(set(selected))
+    return sorted({GridPoint(int(c), float(h)) for c in concurrencies for h in hosts})
+
+
+# -- provenance ---------------------------------------------------------------------------------
+
+
+def git_commit(repo: Path) -> str:
+    """``git rev-parse HEAD`` of ``repo`` (with ``+dirty`` when tracked files differ), or
+    ``unknown``."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    commit = head.stdout.strip()
+    return commit + "+dirty" if dirty.stdout.strip() else commit
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+# -- disk ---------------------------------------------------------------------------------------
+
+
+def fs_capacity_gib(free: int, total: int) -> float:
+    """What an fs tier may fill: the free space less the larger of ``RESERVE_GIB`` and
+    ``RESERVE_SHARE`` of the disk (0 when that leaves nothing)."""
+    reserve = max(RESERVE_GIB * (1 << 30), RESERVE_SHARE * total)
+    return max(0.0, (free - reserve) / (1 << 30))
+
+
+def disk_floor_bytes(total: int) -> int:
+    """Free space below which a run stops (half the reserve): vLLM's fs tier has no capacity."""
+    return int(max(RESERVE_GIB * (1 << 30), RESERVE_SHARE * total) / 2)
+
+
+# -- JSON ---------------------------------------------------------------------------------------
+
+
+def load(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise GridError(f"{path}: not a JSON object")
+    return data
+
+
+_SCALAR_LIST = re.compile(r"\[[^\[\]{}]*\]")
+
+
+def dumps(data: dict[str, Any]) -> str:
+    """Indented JSON with every list of scalars on one line (a request's record is one line).
+    JSON strings hold no raw newline, so joining lines inside a match never changes a value."""
+    text = json.dumps(data, indent=1)
+
+    def one_line(match: re.Match[str]) -> str:
+        return "[" + re.sub(r"\s*\n\s*", " ", match.group(0)[1:-1]).strip() + "]"
+
+    return _SCALAR_LIST.sub(one_line, text) + "\n"
+
+
+def save(path: Path, data: dict[str, Any]) -> None:
+    """Write atomically: an interrupted write leaves the previous file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(data))
+    os.replace(tmp, path)
+
+
+def merge_row(
+    data: dict[str, Any],
+    point: GridPoint,
+    workload: dict[str, Any],
+    config: str,
+    row: dict[str, Any],
+) -> None:
+    entry = data.setdefault("points", {}).setdefault(point.key, {})
+    entry["concurrency"] = point.concurrency
+    entry["host_gib"] = point.host_gib
+    if entry.get("workload", {}).get("digest") != workload.get("digest"):
+        # A new workload at this point: rows of the old one no longer pair with the new ones.
+        entry["configs"] = {}
+    entry["workload"] = workload
+    entry.setdefault("configs", {})[config] = row
+
+
+# -- what to run --------------------------------------------------------------------------------
+
+
+def new_run_id() -> str:
+    return f"{os.getpid()}-{time.time_ns()}"
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which recorded rows stand for a run of this code (see the module docstring)."""
+
+    commit: str
+    skip_done: bool = False
+    reuse_baselines: bool = False
+    rerun: frozenset[str] = frozenset()
+    """Point keys run again whatever the file holds."""
+    run_id: str = field(default_factory=new_run_id)
+    """This invocation's rows are trusted whatever the commit (an ``unknown`` one included)."""
+
+    def trusts(self, row: Any, digest: str, config: str, point: str) -> bool:
+        """Whether ``row`` (recorded for ``config``) stands for running it now at ``point``."""
+        if point in self.rerun or not isinstance(row, dict) or "error" in row:
+            return False
+        if row.get("workload_digest") != digest:
+            return False
+        if row.get("run_id") == self.run_id:
+            return True
+        clean = self.commit != "unknown" and not self.commit.endswith("+dirty")
+        same_commit = clean and row.get("commit") == self.commit
+        return same_commit or (self.reuse_baselines and config in BASELINES)
+
+
+def done_row(
+    data: dict[str, Any], point: GridPoint, config: str, digest: str, selection: Selection
+) -> dict[str, Any] | None:
+    """The recorded row that makes running ``config`` at ``point`` unnecessary, if any: its own
+    (with ``--skip-done``), or for ``none`` one at another host size of the same workload."""
+    points: dict[str, Any] = data.get("points", {})
+    if selection.skip_done:
+        row = points.get(point.key, {}).get("configs", {}).get(config)
+        if selection.trusts(row, digest, config, point.key):
+            return dict(row)
+    if config != "none":
+        return None
+    for key, other in sorted(points.items()):
+        if key == point.key or other.get("concurrency") != point.concurrency:
+            continue
+        row = other.get("configs", {}).get("none")
+        if selection.trusts(row, digest, config, point.key):
+            copied = dict(row)
+            copied["copied_from"] = key
+            return copied
+    return None
+
+
+# -- time ---------------------------------------------------------------------------------------
+
+PRIORS: dict[str, tuple[float, float]] = {
+    "llama8b": (90.0, 60e-6),
+    "tiny": (20.0, 200e-6),
+}
+"""Per model: engine start (plus warm-up and shutdown) in seconds, seconds per prompt token."""
+
+
+@dataclass(slots=True)
+class Estimator:
+    """Seconds a configuration takes at a point: start-up plus seconds per prompt token, the
+    medians of the rows recorded for that configuration (any configuration when it has none)."""
+
+    prior: tuple[float, float]
+    samples: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    def add(self, config: str, row: dict[str, Any]) -> None:
+        if "error" in row or "copied_from" in row or not row.get("prompt_tokens"):
+            return
+        elapsed = float(row.get("elapsed_s") or 0.0)
+        wall = float(row.get("wall_s") or 0.0)
+        if elapsed <= 0 or wall <= 0:
+            return
+        per_token = wall / int(row["prompt_tokens"])
+        self.samples.setdefault(config, []).append((max(0.0, elapsed - wall), per_token))
+
+    def seconds(self, config: str, prompt_tokens: int) -> float:
+        samples = self.samples.get(config) or [s for v in self.samples.values() for s in v]
+        if not samples:
+            start, per_token = self.prior
+        else:
+            start = statistics.median(s for s, _ in samples)
+            per_token = statistics.median(p for _, p in samples)
+        return start + per_token * prompt_tokens
+
+
+def estimator_from(data: dict[str, Any], model: str, gpu: str | None) -> Estimator:
+    """An estimator fed with the file's rows of the same model name and GPU."""
+    prior = PRIORS["llama8b" if "8B" in model else "tiny"]
+    est = Estimator(prior)
+    if data.get("model") != model:
+        return est
+    for point in data.get("points", {}).values():
+        for config, row in point.get("configs", {}).items():
+            if isinstance(row, dict) and row.get("machine", {}).get("gpu") == gpu:
+                est.add(config, row)
+    return est
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PointWorkload:
+    summary: dict[str, Any]
+    """What the JSON keeps as the point's ``workload`` (``digest`` and ``prompt_tokens`` in it)."""
+
+    @property
+    def digest(self) -> str:
+        return str(self.summary["digest"])
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.summary["prompt_tokens"])
+
+
+class PointRunner(Protocol):
+    """What the grid needs from the engine side (``vllm_gpu_bench``; a fake in the tests)."""
+
+    model: str
+    machine: dict[str, Any]
+    """Kept in every row (``gpu`` names the card; estimates use rows of the same card)."""
+    workdir: Path
+
+    def workload(self, point: GridPoint) -> PointWorkload: ...
+
+    def clear_fs(self) -> None:
+        """Delete every fs tier's directory under the work directory."""
+
+    def run(
+        self, point: GridPoint, workload: PointWorkload, config: str, fs_gib: float
+    ) -> dict[str, Any]:
+        """One configuration at one point: its row (``error`` in it when it failed)."""
+        ...
+
+
+@dataclass(slots=True)
+class GridOptions:
+    configs: list[str]
+    selection: Selection
+    max_minutes: float | None = None
+    fs_gib: float | None = None
+    """An fs capacity below the disk's safe size (None: the safe size)."""
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def point_fs_gib(runner: PointRunner, options: GridOptions) -> float:
+    usage = shutil.disk_usage(runner.workdir)
+    safe = fs_capacity_gib(usage.free, usage.total)
+    if options.fs_gib is not None and options.fs_gib < safe:
+        return options.fs_gib
+    if options.fs_gib is not None:
+        _log(f"fs capacity {options.fs_gib:g} GiB capped to the disk's safe {safe:.1f} GiB")
+    return round(safe, 1)
+
+
+def run_grid(
+    points: list[GridPoint],
+    options: GridOptions,
+    runner: PointRunner,
+    out: Path,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, Any]:
+    """Run the points in order, merging each configuration's row into ``out`` as it finishes;
+    returns the file's data. Stops before a point whose estimate exceeds ``max_minutes``."""
+    data = load(out)
+    if data.get("model") not in (None, runner.model):
+        raise GridError(f"{out} holds {data.get('model')!r}, not {runner.model!r}: use --json")
+    data["model"] = runner.model
+    est = estimator_from(data, runner.model, runner.machine.get("gpu"))
+    started = clock()
+    for n, point in enumerate(points, 1):
+        workload = runner.workload(point)
+        todo, copies = [], {}
+        for config in options.configs:
+            row = done_row(data, point, config, workload.digest, options.selection)
+            if row is None:
+                todo.append(config)
+            elif "copied_from" in row:
+                copies[config] = row
+        for config, row in copies.items():
+            merge_row(data, point, workload.summary, config, row)
+        if copies:
+            save(out, data)
+        if not todo:
+            _log(f"[{n}/{len(points)}] {point.key}: done already, skipped")
+            continue
+        estimate = sum(est.seconds(c, workload.prompt_tokens) for c in todo)
+        elapsed = clock() - started
+        if options.max_minutes is not None and elapsed + estimate > options.max_minutes * 60:
+            left = options.max_minutes * 60 - elapsed
+            _log(
+                f"stopping before {point.key}: it needs ~{estimate / 60:.1f} min "
+                f"({', '.join(todo)}), {max(0.0, left) / 60:.1f} min left of --max-minutes"
+            )
+            break
+        _log(
+            f"[{n}/{len(points)}] {point.key}: {', '.join(todo)}, ~{estimate / 60:.1f} min "
+            f"estimated, {elapsed / 60:.1f} min elapsed"
+        )
+        point_started = clock()
+        runner.clear_fs()
+        fs_gib = point_fs_gib(runner, options)
+        for config in todo:
+            row = runner.run(point, workload, config, fs_gib)
+            sel = options.selection
+            row.update(date=now_utc(), commit=sel.commit, machine=runner.machine)
+            row.update(workload_digest=workload.digest, run_id=sel.run_id)
+            merge_row(data, point, workload.summary, config, row)
+            save(out, data)
+            est.add(config, row)
+        runner.clear_fs()
+        _log(
+            f"[{n}/{len(points)}] {point.key}: took {(clock() - point_started) / 60:.1f} min "
+            f"(estimated {estimate / 60:.1f})"
+        )
+    return data

@@ -1,0 +1,451 @@
+"""The grid's figures, acceptance checks, table and plot (``benchmarks/vllm_gpu_bench.py --grid``).
+
+Reads the grid JSON only (no vLLM): ``points`` maps a point key (``16x4``: 16 conversations in
+flight, a 4 GiB host pool) to its ``workload`` and ``configs``, each configuration a row as
+``vllm_gpu_bench.run_config`` wrote it, with its per-request records (``per_request``: a
+``fields`` list and one ``rows`` entry per request, keyed by the request's submission id
+``c<conversation>.t<turn>``, the same id in every configuration).
+
+The acceptance checks are issue 24's, per point: kvtier + fs against the better of vLLM's native
+offloading and its tiering with an fs tier (``native_fs``) on TTFT p50/p90/p99 (lower) and output
+tokens/s (higher), within ``TIE_BAND`` a tie; the requests with hits under kvtier + fs against
+the same requests in vLLM alone (mean and p90 strictly lower); promoted blocks at most
+``PROMOTED_PER_LOADED`` x loaded blocks; kvtier's pool against native on every figure; the
+connector's p99 time per engine step against native's.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+CONFIGS = ("none", "native", "native_fs", "kvtier", "kvtier_fs")
+TIE_BAND = 0.03
+"""Within 3% of the reference counts as a tie (and is said so)."""
+PROMOTED_PER_LOADED = 1.1
+REQUEST_FIELDS = ("id", "ttft_ms", "prompt_tokens", "cached_tokens", "output_digest")
+TTFT_FIGURES = (("TTFT p50", "50"), ("TTFT p90", "90"), ("TTFT p99", "99"))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The value at rank ``q`` percent of the sorted values (nearest rank); nan when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request of one configuration, as kept in the JSON."""
+
+    id: str
+    ttft_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_digest: str
+
+    def row(self) -> list[Any]:
+        return [self.id, self.ttft_ms, self.prompt_tokens, self.cached_tokens, self.output_digest]
+
+
+def per_request(records: list[RequestRecord]) -> dict[str, Any]:
+    """The JSON form: field names once, one short row per request."""
+    return {"fields": list(REQUEST_FIELDS), "rows": [r.row() for r in records]}
+
+
+def request_records(row: dict[str, Any]) -> dict[str, RequestRecord]:
+    """A configuration row's requests by submission id (empty for rows without them)."""
+    table = row.get("per_request") or {}
+    fields = table.get("fields", [])
+    if tuple(fields) != REQUEST_FIELDS:
+        return {}
+    out: dict[str, RequestRecord] = {}
+    for values in table.get("rows", []):
+        rec = RequestRecord(
+            str(values[0]), float(values[1]), int(values[2]), int(values[3]), str(values[4])
+        )
+        out[rec.id] = rec
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class HitPairing:
+    """The requests with cached prompt tokens under a configuration, against the same requests
+    (same submission ids) in vLLM alone."""
+
+    requests: int
+    """Requests with hits that vLLM alone also served (the paired ones)."""
+    unpaired: int
+    """Requests with hits missing from vLLM alone's records."""
+    mean_ms: float
+    p90_ms: float
+    base_mean_ms: float
+    base_p90_ms: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "unpaired": self.unpaired,
+            "mean_ms": round(self.mean_ms, 2),
+            "p90_ms": round(self.p90_ms, 2),
+            "none_mean_ms": round(self.base_mean_ms, 2),
+            "none_p90_ms": round(self.base_p90_ms, 2),
+        }
+
+
+def pair_hits(row: dict[str, Any], base: dict[str, Any]) -> HitPairing | None:
+    """TTFT of ``row``'s requests with hits, mean and p90, and of the same requests in ``base``
+    (vLLM alone). None when either row has no per-request records or no request had a hit."""
+    ours, theirs = request_records(row), request_records(base)
+    if not ours or not theirs:
+        return None
+    hits = [r for r in ours.values() if r.cached_tokens > 0]
+    paired = [r for r in hits if r.id in theirs]
+    if not paired:
+        return None
+    mine = [r.ttft_ms for r in paired]
+    base_ttft = [theirs[r.id].ttft_ms for r in paired]
+    return HitPairing(
+        requests=len(paired),
+        unpaired=len(hits) - len(paired),
+        mean_ms=statistics.fmean(mine),
+        p90_ms=percentile(mine, 90),
+        base_mean_ms=statistics.fmean(base_ttft),
+        base_p90_ms=percentile(base_ttft, 90),
+    )
+
+
+# -- verdicts -----------------------------------------------------------------------------------
+
+
+class Verdict(Enum):
+    BETTER = "better"
+    TIE = "tie"
+    """Worse by at most ``TIE_BAND``."""
+    WORSE = "worse"
+    MISSING = "n/a"
+    """A figure needed for the check is missing (configuration not run or failed)."""
+
+    @property
+    def passes(self) -> bool:
+        return self in (Verdict.BETTER, Verdict.TIE)
+
+
+def compare(ours: float, theirs: float, *, higher_is_better: bool) -> tuple[Verdict, float]:
+    """``ours`` against ``theirs``: at or beyond it is better (equal counts as better: "at or
+    below"), worse by at most ``TIE_BAND`` a tie. Returns the verdict and ours / theirs."""
+    if theirs == 0:
+        if ours == 0:
+            return Verdict.BETTER, 1.0
+        return (Verdict.BETTER if higher_is_better else Verdict.WORSE), float("inf")
+    ratio = ours / theirs
+    better = ratio >= 1 if higher_is_better else ratio <= 1
+    if better:
+        return Verdict.BETTER, ratio
+    # A ratio of exactly 1.03 must not fall out of the band by a rounding error.
+    return (Verdict.TIE if abs(ratio - 1) <= TIE_BAND + 1e-12 else Verdict.WORSE), ratio
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    verdict: Verdict
+    detail: str
+
+
+def usable(configs: dict[str, Any], name: str) -> dict[str, Any] | None:
+    row = configs.get(name)
+    return row if isinstance(row, dict) and "error" not in row else None
+
+
+def _figures(row: dict[str, Any]) -> dict[str, float]:
+    out = {label: float(row["ttft_ms"][q]) for label, q in TTFT_FIGURES}
+    out["output tok/s"] = float(row["output_tokens_per_s"])
+    return out
+
+
+def _ratio_check(name: str, label: str, ours: float, theirs: float, higher: bool) -> Check:
+    verdict, ratio = compare(ours, theirs, higher_is_better=higher)
+    detail = f"{label}: {ours:,.1f} vs {theirs:,.1f} ({ratio:.3f}x)"
+    return Check(name, verdict, detail)
+
+
+def _fs_against_native(configs: dict[str, Any]) -> list[Check]:
+    name = "kvtier_fs vs best of native/native_fs"
+    ours = usable(configs, "kvtier_fs")
+    refs = [r for r in (usable(configs, "native"), usable(configs, "native_fs")) if r]
+    if ours is None or not refs:
+        return [Check(name, Verdict.MISSING, "needs kvtier_fs and native or native_fs")]
+    mine = _figures(ours)
+    best: dict[str, float] = {}
+    for ref in refs:
+        for label, value in _figures(ref).items():
+            higher = label == "output tok/s"
+            old = best.get(label)
+            if old is None or (value > old if higher else value < old):
+                best[label] = value
+    note = "" if len(refs) == 2 else " (one reference missing)"
+    return [
+        _ratio_check(name + note, label, mine[label], best[label], label == "output tok/s")
+        for label in mine
+    ]
+
+
+def _hits_against_none(configs: dict[str, Any], config: str) -> list[Check]:
+    name = f"{config} requests with hits vs the same in vLLM alone"
+    row, base = usable(configs, config), usable(configs, "none")
+    pairing = pair_hits(row, base) if row and base else None
+    if pairing is None:
+        return [Check(name, Verdict.MISSING, "needs per-request records and hits")]
+    checks = []
+    for label, ours, theirs in (
+        ("mean", pairing.mean_ms, pairing.base_mean_ms),
+        ("p90", pairing.p90_ms, pairing.base_p90_ms),
+    ):
+        verdict = Verdict.BETTER if ours < theirs else Verdict.WORSE
+        ratio = ours / theirs if theirs else float("nan")
+        detail = (
+            f"{label} {ours:,.1f} vs {theirs:,.1f} ms ({ratio:.3f}x) over "
+            f"{pairing.requests} requests"
+        )
+        checks.append(Check(name, verdict, detail))
+    return checks
+
+
+def promotion_ratio(row: dict[str, Any]) -> float | None:
+    """Promoted blocks per loaded block over the timed run (None when not a kvtier row)."""
+    kv = row.get("kvtier")
+    if not isinstance(kv, dict):
+        return None
+    promoted, loaded = int(kv.get("promoted_blocks", 0)), int(kv.get("loaded_blocks", 0))
+    if loaded == 0:
+        return 0.0 if promoted == 0 else float("inf")
+    return promoted / loaded
+
+
+def _promotion(configs: dict[str, Any], config: str) -> Check:
+    name = f"{config} promoted <= {PROMOTED_PER_LOADED}x loaded"
+    row = usable(configs, config)
+    ratio = promotion_ratio(row) if row else None
+    if row is None or ratio is None:
+        return Check(name, Verdict.MISSING, "needs kvtier counters")
+    kv = row["kvtier"]
+    verdict = Verdict.BETTER if ratio <= PROMOTED_PER_LOADED else Verdict.WORSE
+    detail = f"{kv['promoted_blocks']:,} promoted / {kv['loaded_blocks']:,} loaded ({ratio:.2f}x)"
+    return Check(name, verdict, detail)
+
+
+def _pool_against_native(configs: dict[str, Any], workload: dict[str, Any]) -> list[Check]:
+    name = "kvtier pool vs native"
+    ours, native = usable(configs, "kvtier"), usable(configs, "native")
+    if ours is None or native is None:
+        return [Check(name, Verdict.MISSING, "needs kvtier and native")]
+    mine, theirs = _figures(ours), _figures(native)
+    checks = [
+        _ratio_check(name, label, mine[label], theirs[label], label == "output tok/s")
+        for label in mine
+    ]
+    checks.append(
+        _ratio_check(
+            name,
+            "prompt tokens cached",
+            float(ours["prompt_tokens_cached"]),
+            float(native["prompt_tokens_cached"]),
+            True,
+        )
+    )
+    reusable = int(workload.get("reusable_prompt_tokens") or 0)
+    if reusable:
+        share = native["prompt_tokens_cached"] / reusable
+        if share < 0.05:
+            mine_share = ours["prompt_tokens_cached"] / reusable
+            detail = (
+                f"native caches {share:.1%} of {reusable:,} reusable tokens, kvtier "
+                f"{mine_share:.1%}: compare with half of `kvtier simulate --concurrency`'s "
+                "offline optimum for this pool"
+            )
+            checks.append(Check(name + " (thrash regime)", Verdict.MISSING, detail))
+    return checks
+
+
+def _connector_p99(configs: dict[str, Any], config: str) -> Check:
+    name = f"{config} connector p99 per step vs native"
+    ours, native = usable(configs, config), usable(configs, "native")
+    mine = (ours or {}).get("connector_step_us")
+    theirs = (native or {}).get("connector_step_us")
+    if not mine or not theirs:
+        return Check(name, Verdict.MISSING, "needs connector step times of both")
+    return _ratio_check(name, "p99 us", float(mine["p99"]), float(theirs["p99"]), False)
+
+
+def point_checks(point: dict[str, Any]) -> list[Check]:
+    """Issue 24's acceptance checks at one grid point."""
+    configs: dict[str, Any] = point.get("configs", {})
+    workload: dict[str, Any] = point.get("workload", {})
+    checks = _fs_against_native(configs)
+    checks += _hits_against_none(configs, "kvtier_fs")
+    checks.append(_promotion(configs, "kvtier_fs"))
+    checks.append(_promotion(configs, "kvtier"))
+    checks += _pool_against_native(configs, workload)
+    checks.append(_connector_p99(configs, "kvtier"))
+    checks.append(_connector_p99(configs, "kvtier_fs"))
+    return checks
+
+
+# -- table --------------------------------------------------------------------------------------
+
+
+def sorted_points(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    points: dict[str, dict[str, Any]] = data.get("points", {})
+    return sorted(
+        points.items(), key=lambda kv: (kv[1].get("concurrency", 0), kv[1].get("host_gib", 0))
+    )
+
+
+TABLE_HEAD = (
+    f"{'point':<7} {'config':<10} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>7} "
+    f"{'computed':>9} {'cached':>9} {'hits':>5} {'hit mean/none':>15} {'hit p90/none':>15} "
+    f"{'prom/load':>9} {'step us p50/p99':>16} {'date':>10} {'commit':>7}"
+)
+
+
+def _hit_cells(row: dict[str, Any], base: dict[str, Any] | None) -> tuple[str, str, str]:
+    pairing = pair_hits(row, base) if base else None
+    if pairing is None:
+        return str(row.get("requests_with_cached_tokens", "-")), "-", "-"
+    mean = f"{pairing.mean_ms:,.0f}/{pairing.base_mean_ms:,.0f}"
+    p90 = f"{pairing.p90_ms:,.0f}/{pairing.base_p90_ms:,.0f}"
+    return str(pairing.requests), mean, p90
+
+
+def table_row(key: str, config: str, row: dict[str, Any], base: dict[str, Any] | None) -> str:
+    if "error" in row:
+        return f"{key:<7} {config:<10} failed: {str(row['error'])[:100]}"
+    t = row["ttft_ms"]
+    step = row.get("connector_step_us")
+    steps = f"{step['p50']:,.0f}/{step['p99']:,.0f}" if step else "-"
+    ratio = promotion_ratio(row)
+    prom = "-" if ratio is None else f"{ratio:.2f}"
+    hits, mean, p90 = _hit_cells(row, base)
+    date = str(row.get("date", ""))[:10]
+    commit = str(row.get("commit", ""))[:7]
+    return (
+        f"{key:<7} {config:<10} {t['50']:>8,.0f} {t['90']:>8,.0f} {t['99']:>8,.0f} "
+        f"{row['output_tokens_per_s']:>7,.1f} {row['prompt_tokens_computed']:>9,} "
+        f"{row['prompt_tokens_cached']:>9,} {hits:>5} {mean:>15} {p90:>15} {prom:>9} "
+        f"{steps:>16} {date:>10} {commit:>7}"
+    )
+
+
+def grid_lines(data: dict[str, Any]) -> list[str]:
+    """The table (one line per point and configuration), then each point's checks."""
+    lines = [f"model     {data.get('model')}", TABLE_HEAD]
+    for key, point in sorted_points(data):
+        configs: dict[str, Any] = point.get("configs", {})
+        base = usable(configs, "none")
+        for config in CONFIGS:
+            if config in configs:
+                lines.append(table_row(key, config, configs[config], base))
+    lines.append("")
+    lines.append(f"acceptance (issue 24; ratios ours/reference, within {TIE_BAND:.0%} a tie):")
+    for key, point in sorted_points(data):
+        checks = point_checks(point)
+        passed = sum(c.verdict.passes for c in checks)
+        decided = sum(c.verdict is not Verdict.MISSING for c in checks)
+        lines.append(f"  {key}: {passed} of {decided} checks pass")
+        for c in checks:
+            lines.append(f"    {c.verdict.value:<6} {c.name}: {c.detail}")
+    return lines
+
+
+# -- plot ---------------------------------------------------------------------------------------
+
+
+def plot_path(json_path: Path) -> Path:
+    return json_path.with_suffix(".png")
+
+
+def _series(
+    points: list[tuple[str, dict[str, Any]]], host: float, config: str, figure: str
+) -> tuple[list[int], list[float]]:
+    xs: list[int] = []
+    ys: list[float] = []
+    for _key, point in points:
+        if point.get("host_gib") != host:
+            continue
+        row = usable(point.get("configs", {}), config)
+        if row is None:
+            continue
+        xs.append(int(point["concurrency"]))
+        value = row["ttft_ms"]["99"] if figure == "p99" else row["output_tokens_per_s"]
+        ys.append(float(value))
+    return xs, ys
+
+
+def _failures(points: list[tuple[str, dict[str, Any]]], host: float) -> list[str]:
+    """``config@concurrency`` of the rows that failed at this host size (no marker shows them)."""
+    return [
+        f"{config}@{point['concurrency']}"
+        for _key, point in points
+        if point.get("host_gib") == host
+        for config, row in point.get("configs", {}).items()
+        if isinstance(row, dict) and "error" in row
+    ]
+
+
+def write_plot(data: dict[str, Any], path: Path) -> Path | None:
+    """p99 TTFT and output tokens/s against concurrency, one line per configuration, one
+    column per host pool size. None (and nothing written) without matplotlib or points."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    points = sorted_points(data)
+    hosts = sorted({float(p["host_gib"]) for _k, p in points})
+    if not hosts:
+        return None
+    fig, axes = plt.subplots(2, len(hosts), figsize=(4.2 * len(hosts), 7), squeeze=False)
+    for col, host in enumerate(hosts):
+        for row_index, (figure, label) in enumerate(
+            (("p99", "TTFT p99 (ms)"), ("tok/s", "output tokens/s"))
+        ):
+            ax = axes[row_index][col]
+            for config in CONFIGS:
+                xs, ys = _series(points, host, config, figure)
+                if xs:
+                    style = "-" if config.startswith("kvtier") else "--"
+                    ax.plot(xs, ys, style, marker="o", label=config)
+            ax.set_ylim(bottom=0)
+            failed = _failures(points, host)
+            if failed and row_index == 1:
+                ax.text(
+                    0.02,
+                    0.02,
+                    "failed: " + ", ".join(failed),
+                    transform=ax.transAxes,
+                    fontsize="x-small",
+                    color="firebrick",
+                )
+            ax.set_xscale("log", base=2)
+            concurrencies = sorted({int(p["concurrency"]) for _k, p in points})
+            ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+            ax.set_xlabel("conversations in flight")
+            ax.set_ylabel(label)
+            ax.grid(True, alpha=0.3)
+            if row_index == 0:
+                ax.set_title(f"host pool {host:g} GiB")
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle(f"vLLM GPU bench grid: {data.get('model', '')}", fontsize="medium")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

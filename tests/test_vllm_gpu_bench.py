@@ -1,0 +1,605 @@
+"""``benchmarks/vllm_gpu_bench.py --grid`` and its modules: grid points, what runs and what is
+skipped, the time budget, the request pairing, the acceptance verdicts, the JSON and the plot
+(no vLLM needed), and one tiny grid point in vLLM's CPU build."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from support import require
+from support.scripts import REPO
+
+BENCH_DIR = REPO / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def modules() -> Iterator[dict[str, ModuleType]]:
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import vllm_bench_engine
+        import vllm_gpu_bench
+        import vllm_grid
+        import vllm_grid_report
+
+        yield {
+            "grid": vllm_grid,
+            "report": vllm_grid_report,
+            "engine": vllm_bench_engine,
+            "bench": vllm_gpu_bench,
+        }
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+
+@pytest.fixture
+def grid(modules: dict[str, ModuleType]) -> ModuleType:
+    return modules["grid"]
+
+
+@pytest.fixture
+def rep(modules: dict[str, ModuleType]) -> ModuleType:
+    return modules["report"]
+
+
+@pytest.fixture
+def eng(modules: dict[str, ModuleType]) -> ModuleType:
+    return modules["engine"]
+
+
+def make_row(
+    ttfts: dict[str, float],
+    cached: dict[str, int] | None = None,
+    *,
+    p: tuple[float, float, float] = (100.0, 200.0, 300.0),
+    tok_s: float = 100.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A configuration row as ``run_config`` writes it, with these requests."""
+    cached = cached or {}
+    rows = [[rid, ms, 1000, cached.get(rid, 0), "d"] for rid, ms in ttfts.items()]
+    row: dict[str, Any] = {
+        "requests": len(rows),
+        "ttft_ms": {"50": p[0], "90": p[1], "99": p[2]},
+        "output_tokens_per_s": tok_s,
+        "prompt_tokens": 1000 * len(rows),
+        "prompt_tokens_cached": sum(cached.values()),
+        "prompt_tokens_computed": 1000 * len(rows) - sum(cached.values()),
+        "wall_s": 10.0,
+        "elapsed_s": 40.0,
+        "per_request": {
+            "fields": ["id", "ttft_ms", "prompt_tokens", "cached_tokens", "output_digest"],
+            "rows": rows,
+        },
+    }
+    row.update(extra)
+    return row
+
+
+# -- points -------------------------------------------------------------------------------------
+
+
+def test_points_parse_and_expand_in_run_order(grid: ModuleType) -> None:
+    point = grid.parse_point(" 16 x 4 ")
+    assert (point.concurrency, point.host_gib, point.key) == (16, 4.0, "16x4")
+    assert grid.parse_point("2x0.5").key == "2x0.5"
+    keys = [p.key for p in grid.expand([16, 4], [8, 2], None)]
+    assert keys == ["4x2", "4x8", "16x2", "16x8"]
+    chosen = grid.expand([4, 8], [2], grid.parse_points("32x2,16x4,16x4"))
+    assert [p.key for p in chosen] == ["16x4", "32x2"]
+    for bad in ("16", "16x", "x4", "0x4", "16x0", "16*4"):
+        with pytest.raises(grid.GridError, match="grid point"):
+            grid.parse_point(bad)
+
+
+def test_number_lists_and_requests_per_concurrency(grid: ModuleType) -> None:
+    assert grid.parse_numbers("4,8, 16", "--grid-concurrency", int) == [4, 8, 16]
+    with pytest.raises(grid.GridError, match="--grid-host-gib"):
+        grid.parse_numbers("2,four", "--grid-host-gib", float)
+    with pytest.raises(grid.GridError, match="positive"):
+        grid.parse_numbers("2,-1", "--grid-host-gib", float)
+    table = grid.parse_requests("4:80, 8:160")
+    assert table == {4: 80, 8: 160}
+    assert grid.requests_for(8, table) == 160
+    assert grid.requests_for(12, table) == 120
+    with pytest.raises(grid.GridError, match="CONCURRENCY:REQUESTS"):
+        grid.parse_requests("4=80")
+
+
+def test_fs_capacity_leaves_the_larger_reserve(grid: ModuleType) -> None:
+    gib = 1 << 30
+    # A 64 GiB disk: 15% is 9.6 GiB, more than 8 GiB.
+    assert grid.fs_capacity_gib(40 * gib, 64 * gib) == pytest.approx(40 - 9.6)
+    # A 20 GiB disk: 15% is 3 GiB, 8 GiB is left.
+    assert grid.fs_capacity_gib(15 * gib, 20 * gib) == pytest.approx(7.0)
+    assert grid.fs_capacity_gib(5 * gib, 20 * gib) == 0.0
+    assert grid.disk_floor_bytes(64 * gib) == int(9.6 * gib / 2)
+
+
+# -- pairing and verdicts -----------------------------------------------------------------------
+
+
+def test_hit_requests_pair_with_the_same_requests_in_vllm_alone(rep: ModuleType) -> None:
+    ours = make_row(
+        {"c0.t1": 50.0, "c0.t2": 10.0, "c1.t2": 30.0, "c2.t2": 70.0, "c9.t9": 5.0},
+        {"c0.t2": 64, "c1.t2": 32, "c2.t2": 16, "c9.t9": 16},
+    )
+    base = make_row({"c0.t1": 55.0, "c0.t2": 40.0, "c1.t2": 20.0, "c2.t2": 90.0})
+    pairing = rep.pair_hits(ours, base)
+    assert pairing.requests == 3  # c0.t1 had no hit; c9.t9 is not in vLLM alone's records
+    assert pairing.unpaired == 1
+    assert pairing.mean_ms == pytest.approx((10 + 30 + 70) / 3)
+    assert pairing.base_mean_ms == pytest.approx((40 + 20 + 90) / 3)
+    # p90 over three values (nearest rank): the largest.
+    assert (pairing.p90_ms, pairing.base_p90_ms) == (70.0, 90.0)
+    assert rep.pair_hits(make_row({"c0.t1": 1.0}), base) is None
+    assert rep.pair_hits(ours, {"ttft_ms": {}}) is None
+
+
+def test_percentile_is_nearest_rank(rep: ModuleType) -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert rep.percentile(values, 50) == 51.0  # rank round(0.5 * 99) = 50 (0-based)
+    assert rep.percentile(values, 99) == 99.0
+    assert rep.percentile([3.0], 90) == 3.0
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "higher", "verdict"),
+    [
+        (100.0, 100.0, False, "better"),  # at or below counts
+        (99.0, 100.0, False, "better"),
+        (102.0, 100.0, False, "tie"),
+        (103.0, 100.0, False, "tie"),  # the band's edge is inside
+        (103.5, 100.0, False, "worse"),
+        (101.0, 100.0, True, "better"),
+        (97.5, 100.0, True, "tie"),
+        (96.0, 100.0, True, "worse"),
+    ],
+)
+def test_compare_with_the_tie_band(
+    rep: ModuleType, ours: float, theirs: float, higher: bool, verdict: str
+) -> None:
+    got, ratio = rep.compare(ours, theirs, higher_is_better=higher)
+    assert got.value == verdict
+    assert ratio == pytest.approx(ours / theirs)
+
+
+def checks_named(checks: list[Any], prefix: str) -> list[Any]:
+    return [c for c in checks if c.name.startswith(prefix)]
+
+
+def test_kvtier_fs_is_held_to_the_better_reference_per_figure(rep: ModuleType) -> None:
+    ids = {"c0.t1": 100.0}
+    configs = {
+        # native has the better p50 and tokens/s, native_fs the better p90 and p99.
+        "native": make_row(ids, p=(100.0, 400.0, 900.0), tok_s=120.0),
+        "native_fs": make_row(ids, p=(150.0, 200.0, 500.0), tok_s=100.0),
+        "kvtier_fs": make_row(ids, p=(99.0, 205.0, 520.0), tok_s=119.0),
+    }
+    checks = checks_named(rep.point_checks({"configs": configs}), "kvtier_fs vs best")
+    verdicts = {c.detail.split(":")[0]: c.verdict.value for c in checks}
+    assert verdicts == {
+        "TTFT p50": "better",  # 99 vs native's 100
+        "TTFT p90": "tie",  # 205 vs native_fs's 200: 2.5% worse
+        "TTFT p99": "worse",  # 520 vs native_fs's 500: 4% worse
+        "output tok/s": "tie",  # 119 vs native's 120
+    }
+    configs["native_fs"] = {"error": "RuntimeError: no tiering"}
+    checks = checks_named(rep.point_checks({"configs": configs}), "kvtier_fs vs best")
+    assert all("one reference missing" in c.name for c in checks)
+    assert {c.detail.split(":")[0]: c.verdict.value for c in checks}["TTFT p99"] == "better"
+
+
+def test_hit_requests_must_be_strictly_faster_than_in_vllm_alone(rep: ModuleType) -> None:
+    base = make_row({"a": 100.0, "b": 100.0})
+    configs = {"none": base, "kvtier_fs": make_row({"a": 50.0, "b": 100.0}, {"a": 16, "b": 16})}
+    checks = checks_named(rep.point_checks({"configs": configs}), "kvtier_fs requests with hits")
+    assert [c.verdict.value for c in checks] == ["better", "worse"]  # mean 75 < 100; p90 equal
+
+
+@pytest.mark.parametrize(
+    ("promoted", "loaded", "verdict"),
+    [(110, 100, "better"), (111, 100, "worse"), (0, 0, "better"), (5, 0, "worse")],
+)
+def test_promoted_per_loaded_blocks(
+    rep: ModuleType, promoted: int, loaded: int, verdict: str
+) -> None:
+    kv = {"promoted_blocks": promoted, "loaded_blocks": loaded}
+    configs = {"kvtier_fs": make_row({"a": 1.0}, kvtier=kv)}
+    (check,) = checks_named(rep.point_checks({"configs": configs}), "kvtier_fs promoted")
+    assert check.verdict.value == verdict
+
+
+def test_pool_and_connector_checks_against_native(rep: ModuleType) -> None:
+    step = {"p50": 300.0, "p99": 3000.0, "steps": 10}
+    configs = {
+        "native": make_row({"a": 1.0}, {"a": 10}, connector_step_us=step),
+        "kvtier": make_row({"a": 1.0}, {"a": 0}, connector_step_us={**step, "p99": 3050.0}),
+        "kvtier_fs": make_row({"a": 1.0}, connector_step_us={**step, "p99": 5000.0}),
+    }
+    point = {"configs": configs, "workload": {"reusable_prompt_tokens": 1000}}
+    checks = rep.point_checks(point)
+    p99 = {c.name: c.verdict.value for c in checks if "connector p99" in c.name}
+    assert p99 == {
+        "kvtier connector p99 per step vs native": "tie",
+        "kvtier_fs connector p99 per step vs native": "worse",
+    }
+    pool = checks_named(checks, "kvtier pool vs native")
+    cached = next(c for c in pool if c.detail.startswith("prompt tokens cached"))
+    assert cached.verdict.value == "worse"  # 0 against 10
+    # native cached 1% of the reusable tokens: the thrash regime is named.
+    assert any("thrash" in c.name and "native caches 1.0%" in c.detail for c in pool)
+
+
+# -- the JSON and the loop ----------------------------------------------------------------------
+
+
+def test_json_keeps_each_request_on_one_line_and_round_trips(
+    grid: ModuleType, tmp_path: Path
+) -> None:
+    data = {"points": {"4x2": {"configs": {"none": make_row({"c0.t1": 1.5, "c0.t2": 2.5})}}}}
+    data["note"] = "brackets [in a string] stay as they are"
+    path = tmp_path / "g.json"
+    grid.save(path, data)
+    text = path.read_text()
+    assert json.loads(text) == data
+    assert '["c0.t1", 1.5, 1000, 0, "d"]' in text
+    assert not (tmp_path / "g.json.tmp").exists()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeRunner:
+    """The grid's engine side without an engine: each run takes ``seconds`` of a fake clock
+    and returns a row; records what ran and what the JSON held when it ran."""
+
+    model = "fake model"
+
+    def __init__(self, workdir: Path, out: Path, clock: FakeClock, digest: str = "w1") -> None:
+        self.machine = {"gpu": "fake gpu"}
+        self.workdir = workdir
+        self.out = out
+        self.clock = clock
+        self.digest = digest
+        self.seconds = 60.0
+        self.ran: list[tuple[str, str]] = []
+        self.seen_on_disk: list[set[str]] = []
+        self.clears = 0
+
+    def workload(self, point: Any) -> Any:
+        import vllm_grid
+
+        summary = {"digest": self.digest, "prompt_tokens": 2000, "concurrency": point.concurrency}
+        return vllm_grid.PointWorkload(summary)
+
+    def clear_fs(self) -> None:
+        self.clears += 1
+
+    def run(self, point: Any, workload: Any, config: str, fs_gib: float) -> dict[str, Any]:
+        assert fs_gib >= 0
+        on_disk = json.loads(self.out.read_text()) if self.out.exists() else {}
+        configs = on_disk.get("points", {}).get(point.key, {}).get("configs", {})
+        self.seen_on_disk.append(set(configs))
+        self.ran.append((point.key, config))
+        self.clock.now += self.seconds
+        return make_row({"c0.t1": 10.0}, wall_s=20.0, elapsed_s=self.seconds)
+
+
+def options(grid: ModuleType, configs: str, commit: str = "abc", **kw: Any) -> Any:
+    selection = grid.Selection(
+        commit,
+        kw.pop("skip_done", False),
+        kw.pop("reuse_baselines", False),
+        kw.pop("rerun", frozenset()),
+        run_id=grid.new_run_id(),  # each call stands for its own invocation
+    )
+    return grid.GridOptions(configs.split(","), selection, **kw)
+
+
+def test_rows_are_merged_into_the_file_as_each_configuration_finishes(
+    grid: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "grid.json"
+    runner = FakeRunner(tmp_path, out, FakeClock())
+    points = grid.parse_points("4x2")
+    data = grid.run_grid(points, options(grid, "none,kvtier,kvtier_fs"), runner, out, runner.clock)
+    assert runner.seen_on_disk == [set(), {"none"}, {"none", "kvtier"}]
+    row = data["points"]["4x2"]["configs"]["kvtier"]
+    assert row["commit"] == "abc" and row["machine"] == {"gpu": "fake gpu"}
+    assert row["workload_digest"] == "w1" and row["date"].startswith("20")
+    assert json.loads(out.read_text()) == data
+    assert runner.clears == 2  # before and after the point
+
+
+def test_skip_done_reruns_only_what_the_commit_or_workload_moved(
+    grid: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "grid.json"
+    clock = FakeClock()
+    first = FakeRunner(tmp_path, out, clock)
+    configs = "none,native,kvtier"
+    grid.run_grid(grid.parse_points("8x4"), options(grid, configs), first, out, clock)
+
+    same = FakeRunner(tmp_path, out, clock)
+    grid.run_grid(
+        grid.parse_points("8x4,16x4"),
+        options(grid, configs, skip_done=True),
+        same,
+        out,
+        clock,
+    )
+    assert same.ran == [("16x4", c) for c in configs.split(",")]
+
+    new_commit = FakeRunner(tmp_path, out, clock)
+    grid.run_grid(
+        grid.parse_points("8x4"),
+        options(grid, configs, "def", skip_done=True, reuse_baselines=True),
+        new_commit,
+        out,
+        clock,
+    )
+    assert new_commit.ran == [("8x4", "kvtier")]  # vLLM's own rows kept from commit abc
+
+    forced = FakeRunner(tmp_path, out, clock)
+    grid.run_grid(
+        grid.parse_points("8x4"),
+        options(grid, configs, "def", skip_done=True, rerun=frozenset({"8x4"})),
+        forced,
+        out,
+        clock,
+    )
+    assert forced.ran == [("8x4", c) for c in configs.split(",")]
+
+    other_workload = FakeRunner(tmp_path, out, clock, digest="w2")
+    data = grid.run_grid(
+        grid.parse_points("8x4"),
+        options(grid, "none", "def", skip_done=True),
+        other_workload,
+        out,
+        clock,
+    )
+    assert other_workload.ran == [("8x4", "none")]
+    # Rows of the old request sequence are dropped: they would not pair with the new ones.
+    assert set(data["points"]["8x4"]["configs"]) == {"none"}
+
+
+def test_dirty_or_unknown_commits_are_trusted_only_within_their_run(grid: ModuleType) -> None:
+    row = {"commit": "unknown", "workload_digest": "w", "run_id": "earlier"}
+    for commit in ("unknown", "abc+dirty"):
+        sel = grid.Selection(commit, skip_done=True, run_id="now")
+        assert not sel.trusts({**row, "commit": commit}, "w", "kvtier", "4x2")
+        assert sel.trusts({**row, "commit": commit, "run_id": "now"}, "w", "kvtier", "4x2")
+        assert not sel.trusts({**row, "run_id": "now"}, "other digest", "kvtier", "4x2")
+    sel = grid.Selection("abc", skip_done=True, run_id="now")
+    assert sel.trusts({**row, "commit": "abc"}, "w", "kvtier", "4x2")
+    assert not sel.trusts({**row, "commit": "abc", "error": "x"}, "w", "kvtier", "4x2")
+
+
+def test_vllm_alone_runs_once_per_concurrency(grid: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "grid.json"
+    runner = FakeRunner(tmp_path, out, FakeClock())
+    points = grid.expand([4], [2, 8], None)
+    # An unknown commit: the copy comes from this same invocation.
+    opts = options(grid, "none,kvtier", "unknown")
+    data = grid.run_grid(points, opts, runner, out, runner.clock)
+    assert runner.ran == [("4x2", "none"), ("4x2", "kvtier"), ("4x8", "kvtier")]
+    copied = data["points"]["4x8"]["configs"]["none"]
+    assert copied["copied_from"] == "4x2"
+    assert copied["per_request"] == data["points"]["4x2"]["configs"]["none"]["per_request"]
+
+
+def test_max_minutes_stops_before_a_point_that_would_not_finish(
+    grid: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "grid.json"
+    clock = FakeClock()
+    runner = FakeRunner(tmp_path, out, clock)
+    runner.seconds = 100.0
+    points = grid.parse_points("4x2,8x2,16x2")
+    # No history: the tiny prior (20 s + 200 us per prompt token, 2000 tokens) = 20.4 s per
+    # configuration. After the first point its rows say 80 s start-up (elapsed 100 s less wall
+    # 20 s) + 20 ms per token (20 s over a row's 1000 tokens) = 120 s per configuration.
+    opts = options(grid, "none,kvtier", max_minutes=8.0)
+    data = grid.run_grid(points, opts, runner, out, clock)
+    # 4x2 (est. 41 s) ran until 200 s; 8x2 (est. 240 s) fits in 480 s and ran until 400 s;
+    # 16x2 would end at 640 s.
+    assert [k for k, _ in runner.ran] == ["4x2", "4x2", "8x2", "8x2"]
+    assert set(data["points"]) == {"4x2", "8x2"}
+
+
+def test_estimates_use_the_rows_of_the_same_gpu(grid: ModuleType) -> None:
+    est = grid.estimator_from(
+        {
+            "model": "m 8B",
+            "points": {
+                "4x2": {
+                    "configs": {
+                        "none": {
+                            "prompt_tokens": 1000,
+                            "wall_s": 10,
+                            "elapsed_s": 70,
+                            "machine": {"gpu": "H100"},
+                        },
+                        "kvtier": {
+                            "prompt_tokens": 1000,
+                            "wall_s": 1,
+                            "elapsed_s": 2,
+                            "machine": {"gpu": "H200"},
+                        },
+                    }
+                }
+            },
+        },
+        "m 8B",
+        "H100",
+    )
+    assert est.seconds("none", 2000) == pytest.approx(60 + 0.01 * 2000)
+    assert est.seconds("kvtier", 2000) == pytest.approx(80.0)  # falls back on none's samples
+    assert grid.Estimator(grid.PRIORS["llama8b"]).seconds("x", 0) == grid.PRIORS["llama8b"][0]
+
+
+# -- the engine side without an engine ----------------------------------------------------------
+
+
+def test_hook_timer_counts_nested_hooks_once_and_ends_a_step_at_build_meta(
+    eng: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Connector:
+        def request_finished_all_groups(self) -> None:
+            self.request_finished()
+
+        def request_finished(self) -> None:
+            pass
+
+        def build_connector_meta(self) -> None:
+            pass
+
+    conn = Connector()
+    timer = eng.HookTimer(conn)
+    timer.enabled = True
+    ticks = iter([0.0, 1.0, 3.0, 6.0, 10.0, 11.0, 20.0, 21.0, 25.0])
+    monkeypatch.setattr(eng.time, "perf_counter", lambda: next(ticks))
+    conn.request_finished_all_groups()  # 0..3, the inner call (from 1) not added again
+    conn.build_connector_meta()  # 6..10: the step took 3 + 4
+    conn.build_connector_meta()  # 11..20
+    assert timer.steps == [7.0, 9.0]
+    timer.enabled = False
+    conn.build_connector_meta()  # 21..25, not recorded
+    assert timer.steps == [7.0, 9.0]
+
+
+def test_conversations_keep_stable_ids_and_drop_what_does_not_fit(eng: ModuleType) -> None:
+    from kvtier.demo import build_workload
+
+    workload = build_workload(24, 4, 3, 8, vocab=512)
+    full = eng.conversations(workload, 2, 512, 10**6)
+    assert full.dropped == 0
+    ids = [c.next_request()[0] for c in full.conversations()]
+    assert ids == [f"c{i}.t1" for i, _ in full.by_conversation]
+    longest = max(len(p) for p in full.all())
+    cut = eng.conversations(workload, 2, 512, longest - 1)
+    assert cut.dropped >= 1
+    assert all(len(p) < longest for p in cut.all())
+
+
+def test_reusable_tokens_count_full_blocks_seen_before(eng: ModuleType) -> None:
+    a = list(range(10, 26))  # 16 tokens: 4 blocks of 4
+    assert eng.reusable_tokens([a, [*a, 1, 2, 3, 4], a[:8] + [0] * 8], 4) == 16 + 8
+    # Equal blocks after different prefixes are different blocks.
+    assert eng.reusable_tokens([[1] * 4 + [2] * 4, [3] * 4 + [2] * 4], 4) == 0
+
+
+def test_native_fs_is_vllm_tiering_with_an_fs_tier(
+    eng: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = eng.ModelSpec("m", tmp_path, 100, 8, True)
+    spec = eng.RunSpec("native_fs", 8, 2.5, 10.0, 1 << 30, 4096, tmp_path)
+    monkeypatch.setattr(eng, "tiering_missing", lambda: None)
+    kwargs = eng.engine_kwargs(spec, model)
+    extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    assert kwargs["kv_transfer_config"]["kv_connector"] == "OffloadingConnector"
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert extra["cpu_bytes_to_use"] == int(2.5 * (1 << 30))
+    (tier,) = extra["secondary_tiers"]
+    assert tier["type"] == "fs" and Path(tier["root_dir"]).is_relative_to(tmp_path / "native_fs")
+    eng.clear_fs(tmp_path)
+    assert not (tmp_path / "native_fs").exists()
+
+
+def test_disk_guard_stops_below_its_floor(eng: ModuleType, tmp_path: Path) -> None:
+    free = shutil.disk_usage(tmp_path).free
+    eng.DiskGuard(tmp_path, floor=free // 2).check()
+    with pytest.raises(eng.DiskFloorReached, match="no capacity limit"):
+        eng.DiskGuard(tmp_path, floor=free * 2).check()
+
+
+# -- report and plot ----------------------------------------------------------------------------
+
+
+def synthetic_grid() -> dict[str, Any]:
+    points: dict[str, Any] = {}
+    for c in (4, 8, 16, 32):
+        for h in (2.0, 4.0, 8.0):
+            configs = {}
+            for i, config in enumerate(("none", "native", "native_fs", "kvtier", "kvtier_fs")):
+                base = 100.0 * c / h + 10 * i
+                configs[config] = make_row(
+                    {"c0.t1": base, "c0.t2": base / 2},
+                    {"c0.t2": 32} if config != "none" else {},
+                    p=(base, 2 * base, 3 * base),
+                    tok_s=1000.0 / (1 + i) + c,
+                    commit="abc1234",
+                    date="2026-11-26T10:00:00+00:00",
+                )
+            points[f"{c}x{h:g}"] = {"concurrency": c, "host_gib": h, "configs": configs}
+    return {"model": "synthetic", "points": points}
+
+
+def test_report_only_prints_the_table_and_checks(
+    modules: dict[str, ModuleType], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "grid.json"
+    modules["grid"].save(path, synthetic_grid())
+    assert modules["bench"].main(["--report-only", "--grid", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("4x2 ", "32x8 "))]
+    assert len(lines) == 10  # two points, five configurations
+    assert "16x4: " in out and "checks pass" in out
+    assert "abc1234" in out
+
+
+def test_plot_is_written_from_a_synthetic_grid(rep: ModuleType, tmp_path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        require.missing("extras", f"matplotlib is not importable: {exc}")
+    path = rep.write_plot(synthetic_grid(), tmp_path / "grid.png")
+    assert path == tmp_path / "grid.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000
+
+
+def test_unknown_configs_and_bad_points_are_one_line_errors(
+    modules: dict[str, ModuleType], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bench = modules["bench"]
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--configs", "none,nope", "--workdir", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "unknown configs ['nope']" in capsys.readouterr().err
+
+
+# -- one tiny point in vLLM's CPU build ---------------------------------------------------------
+
+
+@require.unless("vllm", require.vllm_missing())
+def test_tiny_grid_point_in_vllm_cpu(modules: dict[str, ModuleType], tmp_path: Path) -> None:
+    out = tmp_path / "grid.json"
+    argv = [
+        "--grid", "--model", "tiny", "--configs", "none,kvtier", "--grid-points", "2x0.05",
+        "--grid-requests", "2:8", "--turns", "3", "--max-tokens", "4", "--widen", "1",
+        "--context-blocks", "8", "--max-model-len", "2048", "--gpu-kv-gib", "0.004",
+        "--fs-gib", "0.1", "--workdir", str(tmp_path / "work"), "--json", str(out),
+        "--commit", "test",
+    ]  # fmt: skip
+    assert modules["bench"].main(argv) == 0
+    point = json.loads(out.read_text())["points"]["2x0.05"]
+    none, kvtier = point["configs"]["none"], point["configs"]["kvtier"]
+    assert "error" not in none and "error" not in kvtier
+    ids = [r[0] for r in none["per_request"]["rows"]]
+    assert ids == [r[0] for r in kvtier["per_request"]["rows"]]
+    assert len(ids) == point["workload"]["requests"] == 8
+    assert kvtier["kvtier"]["loaded_blocks"] >= 0 and kvtier["connector_step_us"]["steps"] > 0
+    assert not (tmp_path / "work" / "fs").exists()
