@@ -28,6 +28,7 @@ from kvtier.policies import DEFAULT_EVICTION, parse_eviction
 from kvtier.pool import DEFAULT_SHM_DIR
 from kvtier.redaction import yaml_problem
 from kvtier.registry import is_plugin_path
+from kvtier.safe_files import read_text
 from kvtier.tiers import tier_class
 from kvtier.tiers.base import WriteMode
 from kvtier.validation import Section
@@ -122,11 +123,15 @@ def load_config(source: Mapping[str, Any] | str | Path) -> KVTierConfig:
     return parse_config(raw)
 
 
+CONFIG_MAX_BYTES = 16 * 2**20
+"""Largest config file read (one of a few tiers is a few hundred bytes)."""
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The raw mapping in a JSON (``.json``) or YAML file (anything else), not yet validated."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, CONFIG_MAX_BYTES)  # a regular file: never a FIFO or a device
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("config file", str(path), f"a readable UTF-8 file ({exc})") from exc
     return _parse_text(text, str(path), json_syntax=path.suffix.lower() == ".json")
