@@ -33,7 +33,7 @@ from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
 from kvtier.promotion import Owner, PromotionRules, tier_answers
-from kvtier.retry import FailedPromotions
+from kvtier.retry import FailedPromotions, RefusedWrites
 from kvtier.tier_jobs import TierJobs
 from kvtier.tiers import contract
 from kvtier.tiers.base import Tier, TierJobKind, WriteMode
@@ -89,6 +89,7 @@ class TieredCache(CacheReports):
         budget = int(pool.num_slots * promotion_budget)  # a fraction of the slots
         self._rules = PromotionRules(len(self._tiers), budget, block_tokens, job_timeout_s)
         self._failed_promotions = FailedPromotions()
+        self._refused = RefusedWrites(self._tiers)
         self._events = EventLog(max_events)
         self._counters = CacheCounters()
         self._promoted = {t.name: 0 for t in self._tiers}
@@ -376,20 +377,20 @@ class TieredCache(CacheReports):
     ) -> None:
         """Copy keys' slots to a tier. Visible keys are pinned meanwhile; for evicted keys the job
         holds their slots instead."""
+        if self._refused.paused(tier_index, self._clock()):
+            self._counters.cascade_skipped += len(keys)
+            return
         writing = self._writing[tier_index]
-        tier = self._tiers[tier_index]
         if evicted_slots is None:
-            index = self._index
-            pairs = [(k, index[k]) for k in keys if k not in writing]
+            pairs = [(k, self._index[k]) for k in keys if k not in writing]
         else:
             pairs = [(k, s) for k, s in zip(keys, evicted_slots, strict=True) if k not in writing]
             if pairs:
-                known = self._safe_lookup(tier, [k for k, _ in pairs])
+                known = self._safe_lookup(self._tiers[tier_index], [k for k, _ in pairs])
                 pairs = [p for p, present in zip(pairs, known, strict=True) if present is not True]
         if not pairs:
             return
-        job_keys = [k for k, _ in pairs]
-        job_slots = [s for _, s in pairs]
+        job_keys, job_slots = [k for k, _ in pairs], [s for _, s in pairs]
         writing.update(job_keys)
         if evicted_slots is None:
             pins = self._pins
@@ -547,6 +548,7 @@ class TieredCache(CacheReports):
         self._rules.reads[job.tier_index].ended(len(job.keys), submitted, now)
 
     def _finish_write(self, job: OpenTierJob, ok: list[bool]) -> None:
+        self._refused.ended(job.tier_index, ok, self._clock())
         writing = self._writing[job.tier_index]
         writing.difference_update(job.keys)
         if job.holds_slots:

@@ -55,6 +55,9 @@ class CacheCounters:
     later than the engine would compute them (``kvtier.promotion``)."""
     cascade_writes: int = 0
     cascade_failures: int = 0
+    cascade_skipped: int = 0
+    """Blocks not written to a tier while its writes pause (it rejected a whole write for want
+    of room: ``retry.RefusedWrites``)."""
     job_timeouts: int = 0
     events_dropped: int = 0
     """Oldest events dropped because nobody took them (``TieredCache.take_events``) in time."""

@@ -1,14 +1,20 @@
 """When to try again after a tier failed: per (tier, key) for promotions, per cache for
-write-back."""
+write-back, per tier for writes a tier refuses."""
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from kvtier.keys import BlockKey
+from kvtier.tiers.base import Tier
+
+log = logging.getLogger(__name__)
 
 PROMOTION_RETRY_S = 30.0
 MAX_FAILED_PROMOTIONS = 100_000
+REFUSED_WRITES_PAUSE_S = (0.5, 30.0)
 
 
 class FailedPromotions:
@@ -68,3 +74,31 @@ class Backoff:
         self.delay = min(max(2 * self.delay, self.first_s), self.max_s)
         self._until = now + self.delay
         return first
+
+
+class RefusedWrites:
+    """Tiers that rejected every block of a write (no room: a full disk or server): writes to such
+    a tier pause, from 0.5 s doubling to 30 s, until a write stores something again, so a tier
+    without room costs no time per request (reads go on)."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self._tiers = tiers
+        first, most = REFUSED_WRITES_PAUSE_S
+        self._pauses = [Backoff(first, most) for _ in tiers]
+        self._rejected = [0] * len(tiers)
+
+    def paused(self, tier_index: int, now: float) -> bool:
+        return not self._pauses[tier_index].ready(now)
+
+    def ended(self, tier_index: int, ok: Sequence[bool], now: float) -> None:
+        """A write job of the tier ended (``ok`` per block)."""
+        rejected = self._tiers[tier_index].counters.rejected
+        grew = rejected > self._rejected[tier_index]
+        self._rejected[tier_index] = rejected
+        pause = self._pauses[tier_index]
+        if any(ok):
+            if pause.delay:
+                log.warning("tier %s stores blocks again", self._tiers[tier_index].name)
+            pause.succeeded()
+        elif grew and pause.failed(now):
+            log.warning("tier %s has no room: writes to it pause", self._tiers[tier_index].name)

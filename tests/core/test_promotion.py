@@ -247,3 +247,44 @@ def test_an_empty_tier_is_not_asked_and_a_miss_asks_one_key(ns, make_pool):
     tier.stored = {b"x" * 16: b""}
     assert cache.lookup(keys, "a") == (0, True)
     assert tier.asked == 1
+
+
+class FullTier(ScriptedTier):
+    """A tier without room: every write is rejected (counted as the fs tier counts a full disk)."""
+
+    def __init__(self, name: str, namespace: Namespace, pool: HostPool) -> None:
+        super().__init__(name, namespace, pool)
+        self.full = True
+
+    def release(self, count: int | None = None) -> None:
+        for job in self.pending if self.full else ():
+            if job.kind is TierJobKind.WRITE:
+                self.fail_keys.update(job.keys)
+                self.counters.rejected += len(job.keys)
+        super().release(count)
+        self.fail_keys.clear()
+
+
+def test_writes_to_a_tier_without_room_pause_until_it_stores_again(ns, make_pool):
+    """Before: every store sent a write job to a full disk (1.59 M blocks in the benchmark)."""
+    pool = make_pool(64)
+    clock = Clock()
+    tier = FullTier("fs", ns, pool)
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)], clock=clock)
+    store(cache, pool, keys_for(ns, 2, seed=1))
+    tier.release()
+    cache.step()
+    assert len(tier.submitted) == 1
+    for seed in range(2, 6):
+        store(cache, pool, keys_for(ns, 2, seed=seed))
+    assert len(tier.submitted) == 1
+    assert cache.stats().cache.cascade_skipped == 8
+    clock.now += 0.6  # the first pause ended
+    tier.full = False
+    store(cache, pool, keys_for(ns, 2, seed=7))
+    assert len(tier.submitted) == 2
+    tier.release()
+    cache.step()
+    store(cache, pool, keys_for(ns, 2, seed=8))
+    assert len(tier.submitted) == 3  # stored again: no pause
+    check_settled(cache, tier)
