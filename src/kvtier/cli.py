@@ -32,10 +32,11 @@ from kvtier.config import (
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.redaction import printable, redact_text, yaml_problem
 from kvtier.registry import PLUGIN_FORM, POLICIES, TIERS, is_plugin_path
+from kvtier.sim.conversations import trace_requests
 from kvtier.sim.optimal import OPTIMAL_POLICY, format_optimal, optimal_hit_ratio
 from kvtier.sim.replay import ReplayResult, TierResult
 from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate
-from kvtier.sim.trace import bundled_trace_path, read_trace
+from kvtier.sim.trace import bundled_trace_path
 from kvtier.stats_report import format_snapshot, read_snapshot
 from kvtier.validation import format_size, parse_size
 
@@ -162,6 +163,15 @@ def _add_run_arguments(sim: argparse.ArgumentParser) -> None:
         ),
     )
     sim.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="requests")
+    sim.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="replay with N conversations in flight (requests sharing their first block), each "
+        "turn after the conversation's previous one, round robin; the optimum and --sweep see "
+        "the same order (default: trace order)",
+    )
     sim.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     sim.add_argument(
         "--sweep",
@@ -251,8 +261,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     trace = args.trace if args.trace is not None else bundled_trace_path()
     if args.policy == OPTIMAL_POLICY:
         # Offline: no cache is built, the trace's future decides (a bound, not a policy).
-        bound = optimal_hit_ratio(read_trace(trace, args.limit), pool_blocks)
-        print(format_optimal(bound, Path(trace).name))
+        bound = optimal_hit_ratio(trace_requests(trace, args.limit, args.concurrency), pool_blocks)
+        print(format_optimal(bound, Path(trace).name, args.concurrency))
         return EXIT_OK
     metrics = replay_metrics(args) if args.metrics_port is not None else None
     result = simulate(
@@ -261,6 +271,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         pool_blocks=pool_blocks,
         payload_bytes=args.payload_bytes,
         limit=args.limit,
+        concurrency=args.concurrency,
         overlap=args.overlap,
         progress=not args.no_progress,
         on_request=metrics.after_request if metrics is not None else None,
@@ -290,6 +301,7 @@ def cmd_sweep(config: KVTierConfig, args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         tier=args.sweep_tier,
         pool_blocks=simulate_pool_blocks(config, args.pool_blocks, args.pool_size),
+        concurrency=args.concurrency,
     )
     print(sweep.format_sweep(result))
     if args.sweep_json is not None:
@@ -404,7 +416,8 @@ def _tier_label(t: TierResult) -> str:
 def format_result(r: ReplayResult) -> str:
     secondary = [t for t in r.tiers if t.name != "pool"]
     lines = [
-        f"trace       {r.trace}: {r.requests} requests, {r.blocks} blocks",
+        f"trace       {r.trace}: {r.requests} requests, {r.blocks} blocks"
+        + (f", {r.concurrency} conversations in flight" if r.concurrency else ""),
         f"pool        {r.pool_blocks} blocks of {format_size(r.block_bytes)} "
         f"({format_size(r.pool_blocks * r.block_bytes)}; {r.payload_bytes} B real payload each), "
         f"policy {r.policy}, admission "

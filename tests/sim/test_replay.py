@@ -152,13 +152,23 @@ def test_hand_computed_lru(tmp_path: Path) -> None:
     # cap 4: [1,2] miss; [1,2,3] hits 1,2; [4,5] evicts 1; [1,2] misses (1 is gone) and, storing 1,
     # evicts 3 (2 was just touched).
     trace = write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 2, 3], [4, 5], [1, 2]])
-    result = run(trace, pool_blocks=4)
+    result = run(trace, pool_blocks=4, eviction="lru")
     assert (result.requests, result.blocks, result.hit_blocks) == (4, 9, 2)
     assert result.stored_blocks == 2 + 1 + 2 + 1
     assert result.tiers[0].evictions == 2
     # 4 lookups + 4 prepare/complete_store + 4 hint_request + one prepare/complete_load for the
     # request with hits
     assert result.manager_ops == 4 + 8 + 4 + 2
+    assert_consistent(result)
+
+
+def test_hinted_evicts_a_requests_tail_before_its_prefix(tmp_path: Path) -> None:
+    # The same trace with the default: at its hint [1,2,3] is touched again deepest first, so
+    # [4,5] evicts 3, not 1, and [1,2] hits both (LRU: none).
+    trace = write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 2, 3], [4, 5], [1, 2]])
+    result = run(trace, pool_blocks=4)
+    assert result.hit_blocks == 2 + 2
+    assert result.stored_blocks == 2 + 1 + 2 and result.tiers[0].evictions == 1
     assert_consistent(result)
 
 

@@ -151,8 +151,9 @@ def infinite_hit_ratio(requests: Sequence[TraceRequest] | Sequence[Sequence[int]
     return hits / blocks if blocks else 0.0
 
 
-def format_optimal(result: OptimalResult, trace_name: str) -> str:
-    """The bound as ``kvtier simulate`` prints it, labelled as a bound."""
+def format_optimal(result: OptimalResult, trace_name: str, concurrency: int | None = None) -> str:
+    """The bound as ``kvtier simulate`` prints it, labelled as a bound (``concurrency``: the
+    conversations in flight the trace was reordered for)."""
     exact = (
         "exact for the prefix hit model"
         if result.prefix_consistent
@@ -160,7 +161,8 @@ def format_optimal(result: OptimalResult, trace_name: str) -> str:
     )
     return "\n".join(
         [
-            f"trace       {trace_name}: {result.requests} requests, {result.blocks} blocks",
+            f"trace       {trace_name}: {result.requests} requests, {result.blocks} blocks"
+            + (f", {concurrency} conversations in flight" if concurrency else ""),
             f"pool        {result.capacity_blocks} blocks, policy optimal "
             "(OFFLINE BOUND: knows the future; no online policy reaches it)",
             f"bound       {exact}",

@@ -103,6 +103,8 @@ class ReplayResult:
     """Logical bytes per block, for bytes moved (``block.bytes`` of the config)."""
     policy: str = ""
     admission_min_seen: int = 1
+    concurrency: int = 0
+    """Conversations in flight the trace was reordered for (0: trace order)."""
     cache: dict[str, Any] = field(default_factory=dict)
     """The manager's own counters at the end (``CacheStats.to_dict()``)."""
     machine: str = ""

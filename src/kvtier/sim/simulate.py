@@ -13,8 +13,8 @@ from kvtier.config import KVTierConfig
 from kvtier.factory import build_cache
 from kvtier.keys import Namespace
 from kvtier.manager import TieredCache
+from kvtier.sim.conversations import trace_requests
 from kvtier.sim.replay import Replayer, ReplayResult
-from kvtier.sim.trace import read_trace
 from kvtier.tiers.payload import HEADER_BYTES
 
 SIMULATE_MODEL = "kvtier-simulate"
@@ -69,11 +69,14 @@ def simulate(
     overlap: bool = False,
     progress: bool = False,
     on_request: Callable[[TieredCache], object] | None = None,
+    concurrency: int | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through a ``TieredCache`` built from ``config`` with ``pool_blocks`` slots
     of ``payload_bytes`` real bytes each (``config.block.bytes`` counts as each block's logical
-    size for bytes moved). ``on_request`` sees the cache after each request (metrics)."""
-    requests = read_trace(trace, limit)
+    size for bytes moved). ``on_request`` sees the cache after each request (metrics).
+    ``concurrency``: the trace's requests in the order that many conversations in flight send
+    them (``sim/conversations.py``); None: trace order."""
+    requests = trace_requests(trace, limit, concurrency)
     # The pool really allocates payload_bytes per block: a simulated 64 MiB block costs 4 KiB.
     # Tier capacities follow in the same unit (blocks of block.bytes).
     scaled, tier_blocks = tiers_in_blocks(config, payload_bytes)
@@ -95,6 +98,7 @@ def simulate(
         replayer.tier_capacity_blocks = tier_blocks
         replayer.result.policy = config.eviction
         replayer.result.admission_min_seen = config.admission.min_seen
+        replayer.result.concurrency = concurrency or 0
         with tqdm(
             total=len(requests),
             unit="req",

@@ -22,10 +22,10 @@ from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.sim.conversations import trace_requests
 from kvtier.sim.optimal import infinite_hit_ratio, optimal_hit_ratio
 from kvtier.sim.replay import ReplayResult
 from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate, simulation_namespace
-from kvtier.sim.trace import read_trace
 from kvtier.validation import format_size
 
 AUTO_POINTS = 8
@@ -60,6 +60,9 @@ class SweepResult:
     """The tier whose capacity was swept (empty: the pool was)."""
     fixed_pool_blocks: int = 0
     """The pool's size while a tier is swept."""
+    concurrency: int = 0
+    """Conversations in flight the trace was reordered for (0: trace order); the replays and the
+    optimum see the same order."""
 
     @property
     def swept(self) -> str:
@@ -99,9 +102,12 @@ def sweep(
     progress: bool = False,
     tier: str = "",
     pool_blocks: int = 0,
+    concurrency: int | None = None,
 ) -> SweepResult:
-    """Sweep the pool, or with ``tier`` that tier's capacity with the pool at ``pool_blocks``."""
-    requests = read_trace(trace, limit)
+    """Sweep the pool, or with ``tier`` that tier's capacity with the pool at ``pool_blocks``;
+    ``concurrency``: the trace reordered for that many conversations in flight (replays and
+    optimum alike)."""
+    requests = trace_requests(trace, limit, concurrency)
     distinct = len({h for r in requests for h in r.hash_ids})
     result = SweepResult(
         trace=Path(trace).name,
@@ -112,6 +118,7 @@ def sweep(
         tiers=[f"{t.name} ({t.kind})" for t in config.tiers],
         block_bytes=config.block.bytes,
         ceiling=infinite_hit_ratio(requests),
+        concurrency=concurrency or 0,
     )
     if tier:
         result.tier, result.fixed_pool_blocks = tier, pool_blocks
@@ -130,6 +137,7 @@ def sweep(
                 payload_bytes=payload_bytes,
                 limit=limit,
                 progress=progress,
+                concurrency=concurrency,
             )
         finally:
             _remove_fs_blocks(cold)
@@ -174,8 +182,9 @@ def _evictions(replay: ReplayResult, tier: str) -> int:
 
 
 def format_sweep(r: SweepResult) -> str:
+    order = f", {r.concurrency} conversations in flight" if r.concurrency else ""
     lines = [
-        f"trace       {r.trace}: {r.requests} requests, {r.blocks} blocks, "
+        f"trace       {r.trace}: {r.requests} requests{order}, {r.blocks} blocks, "
         f"{r.distinct_blocks} distinct",
         f"policy      {r.policy}; tiers behind the pool: {', '.join(r.tiers) or 'none'}",
         f"unit        {r.unit} ({format_size(r.block_bytes)} each)",
