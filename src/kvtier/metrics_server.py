@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.errors import KVTierError
-from kvtier.redaction import printable
 
 DEFAULT_ADDR = "127.0.0.1"
 """Loopback: a scraper on another host needs ``addr`` set on purpose (``0.0.0.0``, ``::``)."""
@@ -70,9 +69,9 @@ def check_addr(addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     try:
         return ipaddress.ip_address(addr)
     except ValueError:
-        shown = printable(addr[:100])
+        shown = repr(addr[:100])  # repr escapes control characters (kvtier.redaction's rule)
         raise ExporterError(
-            f"metrics address: an IP address such as 127.0.0.1, 0.0.0.0 or ::, not {shown!r}"
+            f"metrics address: an IP address such as 127.0.0.1, 0.0.0.0 or ::, not {shown}"
         ) from None
 
 
