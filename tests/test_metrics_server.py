@@ -69,11 +69,12 @@ def test_idle_connections_are_capped_timed_out_and_a_scrape_then_works(
         # 60 client sockets are ours; the server holds at most 4 of its own and 4 threads.
         assert threading.active_count() <= threads + 4
         assert open_fds() <= fds + 60 + 4
-        deadline = time.monotonic() + 5
-        while server.counts.timed_out < 4:  # the 4 served ones time out after 0.5 s
+        deadline = time.monotonic() + 10
+        # Each is either refused at once or served, and then timed out after 0.5 s.
+        while server.counts.refused + server.counts.timed_out < 60:
             assert time.monotonic() < deadline, server.counts
             time.sleep(0.05)
-        assert server.counts.refused == 56
+        assert server.counts.timed_out >= 4 and server.counts.refused >= 40, server.counts
         assert b"probe_total 3.0" in scrape(server.url)
         assert threading.active_count() <= threads + 4
     finally:
