@@ -85,6 +85,11 @@ SERIES: tuple[Series, ...] = (
     ),
     _c("kvtier_promotions", "Blocks whose promotion from a secondary tier into the pool started."),
     _c("kvtier_promotion_failures", "Promotions that failed (the lookup became a miss)."),
+    _c(
+        "kvtier_promotions_declined",
+        "Blocks found in a tier and not promoted: over the promotion budget, or expected to be "
+        "read later than the engine would compute them.",
+    ),
     # Loads and stores between the engine and the pool.
     _c("kvtier_loaded_blocks", "Blocks copied from the pool into the engine."),
     _c("kvtier_load_failed_blocks", "Blocks whose load failed (the engine recomputes them)."),
@@ -112,6 +117,7 @@ SERIES: tuple[Series, ...] = (
     _c("kvtier_tier_timeouts", "Tier jobs that timed out, by tier.", "tier"),
     _c("kvtier_cascade_writes", "Blocks whose copy to a secondary tier started."),
     _c("kvtier_cascade_failures", "Cascade writes that failed."),
+    _c("kvtier_cascade_skipped", "Blocks not written to a tier while its writes pause (no room)."),
     # The pool.
     _g("kvtier_pool_slots", "Host pool capacity in blocks."),
     _g("kvtier_pool_used_slots", "Host pool slots holding a block or reserved for one."),
@@ -231,6 +237,7 @@ def cache_counters(stats: CacheStats, hits_by_tier: Mapping[str, int] | None = N
         "kvtier_hit_blocks": dict(hits_by_tier),
         "kvtier_promotions": {"": c.promotions},
         "kvtier_promotion_failures": {"": c.promotion_failures},
+        "kvtier_promotions_declined": {"": c.promotions_declined},
         "kvtier_loaded_blocks": {"": c.loaded_blocks},
         "kvtier_load_failed_blocks": {"": c.load_failed},
         "kvtier_stored_blocks": {"": c.stored_blocks},
@@ -243,6 +250,7 @@ def cache_counters(stats: CacheStats, hits_by_tier: Mapping[str, int] | None = N
         "kvtier_evictions": {POOL_TIER: c.pool_evictions},
         "kvtier_cascade_writes": {"": c.cascade_writes},
         "kvtier_cascade_failures": {"": c.cascade_failures},
+        "kvtier_cascade_skipped": {"": c.cascade_skipped},
     }
     per_tier = (
         ("kvtier_read_bytes", "read_bytes"),

@@ -142,7 +142,12 @@ class Rig:
         vllm: dict[str, Any] | None = None,
     ) -> None:
         extra = {
-            "pool": {"size": pool_slots * TP * PART, "shm_dir": str(shm_dir)},
+            # Pools of a few slots: promotions for the one waiting request may take them all.
+            "pool": {
+                "size": pool_slots * TP * PART,
+                "shm_dir": str(shm_dir),
+                "promotion_budget": 1.0,
+            },
             "tiers": tiers or [],
             "vllm": {"blocks_per_slot": BPS, **(vllm or {})},
         }
