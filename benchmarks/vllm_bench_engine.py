@@ -284,36 +284,47 @@ def kvtier_extra(spec: RunSpec) -> dict[str, Any]:
     }
 
 
-def tiering_missing() -> str | None:
-    """Why this vLLM cannot run ``native_fs``, or None when it can."""
-    try:
-        found = importlib.util.find_spec("vllm.v1.kv_offload.tiering.factory")
-    except ImportError:
-        found = None
+def fs_tier_type() -> str:
+    """The type vLLM's tiering registers its fs tier under (``fs`` in 0.32); RuntimeError, saying
+    why, when this vLLM has no multi-tier offloading or no fs tier in it."""
     import vllm
 
     version = getattr(vllm, "__version__", "?")
-    if found is None:
-        return (
+    try:
+        factory = importlib.import_module("vllm.v1.kv_offload.tiering.factory")
+    except ImportError as exc:
+        raise RuntimeError(
             f"vLLM {version} has no multi-tier offloading (vllm.v1.kv_offload.tiering, "
-            "TieringOffloadingSpec): native_fs needs a vLLM that has it"
-        )
-    factory = importlib.import_module("vllm.v1.kv_offload.tiering.factory")
-    registry = getattr(getattr(factory, "SecondaryTierFactory", None), "_registry", {})
-    if "fs" not in registry:
-        return f"vLLM {version}'s TieringOffloadingSpec has no 'fs' secondary tier"
-    return None
+            f"TieringOffloadingSpec), which native_fs needs: {exc}"
+        ) from None
+    registry = getattr(getattr(factory, "SecondaryTierFactory", None), "_registry", None)
+    if not isinstance(registry, dict):
+        raise RuntimeError(f"vLLM {version}'s tiering has no SecondaryTierFactory registry")
+    if "fs" in registry:
+        return "fs"
+    for name, loader in registry.items():
+        try:
+            if loader().__name__ == "FileSystemTierManager":
+                return str(name)
+        except Exception:  # a tier whose dependencies are missing is not the fs tier
+            continue
+    raise RuntimeError(
+        f"vLLM {version}'s TieringOffloadingSpec has no fs secondary tier "
+        f"(registered: {', '.join(map(str, registry))})"
+    )
 
 
-def native_fs_transfer_config(host_gib: float, root: Path) -> dict[str, Any]:
+def native_fs_transfer_config(host_gib: float, root: Path, tier_type: str) -> dict[str, Any]:
     """vLLM's OffloadingConnector with a CPU tier of ``host_gib`` and its fs tier in ``root``."""
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "TieringOffloadingSpec",
+            # Only read by a vLLM whose spec factory has not registered the name.
+            "spec_module_path": "vllm.v1.kv_offload.tiering.spec",
             "cpu_bytes_to_use": int(host_gib * (1 << 30)),
-            "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+            "secondary_tiers": [{"type": tier_type, "root_dir": str(root)}],
         },
     }
 
@@ -337,12 +348,10 @@ def engine_kwargs(spec: RunSpec, model: ModelSpec) -> dict[str, Any]:
         kwargs["kv_offloading_size"] = spec.host_gib
         kwargs["kv_offloading_backend"] = "native"
     elif spec.config == "native_fs":
-        missing = tiering_missing()
-        if missing is not None:
-            raise RuntimeError(missing)
+        tier_type = fs_tier_type()
         root = spec.native_fs_dir / "tier"
         root.mkdir(parents=True, exist_ok=True)
-        kwargs["kv_transfer_config"] = native_fs_transfer_config(spec.host_gib, root)
+        kwargs["kv_transfer_config"] = native_fs_transfer_config(spec.host_gib, root, tier_type)
     elif spec.config.startswith("kvtier"):
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector",

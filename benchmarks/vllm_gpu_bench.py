@@ -10,8 +10,11 @@ Configurations (``--configs``, run in that order, each in a fresh engine):
 * ``native_fs``: vLLM's own multi-tier offloading (``TieringOffloadingSpec``, in
   ``vllm.v1.kv_offload.tiering`` since before 0.25.1) with its fs tier, the same host size:
   ``kv_transfer_config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-  "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use":
-  int(H * 2**30), "secondary_tiers": [{"type": "fs", "root_dir": "<workdir>/native_fs/tier"}]}}``.
+  "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "spec_module_path":
+  "vllm.v1.kv_offload.tiering.spec", "cpu_bytes_to_use": int(H * 2**30), "secondary_tiers":
+  [{"type": "fs", "root_dir": "<workdir>/native_fs/tier"}]}}`` (``spec_module_path`` is read only
+  where the spec's name is not registered; ``fs`` is the tier's registered type, looked up by
+  class name ``FileSystemTierManager`` if a release named it otherwise).
   vLLM's fs tier (``FileSystemTierManager``: ``root_dir``, ``n_read_threads``,
   ``n_write_threads``, 16 each by default) has no capacity option in 0.25.1 or 0.32: it writes
   every block the CPU tier stores and never deletes one. So it gets the disk kvtier's fs tier is

@@ -506,7 +506,7 @@ def test_native_fs_is_vllm_tiering_with_an_fs_tier(
 ) -> None:
     model = eng.ModelSpec("m", tmp_path, 100, 8, True)
     spec = eng.RunSpec("native_fs", 8, 2.5, 10.0, 1 << 30, 4096, tmp_path)
-    monkeypatch.setattr(eng, "tiering_missing", lambda: None)
+    monkeypatch.setattr(eng, "fs_tier_type", lambda: "fs")
     kwargs = eng.engine_kwargs(spec, model)
     extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"]
     assert kwargs["kv_transfer_config"]["kv_connector"] == "OffloadingConnector"
@@ -516,6 +516,23 @@ def test_native_fs_is_vllm_tiering_with_an_fs_tier(
     assert tier["type"] == "fs" and Path(tier["root_dir"]).is_relative_to(tmp_path / "native_fs")
     eng.clear_fs(tmp_path)
     assert not (tmp_path / "native_fs").exists()
+
+
+@require.unless("vllm", require.vllm_missing())
+def test_native_fs_names_what_this_vllm_lacks(
+    eng: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert eng.fs_tier_type() == "fs"  # the CPU build has the tiering module
+    real = eng.importlib.import_module
+
+    def without_tiering(name: str, *args: Any) -> Any:
+        if name.startswith("vllm.v1.kv_offload.tiering"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args)
+
+    monkeypatch.setattr(eng.importlib, "import_module", without_tiering)
+    with pytest.raises(RuntimeError, match="has no multi-tier offloading"):
+        eng.fs_tier_type()
 
 
 def test_disk_guard_stops_below_its_floor(eng: ModuleType, tmp_path: Path) -> None:
