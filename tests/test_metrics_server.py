@@ -168,8 +168,10 @@ def test_simulate_exporter_holds_few_threads_and_descriptors_under_idle_clients(
         clients = idle_clients(int(match.group(1)), 200)
         try:
             time.sleep(1.0)
-            assert len(list(task.iterdir())) <= threads + 16
-            assert len(list(fd.iterdir())) <= fds + 16
+            # 16 served at once, and a few threads and files of the replay's own that may come
+            # and go (200 idle clients held 200 more of each before).
+            assert len(list(task.iterdir())) <= threads + 16 + 4
+            assert len(list(fd.iterdir())) <= fds + 16 + 4
             deadline = time.monotonic() + 15
             while True:  # the served idle ones time out (5 s); then a scrape is answered
                 try:
