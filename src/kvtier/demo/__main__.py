@@ -31,6 +31,7 @@ from kvtier.demo import (
     write_model,
 )
 from kvtier.policies import DEFAULT_EVICTION
+from kvtier.stats_report import read_snapshot
 
 BASELINE = "without kvtier"
 KVTIER = "with kvtier"
@@ -247,7 +248,7 @@ def run_engine(
     if transfer is not None and run.kvtier is None:
         # No in-process counters: fall back to the stats file (warm-up included).
         stats_path = Path(transfer["kv_connector_extra_config"]["vllm"]["stats_path"])
-        run.kvtier = json.loads(stats_path.read_text())
+        run.kvtier = read_snapshot(stats_path)  # through safe_files, bounded
     return run
 
 
