@@ -573,7 +573,7 @@ def test_failing_tier_closes_earlier_tiers_and_the_pool(shm: Path, fake_kind: st
             ],
         }
     )
-    with pytest.raises(OSError, match="cannot open tier second"):
+    with pytest.raises(ConfigError, match=r"tiers\[1\].kind.*OSError: cannot open tier second"):
         factory.build_cache(config, NS, slot_bytes=1024)
     (first,) = FakeTier.instances
     assert first.name == "first" and first.closed

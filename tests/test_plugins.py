@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from kvtier.cli import main, parse_tier_spec
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
-from kvtier.policies import make_policy
+from kvtier.policies import GuardedPolicy, make_policy
 from kvtier.registry import COPY_BACKENDS, POLICIES, TIERS, Registry, declared
 
 TIER = "plugin_examples.dict_tier:DictTier"
@@ -175,7 +176,8 @@ def test_out_of_tree_policy_decides_what_the_pool_evicts(
 
 def test_make_policy_takes_a_module_path_and_passes_the_capacity() -> None:
     policy = make_policy(POLICY, 7)
-    assert isinstance(policy, FifoPolicy) and policy.capacity == 7
+    assert isinstance(policy, GuardedPolicy)  # a plugin runs behind the boundary
+    assert isinstance(policy.policy, FifoPolicy) and policy.policy.capacity == 7
     assert type(make_policy("lru", 7)).__name__ == "LRUPolicy"  # a constructor without capacity
 
 
@@ -303,13 +305,22 @@ def test_names_are_listed_without_importing_the_parts_or_the_redis_client() -> N
 
 
 @pytest.fixture
-def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty package ``kvtier_registry_test_parts`` on the Python path."""
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty package ``kvtier_registry_test_parts`` on the Python path (a new one per test:
+    what an earlier test imported from its namesake is forgotten)."""
     directory = tmp_path / "kvtier_registry_test_parts"
     directory.mkdir()
     (directory / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    return directory
+    _forget_modules(directory.name)
+    yield directory
+    _forget_modules(directory.name)
+
+
+def _forget_modules(package: str) -> None:
+    for name in [m for m in sys.modules if m == package or m.startswith(f"{package}.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
 
 
 def test_a_module_declares_its_own_name_once(package: Path) -> None:
@@ -325,3 +336,134 @@ def test_a_module_declares_its_own_name_once(package: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"\['A', 'B'\] all declare kind 'twice'"):
         declared(package.name)
+
+
+# -- hostile plugins at load time: one ConfigError naming the field, never a traceback ----------
+
+HOSTILE_MODULES = {
+    "raises": "raise RuntimeError('broken at import')\n",
+    "getattr_raises": "def __getattr__(name):\n    raise RuntimeError('no attributes today')\n",
+    "exits": "import sys\nsys.exit(7)\n",
+    "exits_quietly": "raise SystemExit\n",
+    "recursion": "def f():\n    return f()\nf()\n",
+    "syntax": "def (:\n",
+    "bad_str": (
+        "class Odd(Exception):\n    def __str__(self):\n        raise ValueError('no text')\n"
+        "raise Odd()\n"
+    ),
+    "long_error": "raise RuntimeError('x' * 1_000_000)\n",
+}
+
+
+@pytest.fixture
+def hostile(package: Path) -> str:
+    """``package`` with one module per ``HOSTILE_MODULES`` entry; returns the package name."""
+    for name, source in HOSTILE_MODULES.items():
+        (package / f"{name}.py").write_text(source)
+    return package.name
+
+
+def _config_error(config: dict[str, Any]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    return info.value
+
+
+@pytest.mark.parametrize("module", list(HOSTILE_MODULES))
+def test_a_module_that_fails_to_import_is_a_config_error(hostile: str, module: str) -> None:
+    """Before: a traceback (RuntimeError, RecursionError, SyntaxError), or for ``sys.exit(7)``
+    kvtier ending silently with exit code 7."""
+    tier = _config_error({"tiers": [{"kind": f"{hostile}.{module}:Tier"}]})
+    assert tier.field == "tiers[0].kind"
+    assert "an importable module" in tier.allowed or "a class that exists" in tier.allowed
+    policy = _config_error({"eviction": f"{hostile}.{module}:Policy"})
+    assert policy.field == "eviction"
+    assert len(str(tier)) < 1000 and len(str(policy)) < 1000
+
+
+def test_a_module_that_exits_at_import_fails_check_config_with_one_line(
+    hostile: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"eviction: {hostile}.exits:Policy\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: invalid config eviction=") and err.count("\n") == 1
+    assert "SystemExit: 7" in err
+
+
+def test_an_interrupt_during_import_is_not_swallowed(package: Path) -> None:
+    """Ctrl-C while a slow plugin imports stops kvtier as it would anywhere else: turning it into
+    a config error would report a good config as bad and keep a process running that was asked
+    to stop."""
+    (package / "interrupted.py").write_text("raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        load_config({"eviction": f"{package.name}.interrupted:Policy"})
+
+
+@pytest.mark.parametrize(
+    ("name", "allowed"),
+    [
+        (".".join(["a"] * 300) + ":C", "at most 200 characters (got 601)"),
+        (".".join(["a"] * 99) + ":C", "at most 16 dotted parts (got 100)"),
+        ("a.b:" + ".".join(["C"] * 40), "at most 16 dotted parts"),
+        ("m" * 1_000_000 + ":C", "at most 200 characters (got 1,000,002)"),
+        ("plugin_examples.dict_tier:DictTier\n", "one of 'fs'"),  # ``$`` matches before "\n"
+        ("plugin_examples.dict_tier:DictTier\x1b[31m", "one of 'fs'"),
+        ("plugin_examples.dïct_tier:DictTier", "one of 'fs'"),
+    ],
+    ids=["300 parts", "100 parts", "40 attributes", "1 MB", "newline", "escape", "unicode"],
+)
+def test_a_name_is_checked_before_anything_is_imported(name: str, allowed: str) -> None:
+    """Before: a 300-part name gave ``RecursionError``, a 1 MB name a 1 MB error line."""
+    error = _config_error({"tiers": [{"kind": name}]})
+    assert error.field == "tiers[0].kind" and allowed in error.allowed
+    assert len(str(error)) < 1000
+
+
+@pytest.mark.parametrize(
+    ("config", "field", "allowed"),
+    [
+        (
+            {"eviction": "kvtier.policies.base:EvictionPolicy"},
+            "eviction",
+            "a class that can be built (abstract methods:",
+        ),
+        (
+            {"tiers": [{"kind": "kvtier.tiers.base:Tier"}]},
+            "tiers[0].kind",
+            "a class that can be built (abstract methods:",
+        ),
+        (
+            {"tiers": [{"kind": "plugin_examples.hostile:TierWithoutOptions"}]},
+            "tiers[0].kind",
+            "a tier class with an Options record that has parse(section)",
+        ),
+        (
+            {"tiers": [{"kind": "plugin_examples.hostile:TierWithFailingOptions"}]},
+            "tiers[0].kind",
+            "a tier whose Options.parse works (RuntimeError: cannot read my own options)",
+        ),
+    ],
+)
+def test_a_class_that_cannot_be_built_fails_at_load_time(
+    config: dict[str, Any], field: str, allowed: str
+) -> None:
+    """Before: ``eviction: kvtier.policies.base:EvictionPolicy`` passed ``check-config`` and
+    simulate failed with ``TypeError: Can't instantiate abstract class``; ``kind:
+    kvtier.tiers.base:Tier`` gave ``TypeError: tier class Tier has no Options.parse``."""
+    error = _config_error(config)
+    assert error.field == field and allowed in error.allowed
+
+
+def test_a_plugin_that_fails_when_built_is_a_config_error(shm: Path) -> None:
+    for config, field in [
+        ({"eviction": "plugin_examples.hostile:PolicyFailingToBuild"}, "eviction"),
+        ({"tiers": [{"kind": "plugin_examples.hostile:TierFailingToBuild"}]}, "tiers[0].kind"),
+        ({"tiers": [{"kind": "plugin_examples.hostile:TierWithoutCounters"}]}, "tiers[0].kind"),
+    ]:
+        loaded = load_config({"pool": {"size": 2048, "shm_dir": str(shm)}, **config})
+        with pytest.raises(ConfigError) as info:
+            factory.build_cache(loaded, NS, slot_bytes=1024)
+        assert info.value.field == field, config
+        assert list(shm.iterdir()) == []  # the pool was closed again

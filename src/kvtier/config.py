@@ -27,7 +27,7 @@ from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.policies import DEFAULT_EVICTION, parse_eviction
 from kvtier.pool import DEFAULT_SHM_DIR
 from kvtier.redaction import yaml_problem
-from kvtier.registry import is_plugin_path
+from kvtier.registry import is_plugin_path, parse_tier_options
 from kvtier.safe_files import read_text
 from kvtier.tiers import tier_class
 from kvtier.tiers.base import WriteMode
@@ -269,7 +269,7 @@ def _tiers(root: Section) -> tuple[TierConfig, ...]:
         write = s.choice("write", WriteMode, WriteMode.THROUGH)
         option_keys = {k: v for k, v in s.data.items() if k not in _TIER_COMMON}
         options_section = Section(option_keys, path)
-        options = options_class(cls).parse(options_section)
+        options = parse_tier_options(cls, options_section, f"{path}.kind", kind)
         options_section.done()  # in case a tier's parse forgot: unknown keys never pass
         out.append(TierConfig(kind=kind, name=name, write=write, options=options))
     return tuple(out)

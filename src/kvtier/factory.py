@@ -6,14 +6,15 @@ import contextlib
 import math
 from typing import Any
 
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, TierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import make_policy
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.pool import HostPool, ShmDirError, slot_stride
-from kvtier.tiers import tier_class
+from kvtier.registry import describe
+from kvtier.tiers import Tier, contract, tier_class
 from kvtier.validation import format_size
 
 
@@ -32,6 +33,30 @@ def pool_slots(config: KVTierConfig, slot_bytes: int) -> int:
             f"at least one block of {slot_bytes} bytes, {stride} aligned ({format_size(stride)})",
         )
     return num_slots
+
+
+def build_tier(tier_config: TierConfig, namespace: Namespace, pool: HostPool, field: str) -> Tier:
+    """A new tier of ``tier_config``. A tier from outside kvtier is the plugin boundary: whatever
+    building it raises (``KeyboardInterrupt`` aside), or an object that lacks what the manager
+    reads of every tier (a ``name``, ``counters``: a constructor that skipped ``Tier.__init__``),
+    is a ``ConfigError`` for ``field``."""
+    cls = tier_class(tier_config.kind, field)
+    if cls.__module__.startswith("kvtier."):
+        tier: Tier = cls(tier_config.name, namespace, pool, tier_config.options)
+        return tier
+    try:
+        tier = cls(tier_config.name, namespace, pool, tier_config.options)
+    except (KeyboardInterrupt, ConfigError):
+        raise
+    except BaseException as exc:  # SystemExit included: a plugin does not end kvtier
+        allowed = f"a tier that can be built ({describe(exc)})"
+        raise ConfigError(field, tier_config.kind, allowed) from exc
+    lacks = contract.tier_lacks(tier)
+    if lacks is not None:
+        with contextlib.suppress(Exception):
+            tier.close()
+        raise ConfigError(field, tier_config.kind, f"a tier class that {lacks}")
+    return tier
 
 
 def build_cache(
@@ -53,9 +78,8 @@ def build_cache(
     tiers: list[Any] = []
     try:
         secondary: list[TierBinding] = []
-        for tier_config in config.tiers:
-            cls = tier_class(tier_config.kind)
-            tier = cls(tier_config.name, namespace, pool, tier_config.options)
+        for i, tier_config in enumerate(config.tiers):
+            tier = build_tier(tier_config, namespace, pool, f"tiers[{i}].kind")
             tiers.append(tier)
             secondary.append(TierBinding(tier, tier_config.write))
         admission = (
@@ -71,6 +95,8 @@ def build_cache(
             job_timeout_s=config.job_timeout_s,
             record_events=config.events,
             writeback_window=math.ceil(config.pool.writeback_window * num_slots),
+            promotion_budget=config.pool.promotion_budget,
+            block_tokens=namespace.block_tokens,
         )
     except BaseException:
         for tier in reversed(tiers):

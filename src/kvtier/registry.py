@@ -14,14 +14,25 @@ names, never a fallback.
 
 The config is operator input (like the command line): naming a module imports it, which runs its
 code. Only modules already on the Python path can be named; nothing is loaded from a file path.
+
+Loading is the plugin boundary at config time (``load``): a name is checked before anything is
+imported (ASCII identifiers, at most ``MAX_PLUGIN_PARTS`` dotted parts and ``MAX_PLUGIN_CHARS``
+characters), and whatever importing the module or reading the class raises (any exception,
+``SystemExit`` included) becomes a ``ConfigError`` naming the field, with the error shortened. A
+class that cannot be built (abstract methods left, or a check of the registry's own failing) is
+refused then too, so ``check-config`` refuses what a run would fail on. Only ``KeyboardInterrupt``
+passes: it is how Ctrl-C reaches a process, and an operator who stops a slow import wants kvtier
+stopped, not a report that the config is bad.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import re
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -29,13 +40,43 @@ from typing import Any
 from kvtier.errors import ConfigError
 
 PLUGIN_FORM = "package.module:Class"
-_PLUGIN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", re.ASCII)
+_PLUGIN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 """A dotted module path, a colon, a (possibly nested) attribute path: nothing else is imported."""
+MAX_PLUGIN_CHARS = 200
+"""The longest class path accepted (a real one is far shorter)."""
+MAX_PLUGIN_PARTS = 16
+"""The most dotted parts of a class path, module and attribute together: importing a module
+imports each of its parent packages, one nested call each (300 parts reached ``RecursionError``)."""
+ERROR_CHARS = 300
+"""How much of a plugin's error text a message quotes."""
 
 
 def is_plugin_path(text: str) -> bool:
-    """True when ``text`` has the ``package.module:Class`` form (not whether it imports)."""
-    return bool(_PLUGIN.match(text))
+    """True when ``text`` has the ``package.module:Class`` form within the bounds above (not
+    whether it imports)."""
+    return _plugin_bounds(text) is None and bool(_PLUGIN.fullmatch(text))
+
+
+def _plugin_bounds(text: str) -> str | None:
+    """What is too large about a would-be class path, None when nothing is."""
+    if len(text) > MAX_PLUGIN_CHARS:
+        return f"at most {MAX_PLUGIN_CHARS} characters (got {len(text):,})"
+    if text.count(".") + 2 > MAX_PLUGIN_PARTS:
+        return f"at most {MAX_PLUGIN_PARTS} dotted parts (got {text.count('.') + 2:,})"
+    return None
+
+
+def describe(exc: BaseException, named: bool = True) -> str:
+    """``Type: text`` (``text`` alone unless ``named``) of an exception a plugin raised, for a
+    message: one line, at most ``ERROR_CHARS`` characters, and never raising (a plugin's
+    ``__str__`` may)."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<no text>"
+    name = type(exc).__name__
+    line = " ".join((f"{name}: {text}" if named else text).split()) if text else name
+    return line if len(line) <= ERROR_CHARS else f"{line[:ERROR_CHARS]}... ({len(line):,} chars)"
 
 
 @dataclass(slots=True)
@@ -48,6 +89,8 @@ class Registry:
     """``package.module:Class`` every entry must subclass (imported on first load)."""
     package: str
     """The package whose modules declare the built-in names (``declared``)."""
+    verify: Callable[[type[Any]], str | None] | None = field(default=None, compare=False)
+    """A check of the registry's own on a loaded class: what the class lacks, None when fine."""
     _entries: dict[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -90,6 +133,15 @@ class Registry:
         ``ConfigError`` for ``field`` otherwise."""
         if isinstance(name, str) and (name in self.entries or is_plugin_path(name)):
             return name
+        if isinstance(name, str) and len(name) > MAX_PLUGIN_CHARS:
+            # The message quotes the start of the name: a megabyte of it helps nobody.
+            too_large = _plugin_bounds(name)
+            raise ConfigError(
+                field, f"{name[:MAX_PLUGIN_CHARS]}...", f"{self.allowed()}: {too_large}"
+            )
+        too_deep = _plugin_bounds(name) if isinstance(name, str) and ":" in name else None
+        if too_deep is not None:
+            raise ConfigError(field, name, f"{self.allowed()}: {too_deep}")
         raise ConfigError(field, name, self.allowed())
 
     def load(self, name: object, field: str) -> type[Any]:
@@ -102,26 +154,94 @@ class Registry:
         key = self.check(name, field)
         builtin = key in self.entries
         target = self.entries[key] if builtin else key
+        module_name, _, attribute = target.partition(":")
         try:
-            cls = _resolve(target)
+            module = importlib.import_module(module_name)
+        except KeyboardInterrupt:
+            raise  # Ctrl-C: see the module docstring
         except ImportError as exc:
             if builtin:
-                raise ConfigError(field, key, f"its dependency is not installed ({exc})") from exc
-            raise ConfigError(field, key, f"an importable module ({exc})") from exc
-        except AttributeError as exc:
-            raise ConfigError(field, key, f"a class that exists ({exc})") from exc
+                missing = describe(exc, False)
+                raise ConfigError(
+                    field, key, f"its dependency is not installed ({missing})"
+                ) from exc
+            raise ConfigError(field, key, f"an importable module ({describe(exc, False)})") from exc
+        except BaseException as exc:  # whatever the module's code raised, SystemExit included
+            raise ConfigError(field, key, f"an importable module ({describe(exc)})") from exc
+        try:
+            cls = _attribute(module, attribute)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            raise ConfigError(field, key, f"a class that exists ({describe(exc)})") from exc
+        wrong = self._unusable(cls)
+        if wrong is not None:
+            raise ConfigError(field, key, wrong)
+        loaded: type[Any] = cls
+        return loaded
+
+    def _unusable(self, cls: object) -> str | None:
+        """Why ``cls`` cannot serve as one of this registry's classes, None when it can."""
         base = _resolve(self.base)
-        if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise ConfigError(field, key, f"a subclass of {self.base} (got {cls!r})")
-        return cls
+        try:
+            if not (isinstance(cls, type) and issubclass(cls, base)):
+                return f"a subclass of {self.base} (got {_short_repr(cls)})"
+            if inspect.isabstract(cls):
+                missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+                return f"a class that can be built (abstract methods: {missing})"
+            return self.verify(cls) if self.verify is not None else None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a hostile metaclass
+            return f"a class that can be inspected ({describe(exc)})"
 
 
 def _resolve(target: str) -> Any:
     module_name, _, attribute = target.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
+    return _attribute(importlib.import_module(module_name), attribute)
+
+
+def _attribute(obj: Any, path: str) -> Any:
+    for part in path.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _short_repr(obj: object) -> str:
+    try:
+        text = repr(obj)
+    except Exception:
+        text = f"<{type(obj).__name__}>"
+    return text if len(text) <= ERROR_CHARS else f"{text[:ERROR_CHARS]}..."
+
+
+def tier_options(cls: type[Any]) -> Any:
+    """A tier class's ``Options`` record: the class attribute, else its module's ``Options``;
+    None when neither exists."""
+    options = getattr(cls, "Options", None)
+    if options is None:
+        options = getattr(sys.modules.get(cls.__module__), "Options", None)
+    return options
+
+
+def parse_tier_options(cls: type[Any], section: Any, field: str, kind: str) -> Any:
+    """``tier_options(cls).parse(section)``: the tier's own parser, a plugin's code. Its
+    ``ConfigError`` passes as it is; anything else it raises (``KeyboardInterrupt`` aside) is a
+    ``ConfigError`` for ``field`` (the tier's ``kind``)."""
+    try:
+        return tier_options(cls).parse(section)
+    except (KeyboardInterrupt, ConfigError):
+        raise
+    except BaseException as exc:
+        raise ConfigError(
+            field, kind, f"a tier whose Options.parse works ({describe(exc)})"
+        ) from exc
+
+
+def _tier_lacks(cls: type[Any]) -> str | None:
+    if callable(getattr(tier_options(cls), "parse", None)):
+        return None
+    return "a tier class with an Options record that has parse(section)"
 
 
 def declared(package: str) -> dict[str, str]:
@@ -168,7 +288,7 @@ def _declared_kind(node: ast.ClassDef) -> str | None:
     return None
 
 
-TIERS = Registry("tier", "kvtier.tiers.base:Tier", "kvtier.tiers")
+TIERS = Registry("tier", "kvtier.tiers.base:Tier", "kvtier.tiers", verify=_tier_lacks)
 """Secondary tiers (``tiers[i].kind``). A tier class takes ``(name, namespace, pool, options)``
 and has an ``Options`` record with ``parse(section)``."""
 
@@ -187,5 +307,8 @@ __all__ = [
     "TIERS",
     "Registry",
     "declared",
+    "describe",
     "is_plugin_path",
+    "parse_tier_options",
+    "tier_options",
 ]

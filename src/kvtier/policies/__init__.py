@@ -13,11 +13,12 @@ import inspect
 from kvtier.errors import ConfigError
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.guarded import GuardedPolicy
 from kvtier.policies.hinted import HintedPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.segmented import SegmentedPolicy
-from kvtier.registry import POLICIES
+from kvtier.registry import POLICIES, describe
 from kvtier.validation import Section
 
 DEFAULT_EVICTION: str = HintedPolicy.kind
@@ -53,11 +54,30 @@ def parse_eviction(section: Section, default: str = DEFAULT_EVICTION) -> str:
 def make_policy(kind: str, capacity_blocks: int, field: str = "eviction") -> EvictionPolicy:
     """A new policy ``kind`` (a registered name or ``package.module:Class``) for a pool of
     ``capacity_blocks`` blocks: built with the capacity as its one argument, or with none when
-    its constructor takes none."""
+    its constructor takes none.
+
+    A policy from outside kvtier is the plugin boundary: whatever building it raises is a
+    ``ConfigError`` for ``field`` (``KeyboardInterrupt`` aside), and it runs inside a
+    ``GuardedPolicy`` (``policies/guarded.py``). kvtier's own policies are built and run as they
+    are: they are on every lookup's and store's path."""
     cls = policy_class(kind, field)
+    if cls.__module__.startswith("kvtier."):
+        return _build(cls, capacity_blocks)
+    try:
+        policy = _build(cls, capacity_blocks)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit included: a plugin does not end kvtier
+        raise ConfigError(field, kind, f"a policy that can be built ({describe(exc)})") from exc
+    if not isinstance(policy, EvictionPolicy):  # a __new__ that returns something else
+        raise ConfigError(field, kind, "a class whose constructor returns an EvictionPolicy")
+    return GuardedPolicy(policy, kind)
+
+
+def _build(cls: type[EvictionPolicy], capacity_blocks: int) -> EvictionPolicy:
     try:
         inspect.signature(cls).bind(capacity_blocks)
-    except TypeError:
+    except (TypeError, ValueError):  # takes no argument, or has no signature to read
         return cls()
     return cls(capacity_blocks)  # type: ignore[call-arg]
 
@@ -67,6 +87,7 @@ __all__ = [
     "DEFAULT_TIER_EVICTION",
     "ARCPolicy",
     "EvictionPolicy",
+    "GuardedPolicy",
     "HintedPolicy",
     "LRUPolicy",
     "RequestHint",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.keys import BlockKey
+from kvtier.metrics import TierCounters
 
 
 def lookup_flags(answer: object, n: int) -> list[bool | None] | None:
@@ -64,3 +65,18 @@ def evicted_keys(evicted: object) -> Sequence[BlockKey] | None:
         if type(key) is not bytes:
             return None
     return evicted
+
+
+def tier_lacks(tier: object) -> str | None:
+    """What a newly built tier lacks of what the manager reads of every tier (a ``name`` that is
+    a string, ``counters`` that are ``TierCounters``), None when nothing: checked once, when it
+    is built, so no run-time error path can fail on it."""
+    try:
+        name, counters = getattr(tier, "name", None), getattr(tier, "counters", None)
+    except Exception:
+        return "can be inspected"
+    if not isinstance(name, str):
+        return "has a name (did its constructor call Tier.__init__?)"
+    if not isinstance(counters, TierCounters):
+        return "has TierCounters as counters (did its constructor call Tier.__init__?)"
+    return None
