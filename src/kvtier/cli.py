@@ -455,12 +455,13 @@ def format_result(r: ReplayResult) -> str:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    config = parse_config(read_config_file(args.config))
-    print(f"{printable(str(args.config))}: valid")
-    print(describe_config(config))
     from kvtier.capacity import capacity_warnings
 
-    for warning in capacity_warnings(config):
+    config = parse_config(read_config_file(args.config))
+    warnings = capacity_warnings(config)  # a path no filesystem takes is an error: before "valid"
+    print(f"{printable(str(args.config))}: valid")
+    print(describe_config(config))
+    for warning in warnings:
         print(f"warning: {printable(warning)}")
     return EXIT_OK
 
