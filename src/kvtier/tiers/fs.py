@@ -40,10 +40,13 @@ temp files with ``O_EXCL`` and gives files ``file_mode`` (0600) and the director
 dropped (the link or FIFO itself is removed, never what it points to).
 
 Several processes may share one directory (a shared filesystem). Each keeps its own index, built
-from the directory at start; ``rescan()`` picks up files the others wrote since and forgets files
-they deleted. Capacity is enforced by each process over the files it knows, so give each process
-sharing a disk its share of it. A file this process cannot delete (another user's, a read-only
-directory) is forgotten, no longer counted and not indexed again by ``rescan``.
+from the directory at start (the newest files up to its capacity; older ones are left alone);
+``rescan()`` picks up files the others wrote since and forgets files they deleted. Capacity is
+enforced by each process over the files it knows, so give each process sharing a disk its share of
+it. A process deletes only its own files (those it wrote or found at start): a file a rescan found
+is forgotten when room is needed, never deleted, so a smaller share never eats a larger one
+(``fs_index.py``). A file this process cannot delete (another user's, a read-only directory) is
+forgotten, no longer counted and not indexed again by ``rescan``.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class FsTier(BlockTier):
         self.capacity = options.capacity
         self.root = os.path.join(options.path, namespace.hex)
         self._file_bytes = file_bytes
-        self._index = FsIndex(options.capacity, self._pins, policy)
+        self._index = FsIndex(options.capacity, self._pins, policy, self._report_evicted)
         """Guarded by ``_lock`` (the skeleton's lock, shared with its counters and pins)."""
         self._free_at = -FREE_SPACE_REFRESH_S
         self._root_fd = -1

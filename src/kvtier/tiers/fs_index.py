@@ -18,12 +18,19 @@ disk use never exceeds the limit.
 Several processes may share one directory: ``merge_scan`` folds in a listing of it (files others
 wrote, files others deleted) without counting a file twice or past the limit. A file this process
 cannot delete is forgotten, no longer counted and not indexed again (``undeletable``).
+
+Whose files are deleted: a process deletes only files it wrote, and those of the first listing
+(a restart inherits its own earlier files; it indexes the newest of them up to its capacity and
+leaves the rest on disk, uncounted). A file a rescan found (``Entry.theirs``) stays another
+process's, counted against that process's capacity, even once used here: when it is chosen to
+make room or to get under the limit it is forgotten (uncounted, reported evicted, left on disk),
+never deleted. So a process with a smaller capacity never deletes a larger one's files.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
@@ -45,16 +52,26 @@ class Entry:
     seq: int
     """Commit order of our own writes (0 for files found on disk): tells ``merge_scan`` which
     entries are newer than its directory listing and so must not be judged by it."""
+    theirs: bool = False
+    """Found by a rescan: another process's file, forgotten rather than deleted."""
 
 
 class FsIndex:
     """See the module docstring. ``pins``: keys a job moves now (never evicted), read live (the
-    tier's pin counts, under the same lock); ``policy``: a new, empty eviction policy."""
+    tier's pin counts, under the same lock); ``policy``: a new, empty eviction policy;
+    ``forgotten``: told each key of another process's file that was forgotten to make room."""
 
-    def __init__(self, capacity: int, pins: Collection[BlockKey], policy: EvictionPolicy) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        pins: Collection[BlockKey],
+        policy: EvictionPolicy,
+        forgotten: Callable[[BlockKey], None] = lambda key: None,
+    ) -> None:
         self.capacity = capacity
         self._pins = pins
         self.policy = policy
+        self._forgotten = forgotten
         self.entries: dict[BlockKey, Entry] = {}
         """Every indexed block: those the policy ranks and those in ``unused``."""
         self.unused: OrderedDict[BlockKey, None] = OrderedDict()
@@ -83,12 +100,19 @@ class FsIndex:
         return len(self.entries)
 
     def load(self, found: Iterable[Found]) -> None:
-        """Index the files of a first listing, handed to the policy oldest first, so the order
-        after a restart follows the files' write times."""
-        for key, size, _mtime in sorted(found, key=lambda item: item[2]):
+        """Index the newest files of a first listing that fit the capacity, handed to the policy
+        oldest first, so the order after a restart follows the files' write times. The older
+        ones are left on disk, uncounted: they may be another running process's."""
+        newest_first = sorted(found, key=lambda item: item[2], reverse=True)
+        kept = 0
+        for _key, size, _mtime in newest_first:
+            if self.used + size > self.capacity:
+                break
+            self.used += size
+            kept += 1
+        for key, size, _mtime in reversed(newest_first[:kept]):
             self._add(key, Entry(size, 0))
             self.policy.insert(key)
-            self.used += size
 
     def set_limit(self, free: int, min_free: int) -> None:
         self.limit = max(0, min(self.capacity, self.used + free - min_free))
@@ -121,6 +145,7 @@ class FsIndex:
         if free + self._unpinned_bytes() < need:
             return None
         victims = self._choose(need - free)
+        free = self.limit - self.used  # the files of others it forgot are uncounted already
         freed = sum(size for _, size in victims)
         # Never past the limit, even when a policy gave fewer victims than it could: the write
         # then fails for want of room (its victims are deleted all the same).
@@ -212,7 +237,8 @@ class FsIndex:
     def _choose(self, need: int) -> Victims:
         """Victims worth ``need`` bytes, out of the index (their bytes still counted, their keys
         in ``deleting``): the rescan's unused files first, then the policy's choice; fewer when
-        not enough are unpinned."""
+        not enough are unpinned. Another process's files among them are forgotten here, not
+        returned (see the module docstring)."""
         pins, entries = self._pins, self.entries
         victims: Victims = []
         for key in self.unused:
@@ -227,11 +253,17 @@ class FsIndex:
             self.policy, pins, entries, lambda key: entries[key].size, self.largest, need
         )
         victims += [(key, entries[key].size) for key in chosen]
+        own: Victims = []
         for key, size in victims:
-            del entries[key]
+            entry = entries.pop(key)
             self.indexed -= size
-            self.deleting.add(key)
-        return victims
+            if entry.theirs:
+                self.used -= size
+                self._forgotten(key)
+            else:
+                self.deleting.add(key)
+                own.append((key, size))
+        return own
 
     # -- rescans --------------------------------------------------------------------------------
 
@@ -278,7 +310,7 @@ class FsIndex:
         for _mtime, key, size in reversed(new):
             if self.used + size > self.limit:
                 break
-            self._add(key, Entry(size, 0))
+            self._add(key, Entry(size, 0, theirs=True))
             self.unused[key] = None
             self.unused.move_to_end(key, last=False)
             self.used += size
