@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plugin_examples import broken_modules
 from plugin_examples.dict_tier import DictTier
 from plugin_examples.fifo_policy import FifoPolicy
 
@@ -340,26 +341,11 @@ def test_a_module_declares_its_own_name_once(package: Path) -> None:
 
 # -- hostile plugins at load time: one ConfigError naming the field, never a traceback ----------
 
-HOSTILE_MODULES = {
-    "raises": "raise RuntimeError('broken at import')\n",
-    "getattr_raises": "def __getattr__(name):\n    raise RuntimeError('no attributes today')\n",
-    "exits": "import sys\nsys.exit(7)\n",
-    "exits_quietly": "raise SystemExit\n",
-    "recursion": "def f():\n    return f()\nf()\n",
-    "syntax": "def (:\n",
-    "bad_str": (
-        "class Odd(Exception):\n    def __str__(self):\n        raise ValueError('no text')\n"
-        "raise Odd()\n"
-    ),
-    "long_error": "raise RuntimeError('x' * 1_000_000)\n",
-}
-
 
 @pytest.fixture
 def hostile(package: Path) -> str:
-    """``package`` with one module per ``HOSTILE_MODULES`` entry; returns the package name."""
-    for name, source in HOSTILE_MODULES.items():
-        (package / f"{name}.py").write_text(source)
+    """``package`` with the modules of ``broken_modules``; returns the package name."""
+    broken_modules.write_package(package)
     return package.name
 
 
@@ -369,7 +355,7 @@ def _config_error(config: dict[str, Any]) -> ConfigError:
     return info.value
 
 
-@pytest.mark.parametrize("module", list(HOSTILE_MODULES))
+@pytest.mark.parametrize("module", list(broken_modules.SOURCES))
 def test_a_module_that_fails_to_import_is_a_config_error(hostile: str, module: str) -> None:
     """Before: a traceback (RuntimeError, RecursionError, SyntaxError), or for ``sys.exit(7)``
     kvtier ending silently with exit code 7."""
