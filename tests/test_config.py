@@ -289,7 +289,12 @@ BAD: list[tuple[dict[str, Any], str, object, str]] = [
     ({"pool": {"shm_dir": "/dev/shm\0"}}, "pool.shm_dir", "/dev/shm\0", "without a NUL"),
     ({"vllm": {"stats_path": "s\0"}}, "vllm.stats_path", "s\0", "without a NUL"),
     # the vllm section is validated with the rest (typos there once passed as valid)
-    ({"vllm": {"blocks_per_slt": 2}}, "vllm.blocks_per_slt", 2, "known: blocks_per_slot"),
+    (
+        {"vllm": {"blocks_per_slt": 2}},
+        "vllm.blocks_per_slt",
+        2,
+        "known: async_loads, blocks_per_slot",
+    ),
     ({"vllm": {"blocks_per_slot": 0}}, "vllm.blocks_per_slot", 0, "in [1, 1024]"),
     ({"vllm": {"kv_cache_layout": "NHD"}}, "vllm.kv_cache_layout", "NHD", "'engine' or one"),
     ({"vllm": {"store_generated": "yes"}}, "vllm.store_generated", "yes", "true or false"),

@@ -192,7 +192,12 @@ TOP: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("job_timeout_s", values),
     ("events", values),
     ("copy", section(["strategy", "max_sms"])),
-    ("vllm", section(["blocks_per_slot", "store_generated", "stats_path", "kv_cache_layout"])),
+    (
+        "vllm",
+        section(
+            ["blocks_per_slot", "store_generated", "async_loads", "stats_path", "kv_cache_layout"]
+        ),
+    ),
 ]
 config_dicts = mapping(TOP)
 

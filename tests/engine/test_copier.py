@@ -6,12 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 
 import pytest
 from support import require
 
 torch = require.importorskip("torch", "vllm")
 
+from kvtier.copy.base import CopyBackend, CopyJob, CopyResults  # noqa: E402
 from kvtier.engine.backends import make_backend  # noqa: E402
 from kvtier.engine.copier import Copier  # noqa: E402
 from kvtier.engine.orders import SKIP, CopyOrder, StepOrders  # noqa: E402
@@ -94,3 +96,73 @@ def test_the_vllm_worker_half_imports_and_copies_without_vllm() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "[(7, 1), (8, 1)] None"
+
+
+class HeldLoads(CopyBackend):
+    """A copy backend whose loads end only when the test says so (``end``): an asynchronous
+    copy still running on the device."""
+
+    def __init__(self) -> None:
+        self.submitted: list[CopyJob] = []
+        self.waited: list[int] = []
+        self._ended: list[tuple[int, bool]] = []
+
+    def submit(self, job: CopyJob) -> None:
+        self.submitted.append(job)
+
+    def end(self, job_id: int, ok: bool = True) -> None:
+        self._ended.append((job_id, ok))
+
+    def poll(self) -> CopyResults:
+        ended, self._ended = self._ended, []
+        return CopyResults([j for j, ok in ended if ok], [j for j, ok in ended if not ok])
+
+    def wait(self, job_ids: Sequence[int]) -> None:
+        self.waited.extend(job_ids)
+        for job_id in job_ids:
+            self.end(job_id)
+
+    def fence(self, job_ids: Sequence[int]) -> None:
+        return
+
+    def close(self) -> None:
+        return
+
+    @property
+    def slot_part_bytes(self) -> int:
+        return 64
+
+
+def test_an_asynchronous_load_is_not_waited_for_and_names_its_request_when_it_ends() -> None:
+    backend = HeldLoads()
+    with HostPool.create(4, 64) as pool:
+        copier = Copier(1, 0, 1, backend_factory=lambda *args: backend)
+        copier.register(_kv(1))
+        loads = [CopyOrder(0, [1], [2], request_id="a"), CopyOrder(1, [2], [3], request_id="b")]
+        copier.start_load(StepOrders(pool.handle, loads=loads))
+        assert backend.waited == [] and [j.job_id for j in backend.submitted] == [0, 1]
+        assert copier.take_finished_loads() == set()
+        assert copier.take_report() is None
+        backend.end(0)
+        backend.end(1, ok=False)
+        assert copier.take_finished_loads() == {"a", "b"}
+        assert copier.take_load_errors() == {3}  # b's block: recomputed by the engine
+        report = copier.take_report()
+        assert report is not None and report.done == {0: 1} and report.failed == {1: 1}
+        # A stale asynchronous plan ends at once: failed, its request named.
+        stale = CopyOrder(2, [1], [5], fail=True, request_id="c")
+        copier.start_load(StepOrders(pool.handle, loads=[stale]))
+        assert copier.take_finished_loads() == {"c"} and copier.take_load_errors() == {5}
+        copier.close()
+
+
+def test_closing_waits_for_asynchronous_loads_that_write_engine_memory() -> None:
+    backend = HeldLoads()
+    with HostPool.create(4, 64) as pool:
+        copier = Copier(1, 0, 1, backend_factory=lambda *args: backend)
+        copier.register(_kv(1))
+        copier.start_load(StepOrders(pool.handle, loads=[CopyOrder(7, [1], [2], request_id="a")]))
+        copier.suspend()
+        assert backend.waited == [7]
+        assert copier.take_finished_loads() == {"a"}
+        copier.close()

@@ -1,6 +1,10 @@
 """The worker side of an engine adapter: executes each step's copy orders on one rank's KV tensors.
 
-Loads run before the forward pass and are complete when ``start_load`` returns. Stores are
+Loads run before the forward pass and are complete when ``start_load`` returns, except
+asynchronous ones (``CopyOrder.request_id``): those are submitted and left running while the
+step's forward pass (of other requests) goes on, and ``take_finished_loads`` names their requests
+once their copies ended, failed or not (a failed one's blocks are in ``take_load_errors`` by
+then). Stores are
 submitted after the forward pass (``save``) and never waited for on the host: a CPU backend copies
 at once, a CUDA backend copies on its own streams after the forward pass that wrote the blocks. A
 store still in flight when the next step begins may read blocks that the engine freed and handed
@@ -64,6 +68,9 @@ class Copier:
         self._stats = series.empty_payload()
         """Copy bytes, seconds and jobs per direction since the last ``take_stats``."""
         self._load_errors: set[int] = set()
+        self._async_loads: dict[int, tuple[str, CopyOrder, float, int]] = {}
+        """Asynchronous load job -> (request, order, submit time, bytes)."""
+        self._finished_loads: set[str] = set()
         self._fault_rate = float(os.environ.get(FAULT_ENV, "0") or 0)
         self._faults = random.Random(1234 + tp_rank)
 
@@ -135,7 +142,11 @@ class Copier:
                 self._fail_load(order)
                 continue
             backend.submit(CopyJob(order.job_id, Direction.LOAD, order.engine_blocks, order.slots))
-            submitted.append(order)
+            if order.request_id is None:
+                submitted.append(order)
+            else:
+                size = self._order_bytes(backend, order)
+                self._async_loads[order.job_id] = (order.request_id, order, start, size)
         if backend is not None and submitted:
             backend.wait([o.job_id for o in submitted])
             seconds = time.perf_counter() - start
@@ -184,6 +195,8 @@ class Copier:
         stats, started = self._stats, self._store_started
         for job_id in results.done:
             self._done[job_id] = self._done.get(job_id, 0) + 1
+            if self._async_loads and self._async_load_ended(job_id, True, now):
+                continue
             self._stores_in_flight.pop(job_id, None)
             if (store := started.pop(job_id, None)) is not None:
                 # Submit to the poll that saw it end: an asynchronous (CUDA) store's end is seen
@@ -192,6 +205,8 @@ class Copier:
                 series.add_counter(stats, "kvtier_copy_seconds", now - store[0], "store")
                 series.add_counter(stats, "kvtier_copy_jobs", 1, "store")
         for job_id in results.failed:
+            if self._async_loads and self._async_load_ended(job_id, False, now):
+                continue
             if self._stores_in_flight.pop(job_id, None) is not None:
                 self._failed[job_id] = self._failed.get(job_id, 0) + 1
                 started.pop(job_id, None)
@@ -202,13 +217,40 @@ class Copier:
         self._failed[order.job_id] = self._failed.get(order.job_id, 0) + 1
         self._load_errors.update(b for b in order.engine_blocks if b != SKIP)
         series.add_counter(self._stats, "kvtier_copy_failed_jobs", 1, "load")
+        if order.request_id is not None:
+            self._finished_loads.add(order.request_id)
+
+    def _async_load_ended(self, job_id: int, ok: bool, now: float) -> bool:
+        """Settle an asynchronous load the backend reported; False if ``job_id`` is none."""
+        entry = self._async_loads.pop(job_id, None)
+        if entry is None:
+            return False
+        request_id, order, started, size = entry
+        if not ok:
+            self._fail_load(order)
+            return True
+        self._finished_loads.add(request_id)
+        stats = self._stats
+        series.add_counter(stats, "kvtier_copy_bytes", size, "load")
+        series.add_counter(stats, "kvtier_copy_seconds", now - started, "load")
+        series.add_counter(stats, "kvtier_copy_jobs", 1, "load")
+        series.add_sample(stats, "kvtier_load_seconds", now - started)
+        return True
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads ended since the last call (vLLM's
+        ``finished_recving``); a failed one's blocks are in ``take_load_errors`` already."""
+        if self._backend is not None and self._async_loads:
+            self._collect()
+        finished, self._finished_loads = self._finished_loads, set()
+        return finished
 
     def _inject_fault(self) -> bool:
         return self._fault_rate > 0 and self._faults.random() < self._fault_rate
 
     def take_report(self) -> RankReport | None:
         """The jobs this rank finished or failed since the last call (None: none)."""
-        if self._backend is not None and self._stores_in_flight:
+        if self._backend is not None and (self._stores_in_flight or self._async_loads):
             self._collect()
         if not self._done and not self._failed:
             return None
@@ -232,8 +274,8 @@ class Copier:
     def _drop_backend(self) -> None:
         if self._backend is None:
             return
-        # Stores in flight read engine memory: let them finish before it goes away.
-        self._backend.wait(sorted(self._stores_in_flight))
+        # Copies in flight touch engine memory: let them finish before it goes away.
+        self._backend.wait(sorted([*self._stores_in_flight, *self._async_loads]))
         self._collect()
         self._backend.close()
         self._backend = None

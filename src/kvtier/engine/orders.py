@@ -24,6 +24,10 @@ class CopyOrder:
     """``blocks_per_slot`` engine block ids per slot; ``SKIP`` = already in the engine (loads)."""
     fail: bool = False
     """Report these engine blocks as failed loads without copying (the plan went stale)."""
+    request_id: str | None = None
+    """A load the engine does not wait for in this step (asynchronous: the request waits while
+    other requests run, and the worker names it in ``Copier.take_finished_loads`` once its copy
+    ended); None: the step's forward pass waits for it."""
 
 
 @dataclass(slots=True)

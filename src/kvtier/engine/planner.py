@@ -80,6 +80,8 @@ class PlannerSettings:
     """Engine blocks per kvtier block."""
     store_generated: bool = False
     """Also store blocks filled by generated tokens (not only prompt tokens)."""
+    async_loads: bool = False
+    """Loads the engine does not wait for in the step (``CopyOrder.request_id``)."""
     stats_path: str | None = None
     """Write the stats as JSON to this file (each second and at ``close``)."""
 
@@ -148,6 +150,11 @@ class Planner:
         """Requests -> leading blocks cached at their lookup (the engine's own and kvtier's), for
         the eviction policy's hint when they finish."""
         self._requests: dict[str, EngineRequest] = {}
+        self._async_loads: dict[int, str] = {}
+        """Asynchronous load jobs -> their request."""
+        self._load_failed: set[str] = set()
+        """Requests whose asynchronous load failed: the engine asks again before recomputing,
+        and must get no hit then (the same load would fail again, and again)."""
         self._loads: list[CopyOrder] = []
         self._jobs = JobLedger(tp_size)
         self._stats_file = None if settings.stats_path is None else StatsFile(settings.stats_path)
@@ -175,7 +182,7 @@ class Planner:
 
     def matched_tokens(self, request: EngineRequest, num_computed: int) -> tuple[int | None, bool]:
         """Tokens loadable beyond ``num_computed`` (vLLM's ``get_num_new_matched_tokens``); the
-        flag is always False (loads are synchronous).
+        flag says whether a load is asynchronous (``PlannerSettings.async_loads``).
 
         ``None`` defers the request (a promotion or a shared load is in flight). The engine may
         call this many times per request; a hit pins its blocks until the allocation (or the next
@@ -185,7 +192,7 @@ class Planner:
         self._requests[req_id] = request
         self._release_plan(req_id)
         keys = self._request_keys(request)
-        if keys is None:
+        if keys is None or req_id in self._load_failed:
             return 0, False
         bt = self.block_tokens
         limit = min((request.num_tokens - 1) // bt, len(keys))  # >= 1 token left to compute
@@ -226,7 +233,7 @@ class Planner:
             external,
             origins[: len(slots)],
         )
-        return external, False
+        return external, self.settings.async_loads
 
     def _end_wait(self, req_id: str) -> None:
         since = self._deferred_since.pop(req_id, None)
@@ -262,7 +269,10 @@ class Planner:
                 external_tokens,
                 plan.external_tokens,
             )
-        self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, fail=stale))
+        async_id = request.request_id if self.settings.async_loads else None
+        if async_id is not None:
+            self._async_loads[job_id] = async_id
+        self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, stale, async_id))
         self.counters.loads_ordered += 1
         self.counters.hit_tokens += 0 if stale else external_tokens
         if not stale:
@@ -367,8 +377,11 @@ class Planner:
                     self.counters.store_blocks_failed += len(job.keys)
             else:
                 self.cache.complete_load(job.keys, ok=job.ok)
+                owner = self._async_loads.pop(job.job_id, None)
                 if not job.ok:
                     self.counters.load_blocks_failed += len(job.keys)
+                    if owner is not None and owner in self._requests:
+                        self._load_failed.add(owner)
 
     def request_finished(self, request: EngineRequest) -> None:
         req_id = request.request_id
@@ -383,6 +396,7 @@ class Planner:
         self._roots.pop(req_id, None)
         self._offered.pop(req_id, None)
         self._requests.pop(req_id, None)
+        self._load_failed.discard(req_id)
 
     def _hint(self, request: EngineRequest) -> None:
         """Tell the eviction policy what the engine knows of a finished request: its prompt's

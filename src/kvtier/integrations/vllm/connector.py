@@ -2,9 +2,11 @@
 
 A thin adapter: it translates vLLM's hooks into ``SchedulerSide`` / ``WorkerSide`` calls, vLLM's
 translations of ``kvtier.engine``'s ``Planner`` and ``Copier``. kvtier
-is a best-effort cache: loads are synchronous (done before the step's forward pass), stores never
-delay a request, and a failed load is reported to vLLM, which recomputes those blocks (set vLLM's
-``kv_load_failure_policy`` to ``"recompute"``; its default fails the request instead).
+is a best-effort cache: loads are done before the step's forward pass (or, with
+``vllm.async_loads``, through vLLM's asynchronous path: the request waits for its blocks while
+others run), stores never delay a request, and a failed load is reported to vLLM, which recomputes
+those blocks (set vLLM's ``kv_load_failure_policy`` to ``"recompute"``; its default fails the
+request instead).
 """
 
 from __future__ import annotations
@@ -301,6 +303,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         return self._worker.take_meta() if self._worker is not None else None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous loads (``vllm.async_loads``) ended; kvtier sends nothing."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

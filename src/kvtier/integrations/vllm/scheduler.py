@@ -81,6 +81,7 @@ class SchedulerSide(Planner):
         planner = PlannerSettings(
             blocks_per_slot=settings.blocks_per_slot,
             store_generated=settings.store_generated,
+            async_loads=settings.async_loads,
             stats_path=settings.stats_path,
         )
         super().__init__(config, planner, namespace, slot_bytes, engine_block_size, tp_size)

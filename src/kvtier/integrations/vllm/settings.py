@@ -22,6 +22,9 @@ class VllmSettings:
     """vLLM blocks per kvtier block (a kvtier block is ``blocks_per_slot * block_size`` tokens)."""
     store_generated: bool = False
     """Also store blocks filled by generated tokens (not only prompt tokens)."""
+    async_loads: bool = False
+    """Loads through vLLM's asynchronous path: a request waits for its blocks while the others
+    run, instead of the whole step waiting for the copy."""
     stats_path: str | None = None
     """Write the scheduler's kvtier stats as JSON to this file (each second and at shutdown)."""
     trace_path: str | None = None
@@ -39,6 +42,7 @@ class VllmSettings:
         settings = cls(
             blocks_per_slot=s.integer("blocks_per_slot", 1, minimum=1, maximum=1024),
             store_generated=s.boolean("store_generated", False),
+            async_loads=s.boolean("async_loads", False),
             stats_path=s.optional_file_path("stats_path"),
             kv_cache_layout=s.string("kv_cache_layout", BLOCK_OUTERMOST_LAYOUT),
             trace_path=s.optional_file_path("trace_path"),
