@@ -153,10 +153,10 @@ class HintedPolicy(EvictionPolicy):
         if not self.pressure or n <= free + len(self._dead):
             return n
         room = free + len(self._dead)
-        expired_before = self.gauge.expired_before()
+        expiry = self.gauge.expiry()
         for segment in (self._kept, self._new):
             for used in segment.values():
-                if used >= expired_before or room >= n:
+                if used > expiry or room >= n:
                     break
                 room += 1
         return min(n, room)
@@ -168,7 +168,7 @@ class HintedPolicy(EvictionPolicy):
         if not keys:
             return
         gauge = self.gauge
-        gauge.request(keys[0], len(keys))
+        gauge.request(keys[0], len(keys), min(hint.hit_blocks, len(keys)))
         if gauge.on != self.pressure:
             self._switch(gauge.on)
         if self.pressure:
@@ -242,11 +242,11 @@ class HintedPolicy(EvictionPolicy):
 
     def _take_pressured(self, n: int, pinned: Container[BlockKey], victims: list[BlockKey]) -> None:
         """Expired kept and new blocks, oldest first, then new blocks, newest first."""
-        expired_before = self.gauge.expired_before()
+        expiry = self.gauge.expiry()
         for segment in (self._kept, self._new):
             taken: list[BlockKey] = []
             for key, used in segment.items():
-                if len(victims) + len(taken) >= n or used >= expired_before:
+                if len(victims) + len(taken) >= n or used > expiry:
                     break
                 if key not in pinned:
                     taken.append(key)
