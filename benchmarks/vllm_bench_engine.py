@@ -271,6 +271,15 @@ def clear_fs(workdir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+ASYNC_LOADS_ENV = "KVTIER_BENCH_ASYNC_LOADS"
+"""``1``: the kvtier configurations load through vLLM's asynchronous path (``vllm.async_loads``);
+give such a run its own ``--json``."""
+
+
+def async_loads() -> bool:
+    return os.environ.get(ASYNC_LOADS_ENV) == "1"
+
+
 def kvtier_extra(spec: RunSpec) -> dict[str, Any]:
     tiers = []
     if spec.config == "kvtier_fs":
@@ -280,7 +289,7 @@ def kvtier_extra(spec: RunSpec) -> dict[str, Any]:
     return {
         "pool": {"size": f"{spec.host_gib:g}GiB"},
         "tiers": tiers,
-        "vllm": {"stats_path": str(spec.stats_path)},
+        "vllm": {"stats_path": str(spec.stats_path), "async_loads": async_loads()},
     }
 
 
