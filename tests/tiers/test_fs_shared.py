@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from plugin_examples.hostile import HostilePolicy
 from support.blocks import make_keys
 from support.drivers import Driver
 
+from kvtier.policies import GuardedPolicy
 from kvtier.tiers.fs import FsTier
 from tiers.conftest import FILE_BYTES, MakeTier
 
@@ -81,3 +83,22 @@ def test_disk_full_evicts_only_own_files(make_fs: MakeTier) -> None:
     assert victims == []  # nothing of its own to delete
     assert small.used_bytes == 0 and small.lookup(theirs) == [False] * 4
     assert all(block_file(large, key).exists() for key in theirs)
+
+
+def test_a_plugin_policy_failing_in_an_fs_tier_is_counted_in_its_errors(
+    make_fs: MakeTier,
+) -> None:
+    """A tier's own eviction policy from outside kvtier that raises in every call: the tier
+    stays within its capacity (the guard's order picks victims) and counts the failures."""
+    tier = make_fs(blocks=3, eviction="plugin_examples.hostile:HostilePolicy")
+    policy = tier._index.policy
+    assert isinstance(policy, GuardedPolicy)
+    inner = policy.policy
+    assert isinstance(inner, HostilePolicy)
+    inner.fail = {"insert", "access", "remove", "evict", "coldest"}
+    mine = make_keys(8, salt="mine")
+    for key in mine:
+        assert Driver(tier).store(key)
+        assert tier.used_bytes <= tier.capacity
+    assert tier.lookup(mine) == [False] * 5 + [True] * 3
+    assert tier.counters.errors >= 8 and tier.counters.errors == policy.errors

@@ -28,6 +28,7 @@ from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 from kvtier.keys import BlockKey
+from kvtier.metrics import TierCounters
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 
@@ -43,6 +44,9 @@ class GuardedPolicy(EvictionPolicy):
         self.name = name
         self.errors = 0
         """Calls that raised or answered something unusable."""
+        self.counters: TierCounters | None = None
+        """A tier's counters, when the policy is a tier's: each failure counts in its ``errors``
+        too (the tier sets it; ``tiers/eviction.count_errors_in``)."""
         self._tracked: OrderedDict[BlockKey, None] = OrderedDict()
 
     def insert(self, key: BlockKey) -> None:
@@ -135,6 +139,8 @@ class GuardedPolicy(EvictionPolicy):
 
     def _failed(self, what: str, exc: Exception | None) -> None:
         self.errors += 1
+        if self.counters is not None:
+            self.counters.errors += 1
         if self.errors == 1:
             log.warning(
                 "eviction policy %s broke its contract in %s%s; kvtier goes on without its "

@@ -10,13 +10,21 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 
 from kvtier.keys import BlockKey
-from kvtier.policies import EvictionPolicy, make_policy
+from kvtier.metrics import TierCounters
+from kvtier.policies import EvictionPolicy, GuardedPolicy, make_policy
 
 
 def tier_policy(kind: str, capacity_blocks: int, field: str) -> EvictionPolicy:
     """A new policy ``kind`` for a tier that holds ``capacity_blocks`` blocks (at least 1: ARC's
     lists need a positive size)."""
     return make_policy(kind, max(1, capacity_blocks), field)
+
+
+def count_errors_in(policy: EvictionPolicy, counters: TierCounters) -> None:
+    """Count a plugin policy's failures (``GuardedPolicy``) in the tier's ``errors`` as well; a
+    no-op for kvtier's own policies."""
+    if isinstance(policy, GuardedPolicy):
+        policy.counters = counters
 
 
 def choose(

@@ -61,7 +61,7 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers import fs_files
 from kvtier.tiers.block_tier import BlockTier, Got, Put
-from kvtier.tiers.eviction import tier_policy
+from kvtier.tiers.eviction import count_errors_in, tier_policy
 from kvtier.tiers.fs_files import FULL_ERRNOS, BlockFiles, Found, NotRegular
 from kvtier.tiers.fs_index import FsIndex, Victims
 from kvtier.tiers.fs_options import Options
@@ -97,6 +97,7 @@ class FsTier(BlockTier):
         self.root = os.path.join(options.path, namespace.hex)
         self._file_bytes = file_bytes
         self._index = FsIndex(options.capacity, self._pins, policy, self._report_evicted)
+        count_errors_in(policy, self.counters)  # under the tier's lock, as the index's calls are
         """Guarded by ``_lock`` (the skeleton's lock, shared with its counters and pins)."""
         self._free_at = -FREE_SPACE_REFRESH_S
         self._root_fd = -1
