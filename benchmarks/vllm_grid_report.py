@@ -418,11 +418,12 @@ def write_plot(data: dict[str, Any], path: Path) -> Path | None:
             (("p99", "TTFT p99 (ms)"), ("tok/s", "output tokens/s"))
         ):
             ax = axes[row_index][col]
-            for config in CONFIGS:
+            for index, config in enumerate(CONFIGS):
                 xs, ys = _series(points, host, config, figure)
                 if xs:
+                    # One colour per configuration in every panel, whichever ran there.
                     style = "-" if config.startswith("kvtier") else "--"
-                    ax.plot(xs, ys, style, marker="o", label=config)
+                    ax.plot(xs, ys, style, marker="o", label=config, color=f"C{index}")
             ax.set_ylim(bottom=0)
             failed = _failures(points, host)
             if failed and row_index == 1:

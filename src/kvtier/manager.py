@@ -165,10 +165,10 @@ class TieredCache(CacheReports):
         for key in self._rules.end(owner):
             self._unpin(key)
 
-    def engine_step(self, tokens: int) -> None:
-        """An engine step computing ``tokens`` starts (measures the engine's compute rate, which
-        decides whether reading a tier's blocks beats recomputing them)."""
-        self._rules.compute.step(tokens, self._clock())
+    def engine_step(self, tokens: int, requests: int = 1) -> None:
+        """An engine step computing ``tokens`` for ``requests`` requests starts: how fast a
+        request's tokens are computed decides whether reading a tier's blocks beats that."""
+        self._rules.compute.step(tokens, self._clock(), requests)
 
     def complete_load(self, keys: Sequence[BlockKey], ok: bool = True) -> None:
         """Unpin keys returned by ``prepare_load`` after the copy; ``ok=False`` counts a failure."""

@@ -69,6 +69,13 @@ def test_read_cost_counts_service_time_not_queueing():
     assert cost.expected_s(3) == pytest.approx((5 + 3) * 0.1)
 
 
+def test_compute_rate_is_a_requests_share_of_the_step():
+    rate = ComputeRate()
+    rate.step(4000, now=0.0, requests=4)
+    rate.step(0, now=1.0)
+    assert rate.tokens_per_s == pytest.approx(1000.0)  # each of the 4 got a quarter
+
+
 def test_compute_rate_ignores_decode_steps():
     rate = ComputeRate()
     rate.step(1000, now=0.0)

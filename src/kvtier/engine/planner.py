@@ -312,7 +312,9 @@ class Planner:
         the step fills. ``scheduled``: tokens scheduled per request; ``tables``: the requests'
         engine block ids; ``fresh_blocks``: blocks this step's scheduling handed out (None:
         unknown, see ``StepOrders``)."""
-        self.cache.engine_step(sum(scheduled.values()))
+        # Requests computing more than a token this step (prefills) share the step's compute.
+        prefills = sum(1 for n in scheduled.values() if n > 1)
+        self.cache.engine_step(sum(scheduled.values()), prefills)
         if self._deferred and not scheduled:  # a step with work runs the model (frees the GIL)
             self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended
         else:
