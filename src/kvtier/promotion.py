@@ -74,8 +74,8 @@ class ComputeRate:
     """Tokens per second the engine computes for one request, from the tokens of each step, the
     requests sharing it and its duration: a request's prefill gets its share of each step, so
     recomputing its blocks takes longer than the engine's whole rate says (on an H100 at 8
-    conversations in flight, comparing with the whole rate declined 40,277 of 40,548 blocks that
-    an fs tier held, and the run cached 19% fewer tokens than vLLM's own offloading)."""
+    conversations in flight, comparing with the whole rate declined 40,277 block promotions from an
+    fs tier and started 271, and the run cached 19% fewer tokens than vLLM's own offloading)."""
 
     tokens_per_s: float | None = None
     _last: float | None = None
