@@ -29,11 +29,9 @@ def replay(
     capacity: int,
     admit: bool = False,
     held: set[bytes] | None = None,
-    hint_first: bool = False,
 ) -> float:
     """The prefix hit model of ``kvtier simulate`` (lookup, store, hint); ``admit``: the pool
-    asks ``admit_store`` before it makes room; ``held``: the pool's blocks (kept across calls);
-    ``hint_first``: the hint comes before the stores (vLLM's order)."""
+    asks ``admit_store`` before it makes room; ``held``: the pool's blocks (kept across calls)."""
     held = set() if held is None else held
     hits = blocks = 0
     for keys in requests:
@@ -47,8 +45,6 @@ def replay(
         hits += run
         blocks += len(keys)
         todo = [k for k in keys if k not in held]
-        if hint_first:
-            policy.on_request(keys, RequestHint(run, 64))
         if admit:
             todo = todo[: policy.admit_store(len(todo), capacity - len(held))]
         short = len(todo) - (capacity - len(held))
@@ -58,8 +54,7 @@ def replay(
             held.add(k)
             policy.insert(k)
         assert len(policy) == len(held)
-        if not hint_first:
-            policy.on_request(keys, RequestHint(run, 64))
+        policy.on_request(keys, RequestHint(run, 64))
     return hits / blocks
 
 
@@ -76,16 +71,6 @@ def test_lru_thrashes_where_hinted_keeps_a_stable_subset() -> None:
     # keeps that room for a second conversation.
     assert hinted > 0.1
     assert replay(HintedPolicy(80), requests, 80, admit=True) > 1.5 * hinted
-
-
-def test_blocks_hinted_before_their_store_are_filed_when_stored() -> None:
-    """vLLM finishes a request (its hint) before its last stores complete: the blocks the hint
-    names are not in the pool yet, and must still be filed as the request's new blocks (left in
-    the LRU order, they were evicted as LRU evicts them: no hit at all)."""
-    requests = round_robin(8, 5, 30, 2)
-    policy = HintedPolicy(80)
-    assert replay(policy, requests, 80, hint_first=True) > 0.1
-    assert policy.pressure and not policy._to_file
 
 
 def test_no_pressure_where_lru_holds_the_conversations() -> None:

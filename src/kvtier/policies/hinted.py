@@ -84,9 +84,6 @@ class HintedPolicy(EvictionPolicy):
         """Under pressure: blocks a request found, -> the request (gauge clock) of their use."""
         self._new: OrderedDict[BlockKey, int] = OrderedDict()
         """Under pressure: blocks a request computed, -> its request; evicted newest first."""
-        self._to_file: OrderedDict[BlockKey, None] = OrderedDict()
-        """Under pressure: blocks a hint named before they were stored (vLLM finishes a request
-        before its last stores complete), filed as new when stored; at most ``capacity``."""
 
     # -- the policy interface -------------------------------------------------------------------
 
@@ -101,10 +98,6 @@ class HintedPolicy(EvictionPolicy):
             self._rank(key, cls, self.rates.mean())
         elif self._hints_seen:
             self._unranked[key] = None
-        if self._to_file and self._to_file.pop(key, 0) is None and key in self._lru:
-            del self._lru[key]
-            self._unranked.pop(key, None)
-            self._new[key] = self.gauge.requests
 
     def access(self, key: BlockKey) -> None:
         dead = self._dead
@@ -241,16 +234,11 @@ class HintedPolicy(EvictionPolicy):
             else:
                 continue
             kept[key] = now
-        to_file = self._to_file
         for key in keys[found:]:
             if key in lru:
                 del lru[key]
                 unranked.pop(key, None)
                 new[key] = now
-            elif not (key in new or key in kept or key in self._dead):
-                to_file[key] = None  # not stored yet: filed when it is
-                if len(to_file) > self.capacity:
-                    to_file.popitem(last=False)
 
     def _take_pressured(self, n: int, pinned: Container[BlockKey], victims: list[BlockKey]) -> None:
         """Expired kept and new blocks, oldest first, then new blocks, newest first."""
@@ -279,8 +267,6 @@ class HintedPolicy(EvictionPolicy):
 
     def _switch(self, on: bool) -> None:
         self.pressure = on
-        if not on:
-            self._to_file.clear()
         if not on and (self._kept or self._new):
             # Back to one LRU order: blocks filed under pressure are older than those in it.
             order = OrderedDict.fromkeys(itertools.chain(self._new, self._kept, self._lru))
