@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from support.fuzzing import counts_line, fuzz_settings, print_line
 
 from kvtier import cli
 from kvtier.config import parse_config, read_config_file
@@ -40,28 +41,13 @@ MIN_TOTAL = 3000
 WORK = Path(tempfile.mkdtemp(prefix="kvtier-fuzz-secrets-"))
 
 
-def fuzz_settings(max_examples: int) -> settings:
-    return settings(
-        max_examples=max_examples,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-
-
 @pytest.fixture(scope="module", autouse=True)
 def report_counts(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    total = sum(TRIED.values())
-    line = f"fuzz inputs tried: {total} (" + ", ".join(f"{k} {v}" for k, v in TRIED.items()) + ")"
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line("\n" + line)
+    line = counts_line("fuzz inputs tried", TRIED)
+    print_line(request, line)
     if len(TRIED) == TARGETS:
-        assert total >= MIN_TOTAL, line
+        assert sum(TRIED.values()) >= MIN_TOTAL, line
 
 
 class Accepted(BaseException):

@@ -25,8 +25,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from support.fuzzing import counts_line, fuzz_settings, print_line
 
 from kvtier.cli import main
 from kvtier.recorder import TraceRecorder
@@ -40,27 +41,11 @@ N_STATS_CLI = 150
 N_RECORDS = 400
 
 
-def fuzz_settings(max_examples: int) -> settings:
-    return settings(
-        max_examples=max_examples,
-        derandomize=True,  # the same inputs every run: a CI failure reproduces
-        database=None,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-
-
 @pytest.fixture(scope="module", autouse=True)
 def report_counts(request: pytest.FixtureRequest) -> Iterator[None]:
     """Prints the inputs tried, also under ``pytest -q``."""
     yield
-    total = sum(TRIED.values())
-    line = f"file fuzz inputs tried: {total} (" + ", ".join(f"{k} {v}" for k, v in TRIED.items())
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line("\n" + line + ")")
+    print_line(request, counts_line("file fuzz inputs tried", TRIED))
 
 
 # -- stats files ---------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from support.fuzzing import counts_line, fuzz_settings, print_line
 
 from kvtier import cli
 from kvtier.config import KVTierConfig, load_config, options_class
@@ -40,16 +41,6 @@ TRIED: Counter[str] = Counter()
 MIN_TOTAL = 10_000
 
 
-def fuzz_settings(max_examples: int) -> settings:
-    return settings(
-        max_examples=max_examples,
-        derandomize=True,  # the same inputs every run: a CI failure reproduces
-        database=None,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-
-
 TARGETS = 9
 
 
@@ -58,15 +49,10 @@ def report_counts(request: pytest.FixtureRequest) -> Iterator[None]:
     """Prints the inputs tried (also under ``pytest -q``) and, when the whole module ran, checks
     that they were at least ``MIN_TOTAL``."""
     yield
-    total = sum(TRIED.values())
-    line = f"fuzz inputs tried: {total} (" + ", ".join(f"{k} {v}" for k, v in TRIED.items()) + ")"
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():  # shown under -q too, not captured
-            reporter.write_line("\n" + line)
+    line = counts_line("fuzz inputs tried", TRIED)
+    print_line(request, line)
     if len(TRIED) == TARGETS:
-        assert total >= MIN_TOTAL, line
+        assert sum(TRIED.values()) >= MIN_TOTAL, line
 
 
 WORK = Path(tempfile.mkdtemp(prefix="kvtier-fuzz-"))

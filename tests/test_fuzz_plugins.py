@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plugin_examples import broken_modules
+from support.fuzzing import counts_line, print_line
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -114,12 +115,7 @@ names = st.one_of(
 @pytest.fixture(scope="module", autouse=True)
 def report_counts(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    line = "plugin names tried: " + ", ".join(f"{k} {v}" for k, v in sorted(OUTCOMES.items()))
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():  # shown under -q too, not captured
-            reporter.write_line("\n" + line)
+    print_line(request, counts_line("plugin names tried", dict(sorted(OUTCOMES.items()))))
 
 
 def _load(config: dict[str, Any], field: str) -> str:

@@ -304,12 +304,17 @@ def cmd_sweep(config: KVTierConfig, args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
     )
     print(sweep.format_sweep(result))
-    if args.sweep_json is not None:
-        sweep.write_json(result, args.sweep_json)
-        print(f"json        {args.sweep_json}")
-    if args.sweep_png is not None:
-        sweep.write_png(result, args.sweep_png)
-        print(f"plot        {args.sweep_png}")
+    for label, path, write in (
+        ("json", args.sweep_json, sweep.write_json),
+        ("plot", args.sweep_png, sweep.write_png),
+    ):
+        if path is None:
+            continue
+        try:
+            write(result, path)
+        except OSError as exc:  # a directory that is missing or not writable: one line
+            raise KVTierError(f"cannot write {path}: {exc.strerror or exc}") from None
+        print(f"{label:<12}{path}")
     return EXIT_OK
 
 

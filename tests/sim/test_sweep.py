@@ -89,6 +89,17 @@ def test_cli_prints_the_table_and_writes_json(
     assert data["ceiling"] >= data["points"][1]["optimal_hit_ratio"]
 
 
+def test_an_unwritable_sweep_json_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Before: a FileNotFoundError traceback after the replay."""
+    missing = tmp_path / "no-such-dir" / "sweep.json"
+    args = ["simulate", "--sweep", "100", "--limit", "50", "--no-progress"]
+    assert main([*args, "--sweep-json", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: cannot write") and "Traceback" not in err
+
+
 def test_png(tmp_path: Path) -> None:
     require.importorskip("matplotlib", "extras")
     png = tmp_path / "sweep.png"

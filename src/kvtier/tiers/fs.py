@@ -59,6 +59,7 @@ from concurrent.futures import Future
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
+from kvtier.redaction import printable
 from kvtier.tiers import fs_files
 from kvtier.tiers.block_tier import BlockTier, Got, Put
 from kvtier.tiers.eviction import count_errors_in, tier_policy
@@ -320,7 +321,7 @@ class FsTier(BlockTier):
                 "fs tier %s: cannot remove %s; files this process cannot delete are left alone "
                 "and not counted",
                 self.name,
-                os.path.join(self.root, *fs_files.names(key)),
+                printable(os.path.join(self.root, *fs_files.names(key))),
             )
 
     def _refresh_limit(self, force: bool = False) -> None:

@@ -27,6 +27,7 @@ import time
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, BlockKey
+from kvtier.redaction import printable
 from kvtier.tiers.iovec import advance
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def open_root(path: str, root: str, dir_mode: int, file_mode: int, field: str, t
         except OSError as exc:
             if exc.errno not in FULL_ERRNOS:
                 raise
-            log.warning("fs tier %s: %s is full (%s)", tier, root, exc.strerror)
+            log.warning("fs tier %s: %s is full (%s)", tier, printable(root), exc.strerror)
     except OSError as exc:
         if fd >= 0:
             os.close(fd)
