@@ -169,7 +169,16 @@ TOP: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("tenant", values),
     (
         "pool",
-        section(["size", "shm_dir", "allow_pageable", "writeback_window", "promotion_budget"]),
+        section(
+            [
+                "size",
+                "shm_dir",
+                "allow_pageable",
+                "writeback_window",
+                "promotion_budget",
+                "promotion_costs",
+            ]
+        ),
     ),
     ("block", section(["tokens", "bytes"])),
     ("eviction", values),

@@ -58,6 +58,9 @@ class PoolConfig:
     promotion_budget: float = 0.5
     """Fraction of the pool that blocks promoted for waiting requests may hold
     (``kvtier.promotion``)."""
+    promotion_costs: bool = True
+    """Promote only as far as reading beats computing, and stop waiting when computing would
+    have finished (``kvtier.promotion``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +221,7 @@ def _pool(s: Section) -> PoolConfig:
         allow_pageable=s.boolean("allow_pageable", False),
         writeback_window=s.number("writeback_window", 0.25, minimum=0.0, maximum=1.0),
         promotion_budget=s.number("promotion_budget", 0.5, minimum=0.0, maximum=1.0),
+        promotion_costs=s.boolean("promotion_costs", True),
     )
     s.done()
     return pool

@@ -13,6 +13,7 @@ from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import make_policy
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.pool import HostPool, ShmDirError, slot_stride
+from kvtier.promotion import PromotionSettings
 from kvtier.registry import describe
 from kvtier.tiers import Tier, contract, tier_class
 from kvtier.validation import format_size
@@ -95,8 +96,9 @@ def build_cache(
             job_timeout_s=config.job_timeout_s,
             record_events=config.events,
             writeback_window=math.ceil(config.pool.writeback_window * num_slots),
-            promotion_budget=config.pool.promotion_budget,
-            block_tokens=namespace.block_tokens,
+            promotion=PromotionSettings(
+                config.pool.promotion_budget, config.pool.promotion_costs, namespace.block_tokens
+            ),
         )
     except BaseException:
         for tier in reversed(tiers):

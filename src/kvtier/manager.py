@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from kvtier import promotion as promo
 from kvtier.cache_records import LookupResult, OpenTierJob, StoreReservation, TierBinding
 from kvtier.cache_reports import CacheReports
 from kvtier.closing import close_tiers
@@ -32,7 +33,6 @@ from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
-from kvtier.promotion import Owner, PromotionRules, tier_answers
 from kvtier.retry import FailedPromotions, RefusedWrites
 from kvtier.tier_jobs import TierJobs
 from kvtier.tiers import contract
@@ -57,8 +57,7 @@ class TieredCache(CacheReports):
         clock: Callable[[], float] = time.monotonic,
         max_events: int = MAX_EVENTS,
         close_timeout_s: float | None = None,
-        promotion_budget: float = 0.5,
-        block_tokens: int = 1,
+        promotion: promo.PromotionSettings = promo.DEFAULT_SETTINGS,
     ) -> None:
         self._pool = pool
         self._policy = policy
@@ -86,8 +85,9 @@ class TieredCache(CacheReports):
         """Slots owned by running jobs after their key left the pool -> number of such jobs."""
         self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
         self._jobs = TierJobs(self._tiers, job_timeout_s, clock)
-        budget = int(pool.num_slots * promotion_budget)  # a fraction of the slots
-        self._rules = PromotionRules(len(self._tiers), budget, block_tokens, job_timeout_s)
+        self._rules = promo.PromotionRules(
+            len(self._tiers), promotion, pool.num_slots, job_timeout_s
+        )
         self._failed_promotions = FailedPromotions()
         self._refused = RefusedWrites(self._tiers)
         self._events = EventLog(max_events)
@@ -100,7 +100,7 @@ class TieredCache(CacheReports):
 
     # -- lookups and loads ----------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey], owner: Owner | None = None) -> LookupResult:
+    def lookup(self, keys: Sequence[BlockKey], owner: promo.Owner | None = None) -> LookupResult:
         """How many leading ``keys`` are in the pool, and whether that answer is final.
 
         Not final while a promotion of the next keys from a secondary tier is in flight (this call
@@ -111,9 +111,10 @@ class TieredCache(CacheReports):
         keeps the blocks promoted for it pinned until its ``prepare_load`` or ``forget``, and
         stops its wait at a deadline; without one, promoted blocks are not held.
         """
-        counters = self._counters
+        counters, index, rules = self._counters, self._index, self._rules
         counters.lookups += 1
-        index = self._index
+        if owner is not None and owner in rules.promises:
+            self.step()  # collect what landed since the engine's last step
         hits = 0
         for key in keys:
             if key not in index:
@@ -121,7 +122,6 @@ class TieredCache(CacheReports):
             hits += 1
         if self._loading and hits and not self._loading.keys().isdisjoint(keys[:hits]):
             return self._pending(hits)
-        rules = self._rules
         waits = None if owner is None else rules.waits(owner, self._promoting, self._clock())
         if waits:
             return self._pending(hits)
@@ -137,7 +137,7 @@ class TieredCache(CacheReports):
         self._counters.pending_lookups += 1
         return LookupResult(hits, False)
 
-    def prepare_load(self, keys: Sequence[BlockKey], owner: Owner | None = None) -> list[int]:
+    def prepare_load(self, keys: Sequence[BlockKey], owner: promo.Owner | None = None) -> list[int]:
         """Pin the leading visible ``keys`` for reading and return their slots.
 
         Fewer slots than keys when a key is no longer visible. Every pinned key must later be
@@ -160,7 +160,7 @@ class TieredCache(CacheReports):
             self.forget(owner)
         return slots
 
-    def forget(self, owner: Owner) -> None:
+    def forget(self, owner: promo.Owner) -> None:
         """The request stopped waiting (it left, or loaded): unpin what was promoted for it."""
         for key in self._rules.end(owner):
             self._unpin(key)
@@ -289,10 +289,10 @@ class TieredCache(CacheReports):
                 continue
             if reports is None or evicted is None or reports[1]:
                 tier.counters.errors += 1  # what is malformed is left out; its jobs time out
-            for job_id, ok in reports[0] if reports is not None else ():
+            for job_id, ok, busy_s in reports[0] if reports is not None else ():
                 job = self._jobs.settle(tier_index, job_id)
                 if job is not None:
-                    self._finish_job(job, ok)
+                    self._finish_job(job, ok, busy_s)
                     ended += 1
             if evicted and self._record:
                 self._events.add(EventKind.EVICTED, evicted, tier.name)
@@ -402,7 +402,7 @@ class TieredCache(CacheReports):
                 held[slot] = held.get(slot, 0) + 1
         self._submit(tier_index, TierJobKind.WRITE, job_keys, job_slots, evicted_slots is not None)
 
-    def _promote(self, keys: Sequence[BlockKey], hits: int, owner: Owner | None) -> bool:
+    def _promote(self, keys: Sequence[BlockKey], hits: int, owner: promo.Owner | None) -> bool:
         """Start promoting the secondary-tier run after the pool hits, as far as the budget and the
         costs allow (``PromotionRules.claim``); True if the answer is final (nothing to promote),
         False if a promotion is in flight or a tier cannot tell yet."""
@@ -410,7 +410,7 @@ class TieredCache(CacheReports):
         inflight, index = self._inflight, self._index
         if rest[0] in self._promoting:
             return False
-        answers = tier_answers(self._tiers, rest, self._safe_lookup)
+        answers = promo.tier_answers(self._tiers, rest, self._safe_lookup)
         if answers is None:
             return True
         failed = self._failed_promotions
@@ -502,17 +502,17 @@ class TieredCache(CacheReports):
             return [False] * len(keys)
         return flags
 
-    def _finish_job(self, job: OpenTierJob, reported: object) -> None:
+    def _finish_job(self, job: OpenTierJob, reported: object, busy_s: float | None = None) -> None:
         ok = contract.job_flags(reported, len(job.keys))
         if ok is None:  # a malformed report proves nothing: treat as failed
             self._tiers[job.tier_index].counters.errors += 1
             ok = [False] * len(job.keys)
         if job.kind is TierJobKind.READ:
-            self._finish_promotion(job, ok)
+            self._finish_promotion(job, ok, busy_s)
         else:
             self._finish_write(job, ok)
 
-    def _finish_promotion(self, job: OpenTierJob, ok: list[bool]) -> None:
+    def _finish_promotion(self, job: OpenTierJob, ok: list[bool], busy_s: float | None) -> None:
         if job.abandoned:
             self._release_held(job.slots)
             return
@@ -520,7 +520,7 @@ class TieredCache(CacheReports):
         promoting, counters, rules, pins = self._promoting, self._counters, self._rules, self._pins
         free: list[int] = []
         now = self._clock()
-        self._read_ended(job, now)
+        self._read_ended(job, now, busy_s)
         for key, slot, good in zip(job.keys, job.slots, ok, strict=True):
             inflight.pop(key, None)
             promoting.discard(key)
@@ -543,9 +543,9 @@ class TieredCache(CacheReports):
             counters.promotion_failures += len(free)
             self._pool.free(free)
 
-    def _read_ended(self, job: OpenTierJob, now: float) -> None:
+    def _read_ended(self, job: OpenTierJob, now: float, busy_s: float | None = None) -> None:
         submitted = job.deadline - self._jobs.timeout_s
-        self._rules.reads[job.tier_index].ended(len(job.keys), submitted, now)
+        self._rules.reads[job.tier_index].ended(len(job.keys), submitted, now, busy_s)
 
     def _finish_write(self, job: OpenTierJob, ok: list[bool]) -> None:
         self._refused.ended(job.tier_index, ok, self._clock())

@@ -30,6 +30,12 @@ EWMA_WEIGHT = 0.2
 """Weight of a new sample in the moving averages (about the last 5-10 jobs or steps count)."""
 MIN_STEP_TOKENS = 64
 """Engine steps computing fewer tokens (pure decode) say little about its prefill rate."""
+PROBE_AFTER_S = 1.0
+PROBE_AFTER_DECLINES = 16
+"""A tier whose reads were last measured ``PROBE_AFTER_S`` ago, or that was declined this many
+times since, is read again as if unmeasured (when none of its reads runs): one slow sample (a
+cold start, a burst of load) would otherwise decline every later promotion, and a declined
+promotion measures nothing (the CPU demo lost all its fs hits so)."""
 LEASE_S = 30.0
 """A promise whose request never came back is dropped (its pins released) after this long."""
 
@@ -47,26 +53,37 @@ class ReadCost:
     """Blocks of read jobs submitted and not yet reported."""
     busy_until: float = 0.0
     """When the last measured job ended: a later job's service time starts no earlier."""
+    measured_at: float = 0.0
+    declined: int = 0
+    """Lookups that declined this tier's blocks since it was last measured."""
 
     def started(self, blocks: int) -> None:
         self.outstanding += blocks
 
-    def ended(self, blocks: int, submitted: float, now: float) -> None:
-        """A read job of ``blocks`` submitted at ``submitted`` ended at ``now`` (ok or not: a
-        failing tier is slow too)."""
+    def ended(self, blocks: int, submitted: float, now: float, busy_s: float | None = None) -> None:
+        """A read job of ``blocks`` submitted at ``submitted`` was seen ended at ``now`` (ok or
+        not: a failing tier is slow too). ``busy_s``: the tier's own measure of the time it
+        worked on it; without one, the time since it was submitted or the previous job ended,
+        which also counts how late the engine's step saw it end."""
         self.outstanding = max(0, self.outstanding - blocks)
         start = max(submitted, self.busy_until)
-        self.busy_until = now
+        self.busy_until = self.measured_at = now
+        self.declined = 0
         if blocks <= 0:
             return
-        sample = max(now - start, 1e-7) / blocks
+        seconds = busy_s if busy_s is not None else now - start
+        sample = max(seconds, 1e-7) / blocks
         old = self.seconds_per_block
         self.seconds_per_block = sample if old is None else old + EWMA_WEIGHT * (sample - old)
 
-    def expected_s(self, blocks: int) -> float | None:
-        """Seconds until ``blocks`` more, read behind the outstanding ones, would have landed."""
+    def expected_s(self, blocks: int, now: float) -> float | None:
+        """Seconds until ``blocks`` more, read behind the outstanding ones, would have landed;
+        None when unknown: never measured, or idle and not measured for ``PROBE_AFTER_S``."""
         spb = self.seconds_per_block
-        return None if spb is None else (self.outstanding + blocks) * spb
+        stale = now - self.measured_at > PROBE_AFTER_S or self.declined >= PROBE_AFTER_DECLINES
+        if spb is None or (stale and not self.outstanding):
+            return None
+        return (self.outstanding + blocks) * spb
 
 
 @dataclass(slots=True)
@@ -78,6 +95,8 @@ class ComputeRate:
     fs tier and started 271, and the run cached 19% fewer tokens than vLLM's own offloading)."""
 
     tokens_per_s: float | None = None
+    step_s: float = 0.0
+    """Moving average of a step's duration (every step)."""
     _last: float | None = None
     _tokens: int = 0
     _requests: int = 1
@@ -87,7 +106,10 @@ class ComputeRate:
         previous one ended)."""
         last, done, shared = self._last, self._tokens, self._requests
         self._last, self._tokens, self._requests = now, tokens, max(1, requests)
-        if last is None or done < MIN_STEP_TOKENS or now <= last:
+        if last is None or now <= last:
+            return
+        self.step_s += EWMA_WEIGHT * (now - last - self.step_s)
+        if done < MIN_STEP_TOKENS:
             return
         sample = done / shared / (now - last)
         old = self.tokens_per_s
@@ -113,6 +135,19 @@ class Promise:
     """Final answer given: no more promotions for this request until it loaded (or left)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PromotionSettings:
+    budget: float = 0.5
+    """Fraction of the pool's slots promotions may hold (``pool.promotion_budget``)."""
+    weigh_costs: bool = True
+    """Claim and wait only as far as reading beats computing (``pool.promotion_costs``); False:
+    every block found is promoted and waited for up to the job timeout."""
+    block_tokens: int = 1
+
+
+DEFAULT_SETTINGS = PromotionSettings()
+
+
 @dataclass(slots=True)
 class Claim:
     """What a lookup may promote: the leading ``blocks`` of its run, and until when to wait."""
@@ -124,10 +159,13 @@ class Claim:
 class PromotionRules:
     """Budget, costs and promises of a ``TieredCache``'s promotions (see the module docstring)."""
 
-    def __init__(self, tiers: int, budget: int, block_tokens: int, max_wait_s: float) -> None:
-        self.budget = budget
-        self.block_tokens = block_tokens
+    def __init__(
+        self, tiers: int, settings: PromotionSettings, num_slots: int, max_wait_s: float
+    ) -> None:
+        self.budget = int(num_slots * settings.budget)
+        self.block_tokens = settings.block_tokens
         self.max_wait_s = max_wait_s
+        self.weigh = settings.weigh_costs
         self.reads = [ReadCost() for _ in range(tiers)]
         self.compute = ComputeRate()
         self.promises: dict[Owner, Promise] = {}
@@ -145,44 +183,62 @@ class PromotionRules:
         """
         room = self.budget - in_flight - self.promised_pins
         n = max(0, min(len(run_tiers), room))
+        if not self.weigh:
+            return Claim(n, now + self.max_wait_s)
         best, wait = 0, 0.0
         per_tier: dict[int, int] = {}
         for i in range(n):
             tier = run_tiers[i]
             per_tier[tier] = per_tier.get(tier, 0) + 1
-            read = self._read_s(per_tier)
+            read = self._read_s(per_tier, now)
             compute = self.compute.seconds((i + 1) * self.block_tokens)
             if read is None or compute is None or read <= compute:
                 best, wait = i + 1, compute if compute is not None else self.max_wait_s
+        for tier in set(run_tiers[best:n]):
+            self.reads[tier].declined += 1
+        # An engine asks again once a step, and sees a landed block a step later: a wait shorter
+        # than two steps would end before it could see anything land.
+        wait = max(wait, 2 * self.compute.step_s)
         return Claim(best, now + min(self.max_wait_s, wait))
 
-    def _read_s(self, per_tier: dict[int, int]) -> float | None:
+    def _read_s(self, per_tier: dict[int, int], now: float) -> float | None:
         # Tiers read in parallel: the run has landed when the slowest tier's part has.
         worst = 0.0
         for tier, blocks in per_tier.items():
-            expected = self.reads[tier].expected_s(blocks)
+            expected = self.reads[tier].expected_s(blocks, now)
             if expected is None:
                 return None
             worst = max(worst, expected)
         return worst
 
     def promise(self, owner: Owner, keys: list[BlockKey], deadline: float, now: float) -> None:
+        """``owner`` waits for ``keys`` until ``deadline``; a further round of a promise whose
+        blocks all landed keeps the pins of the earlier rounds."""
+        earlier = self.promises.get(owner)
         self.promises[owner] = Promise(list(keys), deadline, now + LEASE_S)
+        if earlier is not None:
+            self.promises[owner].pinned = earlier.pinned
         claimed = self.claimed_by
         for key in keys:
             claimed.setdefault(key, owner)
 
     def waits(self, owner: Owner, promoting: Set[BlockKey], now: float) -> bool | None:
-        """Whether ``owner`` still waits for its promotion: None without one (a lookup may start
-        one), True while a claimed block is being read before the deadline, else False: what
-        has landed is the answer, and no second promotion starts until the promise ends."""
+        """Whether ``owner`` still waits for its promotion: True while a claimed block is being
+        read before the deadline; False once the deadline passed with blocks still being read
+        (what has landed is the answer, and no further round starts until the promise ends);
+        None without a promise or when all its blocks landed in time (a lookup may start a
+        further round: the run may go on past a block whose presence a tier could not tell yet,
+        or past what the budget allowed)."""
         promise = self.promises.get(owner)
         if promise is None:
             return None
-        if not promise.done:
-            if now < promise.deadline and not promoting.isdisjoint(promise.keys):
-                return True
-            promise.done = True
+        if promise.done:
+            return False
+        if promoting.isdisjoint(promise.keys):
+            return None
+        if now < promise.deadline:
+            return True
+        promise.done = True
         return False
 
     def landed(self, key: BlockKey) -> bool:

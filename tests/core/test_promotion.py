@@ -14,7 +14,7 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
-from kvtier.promotion import ComputeRate, PromotionRules, ReadCost
+from kvtier.promotion import ComputeRate, PromotionRules, PromotionSettings, ReadCost
 from kvtier.tiers.base import TierJobKind
 
 
@@ -66,7 +66,30 @@ def test_read_cost_counts_service_time_not_queueing():
     assert cost.seconds_per_block == pytest.approx(0.1)
     assert cost.outstanding == 0
     cost.started(5)
-    assert cost.expected_s(3) == pytest.approx((5 + 3) * 0.1)
+    assert cost.expected_s(3, now=2.5) == pytest.approx((5 + 3) * 0.1)
+
+
+def test_read_cost_takes_the_tiers_own_busy_time():
+    """Before: the time until the engine's next step collected the result counted as reading
+    (the CPU demo's fs tier measured 3.4 ms per 32 KiB block, so every promotion was declined)."""
+    cost = ReadCost()
+    cost.started(10)
+    cost.ended(10, submitted=0.0, now=5.0, busy_s=0.01)
+    assert cost.seconds_per_block == pytest.approx(0.001)
+
+
+def test_an_idle_tier_measured_long_ago_is_read_again():
+    """Before: one slow first read declined every later promotion for good (a declined one
+    measures nothing), and the CPU demo loaded 0 tokens from its fs tier instead of 65%."""
+    cost = ReadCost()
+    cost.ended(10, submitted=0.0, now=1.0)
+    assert cost.expected_s(4, now=1.5) == pytest.approx(0.4)
+    assert cost.expected_s(4, now=2.5) is None  # probe: claimed as if unmeasured
+    cost.started(10)
+    assert cost.expected_s(4, now=2.5) == pytest.approx(1.4)  # reads running: still known
+    cost.ended(10, submitted=2.5, now=3.5)
+    cost.declined = 16  # declined again and again within a second
+    assert cost.expected_s(4, now=3.6) is None
 
 
 def test_compute_rate_is_a_requests_share_of_the_step():
@@ -86,7 +109,7 @@ def test_compute_rate_ignores_decode_steps():
 
 
 def test_claim_is_capped_by_the_budget_and_what_promotions_hold():
-    rules = PromotionRules(tiers=1, budget=10, block_tokens=16, max_wait_s=30.0)
+    rules = PromotionRules(1, PromotionSettings(1.0, block_tokens=16), 10, 30.0)
     assert rules.claim([0] * 8, in_flight=0, now=0.0).blocks == 8  # nothing measured: claim
     assert rules.claim([0] * 8, in_flight=6, now=0.0).blocks == 4
     rules.promised_pins = 4
@@ -94,19 +117,21 @@ def test_claim_is_capped_by_the_budget_and_what_promotions_hold():
 
 
 def test_claim_stops_where_reading_would_take_longer_than_computing():
-    rules = PromotionRules(tiers=2, budget=1000, block_tokens=100, max_wait_s=30.0)
+    rules = PromotionRules(2, PromotionSettings(1.0, block_tokens=100), 1000, 30.0)
     rules.compute.tokens_per_s = 1000.0  # a block computes in 0.1 s
     rules.reads[0].seconds_per_block = 0.01
     rules.reads[1].seconds_per_block = 0.5  # slower than computing
+    rules.reads[0].measured_at = rules.reads[1].measured_at = 5.0
     claim = rules.claim([0, 0, 0, 1, 1], in_flight=0, now=5.0)
     assert claim.blocks == 3
     assert claim.deadline == pytest.approx(5.0 + 0.3)  # computing those 3 blocks would take 0.3 s
 
 
 def test_a_backlog_makes_a_short_run_not_worth_reading():
-    rules = PromotionRules(tiers=1, budget=1000, block_tokens=100, max_wait_s=30.0)
+    rules = PromotionRules(1, PromotionSettings(1.0, block_tokens=100), 1000, 30.0)
     rules.compute.tokens_per_s = 1000.0  # 0.1 s per block
     rules.reads[0].seconds_per_block = 0.05
+    rules.reads[0].measured_at = 0.0
     assert rules.claim([0] * 4, in_flight=0, now=0.0).blocks == 4
     rules.reads[0].outstanding = 20  # 1 s of reads queued ahead
     assert rules.claim([0] * 4, in_flight=0, now=0.0).blocks == 0
@@ -179,7 +204,7 @@ def test_the_budget_serves_requests_in_order_and_the_next_one_does_not_wait(ns, 
     cache.step()
     assert cache.lookup(first, "a") == (6, True)
     assert cache.lookup(second, "b") == (2, True)  # the part that fit, not a second wait
-    assert cache.stats().cache.promotions_declined == 4
+    assert cache.stats().cache.promotions_declined == 8  # b's rest, at both of its lookups
     third = keys_for(ns, 2, seed=3)
     tier.stored.update({k: payload(k, pool.slot_bytes) for k in third})
     assert cache.lookup(third, "c") == (0, True)  # budget spent: no wait at all
@@ -190,12 +215,38 @@ def test_the_budget_serves_requests_in_order_and_the_next_one_does_not_wait(ns, 
     assert cache.lookup(third, "c") == (0, False)  # room again
 
 
+def test_a_run_goes_on_past_blocks_a_tier_could_not_tell_yet(ns, make_pool):
+    """Before: the first round's blocks were the final answer, so a Redis tier whose presence
+    cache knew only part of a prompt served 11 or 19 of its 27 blocks to a second engine."""
+    pool = make_pool(16)
+    keys = keys_for(ns, 4, seed=1)
+    tier = tier_with(ns, pool, keys)
+    tier.unknown = set(keys[2:])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    assert cache.lookup(keys, "a") == (0, False)
+    tier.unknown.clear()
+    tier.release()
+    assert cache.lookup(keys, "a") == (2, False)  # a second round for the rest
+    tier.release()
+    assert cache.lookup(keys, "a") == (4, True)
+    assert cache.stats().pool_pinned == 4  # both rounds held for the request
+    cache.prepare_load(keys, "a")
+    cache.complete_load(keys)
+    check_settled(cache, tier)
+
+
 def test_a_tier_slower_than_computing_is_not_waited_for(ns, make_pool):
     pool = make_pool(16)
     clock = Clock()
     first, later = keys_for(ns, 4, seed=1), keys_for(ns, 4, seed=2)
     tier = tier_with(ns, pool, [*first, *later])
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)], clock=clock, block_tokens=4)
+    cache = TieredCache(
+        pool,
+        LRUPolicy(),
+        [TierBinding(tier)],
+        clock=clock,
+        promotion=PromotionSettings(block_tokens=4),
+    )
     cache.engine_step(4000)
     clock.now += 1.0
     cache.engine_step(0)  # 4,000 tokens/s: a block of 4 tokens computes in 1 ms
@@ -213,20 +264,43 @@ def test_a_wait_ends_at_its_deadline_with_what_landed(ns, make_pool):
     clock = Clock()
     keys = keys_for(ns, 4, seed=1)
     tier = tier_with(ns, pool, keys)
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)], clock=clock, block_tokens=4)
-    cache.engine_step(400)
-    clock.now += 1.0
-    cache.engine_step(0)  # 400 tokens/s: the 4 blocks compute in 40 ms
+    cache = TieredCache(
+        pool,
+        LRUPolicy(),
+        [TierBinding(tier)],
+        clock=clock,
+        promotion=PromotionSettings(block_tokens=4),
+    )
+    for _ in range(30):  # steps of 10 ms, 400 tokens each: 40,000 tokens/s
+        cache.engine_step(400)
+        clock.now += 0.01
+    # Computing the 4 blocks takes 0.4 ms; the wait lasts at least two steps (20 ms): an engine
+    # asks again once a step.
     assert cache.lookup(keys, "a") == (0, False)
-    clock.now += 0.02
+    clock.now += 0.015
     assert cache.lookup(keys, "a") == (0, False)
-    clock.now += 0.03  # past the deadline, the read still running
+    clock.now += 0.01  # past the deadline, the read still running
     assert cache.lookup(keys, "a") == (0, True)
     tier.release()
     cache.step()
     assert cache.lookup(keys, "a") == (4, True)  # landed later: a hit, but no second promotion
     assert reads(tier) == 1
     cache.forget("a")
+    check_settled(cache, tier)
+
+
+def test_a_waiting_lookup_sees_what_landed_since_the_last_step(ns, make_pool):
+    """Before: a block that landed during the engine's step was seen only at the next step's
+    housekeeping, after the lookup that asked again."""
+    pool = make_pool(16)
+    keys = keys_for(ns, 4, seed=1)
+    tier = tier_with(ns, pool, keys)
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    assert cache.lookup(keys, "a") == (0, False)
+    tier.release()  # no step() in between
+    assert cache.lookup(keys, "a") == (4, True)
+    cache.prepare_load(keys, "a")
+    cache.complete_load(keys)
     check_settled(cache, tier)
 
 

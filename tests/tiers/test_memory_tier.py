@@ -258,3 +258,16 @@ def test_bad_options_name_the_field(data: dict[str, object], field: str) -> None
     with pytest.raises(ConfigError) as err:
         Options.parse(Section(data, "tiers[0]"))
     assert err.value.field == field
+
+
+def test_a_job_result_says_how_long_the_tier_worked_on_it(
+    make_tier: MakeTier, pool: HostPool, run_job: Callable[[Tier, TierJob], JobResult]
+) -> None:
+    """The manager learns a tier's read speed from ``busy_s``: the time the step that collected
+    the result came later is not the tier's."""
+    tier = make_tier()
+    keys = make_keys(4)
+    for slot, key in enumerate(keys):
+        fill(pool, slot, key)
+    result = run_job(tier, TierJob(1, TierJobKind.WRITE, keys, [0, 1, 2, 3]))
+    assert result.busy_s is not None and 0.0 <= result.busy_s < 5.0

@@ -45,6 +45,10 @@ class JobResult:
     job_id: int
     ok: list[bool]
     """One flag per key of the job, in order."""
+    busy_s: float | None = None
+    """Seconds the tier worked on the job, from its first block to its last (waiting in the
+    tier's queue excluded); None: not measured. The manager learns the tier's read speed from it
+    (``kvtier.promotion.ReadCost``)."""
 
 
 class Tier(ABC):
@@ -92,9 +96,9 @@ class Tier(ABC):
 
     # -- helpers for subclasses -----------------------------------------------------------------
 
-    def _finish(self, job_id: int, ok: list[bool]) -> None:
+    def _finish(self, job_id: int, ok: list[bool], busy_s: float | None = None) -> None:
         """Hand a result to ``poll``; callable from any thread (deque appends are atomic)."""
-        self._done.append(JobResult(job_id, ok))
+        self._done.append(JobResult(job_id, ok, busy_s))
 
     def _report_evicted(self, key: BlockKey) -> None:
         self._evicted.append(key)

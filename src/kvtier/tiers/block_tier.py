@@ -51,6 +51,7 @@ import itertools
 import logging
 import operator
 import threading
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -129,6 +130,8 @@ class JobState:
     """Blocks not done yet (guarded by the tier's lock)."""
     cursor: Iterator[int] = field(init=False, default_factory=itertools.count)
     """Next batch to take; shared by the job's tasks (``next`` on a count is atomic)."""
+    started: float | None = field(init=False, default=None)
+    """When a thread took the job's first batch (``JobResult.busy_s``)."""
 
     def __post_init__(self) -> None:
         self.ok = [False] * len(self.keys)
@@ -369,6 +372,8 @@ class BlockTier(Tier):
                 run_first()
 
     def _run_batch(self, state: JobState, positions: range) -> None:
+        if state.started is None:
+            state.started = time.perf_counter()
         keys, slots = state.keys, state.slots
         num_slots = self.pool.num_slots
         valid = [i for i in positions if valid_block(keys[i], slots[i], num_slots)]
@@ -493,7 +498,9 @@ class BlockTier(Tier):
             state.remaining -= len(positions)
             last = state.remaining == 0
         if last:
-            self._finish(state.job_id, state.ok)
+            started = state.started
+            busy = None if started is None else time.perf_counter() - started
+            self._finish(state.job_id, state.ok, busy)
 
     def _count(self, **deltas: int) -> None:
         counters = self.counters

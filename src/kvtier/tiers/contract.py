@@ -9,6 +9,7 @@ infinite iterator: only lists and tuples are read, never iterated past their len
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from kvtier.keys import BlockKey
@@ -36,13 +37,18 @@ def job_flags(ok: object, n: int) -> list[bool] | None:
     return ok if type(ok) is list else list(ok)
 
 
-def job_reports(results: object) -> tuple[list[tuple[int, object]], int] | None:
-    """``poll``'s answer as (job id, ok-list as reported) pairs, plus how many results were
-    malformed (no integer ``job_id``, no ``ok``) and left out; None when it is no list or tuple.
-    A job left out is never settled by its tier: it times out after ``job_timeout_s``."""
+Report = tuple[int, object, float | None]
+"""A job's report: its id, its ok-list as reported, its ``busy_s`` (None unless a finite number
+of seconds, not negative)."""
+
+
+def job_reports(results: object) -> tuple[list[Report], int] | None:
+    """``poll``'s answer as reports, plus how many results were malformed (no integer
+    ``job_id``, no ``ok``) and left out; None when it is no list or tuple. A job left out is never
+    settled by its tier: it times out after ``job_timeout_s``."""
     if not isinstance(results, list | tuple):
         return None
-    reports: list[tuple[int, object]] = []
+    reports: list[Report] = []
     malformed = 0
     for result in results:
         try:
@@ -53,7 +59,9 @@ def job_reports(results: object) -> tuple[list[tuple[int, object]], int] | None:
         if type(job_id) is not int:
             malformed += 1
             continue
-        reports.append((job_id, ok))
+        busy = getattr(result, "busy_s", None)
+        finite = type(busy) is float and 0.0 <= busy < math.inf
+        reports.append((job_id, ok, busy if finite else None))
     return reports, malformed
 
 
