@@ -10,12 +10,16 @@ that its own prefill would have beaten. So:
 * **Budget.** Promotions hold at most ``budget`` pool slots: blocks being read plus blocks landed
   for a request that has not loaded them yet (those are pinned: no store or other promotion evicts
   them). Requests are served in the order they ask; one whose run does not fit gets the part that
-  fits, and one that finds the budget spent gets the pool's hits at once instead of waiting.
-* **Cost.** Each tier's read time per block is measured from its jobs (service time, queueing
-  excluded) and the engine's compute rate from its steps. A run is claimed only as far as reading
-  it, behind what the tier still has to read, is expected to end before computing it would.
+  fits (a further round once it landed, if there is room then), and one that finds the budget
+  spent gets the pool's hits at once instead of waiting.
+* **Cost.** Each tier's read time per block is what the tier reports of its jobs
+  (``JobResult.busy_s``; queueing excluded), and the engine's compute rate one request's share of
+  its steps. A run is claimed only as far as reading it, behind what the tier still has to read,
+  is expected to end before computing it would. A tier idle and unmeasured for a while, or
+  declined again and again, is read again to measure it.
 * **Deadline.** A waiting request stops waiting when computing the claimed tokens would have been
-  done by now, and takes what has landed; the rest is recomputed.
+  done by now (but not before two engine steps), and takes what has landed; the rest is
+  recomputed.
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ class Promise:
     pinned: list[BlockKey] = field(default_factory=list)
     """Claimed blocks that landed: pinned until the request loads them or stops waiting."""
     done: bool = False
-    """Final answer given: no more promotions for this request until it loaded (or left)."""
+    """The deadline passed with blocks still being read: what had landed was the answer, and no
+    further round starts until the request loaded (or left)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,6 +141,14 @@ def test_a_backlog_makes_a_short_run_not_worth_reading():
 # -- the manager --------------------------------------------------------------------------------
 
 
+def tiered(
+    ns: Namespace, pool: HostPool, keys: Sequence[BlockKey]
+) -> tuple[ScriptedTier, TieredCache]:
+    """A cache over ``pool`` with one write-through tier holding ``keys``."""
+    tier = tier_with(ns, pool, keys)
+    return tier, TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+
+
 def promote_for(cache: TieredCache, tier: ScriptedTier, keys: list[BlockKey], owner: str) -> None:
     assert cache.lookup(keys, owner) == (0, False)
     tier.release()
@@ -151,8 +159,7 @@ def test_blocks_promoted_for_a_request_are_not_evicted_before_it_loads_them(ns, 
     """Before: stores of other requests evicted them, and the request promoted them again."""
     pool = make_pool(8)
     wanted = keys_for(ns, 4, seed=1)
-    tier = tier_with(ns, pool, wanted)
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    tier, cache = tiered(ns, pool, wanted)
     promote_for(cache, tier, wanted, "a")
     assert store(cache, pool, keys_for(ns, 8, seed=2)) != []  # room only for the free 4 slots
     assert cache.lookup(wanted, "a") == (4, True)
@@ -168,8 +175,7 @@ def test_blocks_promoted_for_a_request_are_not_evicted_before_it_loads_them(ns, 
 def test_a_request_that_leaves_releases_its_promoted_blocks(ns, make_pool):
     pool = make_pool(8)
     wanted = keys_for(ns, 4, seed=1)
-    tier = tier_with(ns, pool, wanted)
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    tier, cache = tiered(ns, pool, wanted)
     promote_for(cache, tier, wanted, "a")
     assert cache.stats().pool_pinned == 4
     cache.forget("a")
@@ -195,8 +201,7 @@ def test_promoted_blocks_of_a_request_that_never_returns_are_released_after_the_
 def test_the_budget_serves_requests_in_order_and_the_next_one_does_not_wait(ns, make_pool):
     pool = make_pool(16)  # budget 0.5: 8 slots
     first, second = keys_for(ns, 6, seed=1), keys_for(ns, 6, seed=2)
-    tier = tier_with(ns, pool, [*first, *second])
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    tier, cache = tiered(ns, pool, [*first, *second])
     assert cache.lookup(first, "a") == (0, False)
     assert cache.lookup(second, "b") == (0, False)  # gets the 2 slots left
     assert [len(job.keys) for job in tier.submitted] == [6, 2]
@@ -294,8 +299,7 @@ def test_a_waiting_lookup_sees_what_landed_since_the_last_step(ns, make_pool):
     housekeeping, after the lookup that asked again."""
     pool = make_pool(16)
     keys = keys_for(ns, 4, seed=1)
-    tier = tier_with(ns, pool, keys)
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    tier, cache = tiered(ns, pool, keys)
     assert cache.lookup(keys, "a") == (0, False)
     tier.release()  # no step() in between
     assert cache.lookup(keys, "a") == (4, True)
@@ -369,3 +373,19 @@ def test_writes_to_a_tier_without_room_pause_until_it_stores_again(ns, make_pool
     store(cache, pool, keys_for(ns, 2, seed=8))
     assert len(tier.submitted) == 3  # stored again: no pause
     check_settled(cache, tier)
+
+
+class RaisingEmptiness(ScriptedTier):
+    def is_empty(self) -> bool:
+        raise RuntimeError("a plugin's is_empty fails")
+
+
+def test_a_tier_whose_emptiness_check_raises_is_asked(ns, make_pool):
+    pool = make_pool(8)
+    keys = keys_for(ns, 2, seed=1)
+    tier = RaisingEmptiness("plugin", ns, pool)
+    tier.stored = {k: payload(k, pool.slot_bytes) for k in keys}
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    assert cache.lookup(keys, "a") == (0, False)  # promoting: asked, not skipped
+    tier.release()
+    assert cache.lookup(keys, "a") == (2, True)

@@ -16,7 +16,7 @@ from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobResult
-from kvtier.tiers.contract import job_flags, lookup_flags
+from kvtier.tiers.contract import job_flags, job_reports, lookup_flags
 
 
 class BrokenTier(ScriptedTier):
@@ -165,3 +165,11 @@ def test_well_formed_answers_pass_unchanged() -> None:
     assert lookup_flags([1, 0], 2) is None  # ints are not flags
     assert job_flags([True, False], 2) == [True, False]
     assert job_flags([True, None], 2) is None  # "not known" is no job result
+
+
+@pytest.mark.parametrize("busy", [float("nan"), float("inf"), -1.0, "0.1", 1, None])
+def test_a_busy_time_that_is_no_time_is_left_out(busy: object) -> None:
+    result = JobResult(3, [True])
+    result.busy_s = busy  # type: ignore[assignment]
+    assert job_reports([result]) == ([(3, [True], None)], 0)
+    assert job_reports([JobResult(4, [True], 0.25)]) == ([(4, [True], 0.25)], 0)
