@@ -108,3 +108,34 @@ def test_the_configuration_docs_error_examples_are_the_real_messages() -> None:
             load_config(raw)
         real.append(str(info.value))
     assert _documented_errors() == real
+
+
+def _rows(report: str) -> dict[str, tuple[int, float]]:
+    """``tier -> (hit blocks, hit ratio)`` of a simulate report's table."""
+    rows = re.findall(r"^(pool|fs|all) +(\d+) +([\d.]+)", report, re.M)
+    return {name: (int(hits), float(ratio)) for name, hits, ratio in rows}
+
+
+def test_the_readmes_disk_tier_example_shows_disk_hits(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Before: ``--tier fs:/tmp/kvtier-fs:4GiB`` held 64 blocks and showed an fs hit ratio of
+    0.0000, with no output in the README."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(
+        r"\n    (kvtier simulate --pool-blocks \d+ --tier fs:/tmp/kvtier-fs:\S+)\n\n```\n(.*?)```",
+        text,
+        re.S,
+    )
+    assert match, "README: the disk tier example and its output"
+    command, shown = match.group(1), match.group(2)
+    rows = _rows(shown)
+    assert rows["fs"][1] > 0.1 and rows["all"][0] == rows["pool"][0] + rows["fs"][0], shown
+
+    # The same command, on the first 800 requests, into a directory of the test's own.
+    args = command.replace("/tmp/kvtier-fs", str(tmp_path / "fs")).split()[1:]
+    assert main([*args, "--limit", "800", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    tiers = next(line for line in shown.splitlines() if line.startswith("tiers"))
+    assert tiers in out.splitlines()
+    assert _rows(out)["fs"][1] > 0.02, out
