@@ -37,6 +37,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("pool.py", "_new_region", "os.open"): POOL,
     ("pool.py", "cleanup_stale_pools", "os.open"): POOL,
     ("pool.py", "_remove_if_stale", "os.open"): POOL,
+    ("shared_pool/segment.py", "_attach", "os.open"): (
+        "a shared pool's shm file: O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file of this "
+        "user (docs/reliability.md)"
+    ),
     ("copy/cuda_executor.py", "_open_private", "os.open"): (
         "the built copy executor: O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file of this "
         "user, not group/world-writable (docs/reliability.md)"
