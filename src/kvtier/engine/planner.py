@@ -251,15 +251,9 @@ class Planner:
         if external_tokens == 0:
             self._unpin(plan)
             return
-        bs = self.engine_block_size
-        first = plan.first_token // bs
-        computed = plan.num_computed // bs
-        engine_blocks = [
-            SKIP if first + i < computed else block_ids[first + i]
-            for i in range(len(plan.slots) * self.blocks_per_slot)
-        ]
+        engine_blocks, groups, fits = self._load_targets(plan, block_ids)
         job_id = self._jobs.open(Direction.LOAD, plan.keys)
-        stale = external_tokens != plan.external_tokens
+        stale = external_tokens != plan.external_tokens or not fits
         if stale:
             # The engine changed the count we gave it: do not guess which bytes it expects; have
             # the worker report every block of the range as failed so the engine recomputes them.
@@ -272,7 +266,7 @@ class Planner:
         async_id = request.request_id if self.settings.async_loads else None
         if async_id is not None:
             self._async_loads[job_id] = async_id
-        self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, stale, async_id))
+        self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, stale, async_id, groups))
         self.counters.loads_ordered += 1
         self.counters.hit_tokens += 0 if stale else external_tokens
         if not stale:
@@ -287,6 +281,22 @@ class Planner:
             by_tier = self.hit_tokens_by_tier
             for origin, tokens in split.items():
                 by_tier[origin] = by_tier.get(origin, 0) + tokens
+
+    def _load_targets(
+        self, plan: _LoadPlan, block_ids: Sequence[int]
+    ) -> tuple[list[int], list[int] | None, bool]:
+        """The engine block ids a plan's slots load into (``SKIP`` where the engine holds the
+        position), the KV cache group of each slot (None: the one group), and whether the
+        allocation takes the plan (False: the load fails and the engine recomputes those
+        blocks). A hybrid adapter (``engine.hybrid``) overrides this."""
+        bs = self.engine_block_size
+        first = plan.first_token // bs
+        computed = plan.num_computed // bs
+        engine_blocks = [
+            SKIP if first + i < computed else block_ids[first + i]
+            for i in range(len(plan.slots) * self.blocks_per_slot)
+        ]
+        return engine_blocks, None, True
 
     def take_hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the request's load by the tier they come from (empty: no load planned)."""

@@ -12,8 +12,10 @@ derives from it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvtier.copy.base import CopyBackend
 from kvtier.engine.backends import cuda_layout, make_backend
 from kvtier.engine.copier import FAULT_ENV, Copier
 
@@ -31,15 +33,27 @@ class WorkerSide(Copier):
     def __init__(
         self, blocks_per_slot: int, tp_rank: int, tp_size: int, copy_options: Any = None
     ) -> None:
-        # Looked up when the backend is built, so a replaced make_backend (tests inject a
-        # recording backend) is the one used.
         super().__init__(
-            blocks_per_slot,
-            tp_rank,
-            tp_size,
-            copy_options,
-            backend_factory=lambda *args: make_backend(*args),
+            blocks_per_slot, tp_rank, tp_size, copy_options, backend_factory=self._make_backend
         )
+        self._groups: dict[int, list[Any]] = {}
+
+    def register_groups(self, tensors: Mapping[int, Sequence[Any]]) -> None:
+        """A hybrid model's KV tensors per KV cache group (vLLM's group index -> the group's
+        layers' tensors, in layer order): each group gets its own backend
+        (``copy.grouped.GroupedCopyBackend``)."""
+        self._groups = {group: list(kv) for group, kv in tensors.items()}
+        self.register([t for kv in self._groups.values() for t in kv])
+
+    def _make_backend(self, kv_caches: Sequence[Any], *rest: Any) -> CopyBackend:
+        # make_backend is looked up when the backend is built, so a replaced one (tests inject a
+        # recording backend) is the one used.
+        if not self._groups:
+            return make_backend(kv_caches, *rest)
+        from kvtier.copy.grouped import GroupedCopyBackend
+
+        parts = {group: make_backend(kv, *rest) for group, kv in self._groups.items()}
+        return GroupedCopyBackend(parts, self.blocks_per_slot)
 
     def take_meta(self) -> KVTierWorkerMetadata | None:
         """``take_report`` as vLLM's worker metadata class (imported here, where vLLM runs, so
