@@ -1,4 +1,4 @@
-"""The shared key -> slot table: open addressing with linear probing and tombstones.
+"""The shared key -> slot table: open addressing with linear probing, deletion by backward shift.
 
 Changed only under the index lock; read without it (``find_many``). A reader racing a change may
 miss a key or see an entry whose slot was reused since: every answer is checked against the slot's
@@ -35,29 +35,29 @@ def key_words(key: BlockKey) -> tuple[int, int]:
 
 def find_many(a: IndexArrays, k: np.ndarray) -> np.ndarray:
     """Per key of ``k`` (``keys_array``): the slot whose key and state (written or being written)
-    match, else -1. Lock-free; one vectorised probe round per step of the longest chain."""
+    match, else -1. Lock-free; one vectorised probe round per step of the longest chain. The
+    probe compares the keys' first words only; the slot's own key, compared whole at the end,
+    decides."""
     n = len(k)
     out = np.full(n, -1, dtype=np.int64)
     if n == 0:
         return out
-    mask = np.uint64(a.mask)
-    pos = (k[:, 0] & mask).astype(np.int64)
+    k0 = k[:, 0]
+    at = (k0 & np.uint64(a.mask)).astype(np.int64)
     active = np.arange(n)
-    tk, ts = a.table_keys, a.table_slots
+    tk0, ts = a.table_keys[:, 0], a.table_slots
     for _ in range(a.layout.capacity):
-        p = pos[active]
-        s = ts[p]
-        e = tk[p]
-        kk = k[active]
-        hit = (s >= 0) & (e[:, 0] == kk[:, 0]) & (e[:, 1] == kk[:, 1])
+        s = ts[at]
+        hit = (tk0[at] == k0) & (s >= 0)
         out[active[hit]] = s[hit]
-        active = active[~hit & (s != EMPTY)]
-        if not active.size:
+        more = ~hit & (s != EMPTY)
+        if not more.any():
             break
-        pos[active] = (pos[active] + 1) & a.mask
-    slots = out[out >= 0]
-    ok = (a.state[slots] != FREE) & (a.slot_keys[slots] == k[out >= 0]).all(axis=1)
-    out[np.flatnonzero(out >= 0)[~ok]] = -1
+        active, k0, at = active[more], k0[more], (at[more] + 1) & a.mask
+    found = np.flatnonzero(out >= 0)
+    slots = out[found]
+    ok = (a.state[slots] != FREE) & (a.slot_keys[slots] == k[found]).all(axis=1)
+    out[found[~ok]] = -1
     return out
 
 
@@ -106,8 +106,25 @@ def insert(a: IndexArrays, k0: int, k1: int, slot: int) -> None:
 
 
 def remove_at(a: IndexArrays, pos: int) -> None:
-    a.table_slots[pos] = TOMB
-    a.header[H_TOMBS] += 1
+    """Delete the entry at ``pos`` by shifting later entries of its probe run back into the hole
+    (no tombstones: the table never fills with them, and never needs rebuilding under the lock).
+    A lock-free reader racing a shift may miss the entry moved: a miss, never a wrong slot."""
+    ts, tk, mask = a.table_slots, a.table_keys, a.mask
+    hole = pos
+    j = pos
+    while True:
+        j = (j + 1) & mask
+        s = int(ts[j])
+        if s == EMPTY:
+            break
+        home = int(tk[j, 0]) & mask
+        # The entry at j may fill the hole unless its home lies cyclically in (hole, j].
+        if (hole < j and hole < home <= j) or (j < hole and (home > hole or home <= j)):
+            continue
+        tk[hole, 0], tk[hole, 1] = tk[j, 0], tk[j, 1]
+        ts[hole] = s
+        hole = j
+    ts[hole] = EMPTY
     a.header[H_LIVE] -= 1
 
 
@@ -119,14 +136,9 @@ def remove_slot_key(a: IndexArrays, slot: int) -> None:
         remove_at(a, pos)
 
 
-def crowded(a: IndexArrays) -> bool:
-    """More than half the table used (live entries and tombstones): time to rebuild it."""
-    return int(a.header[H_LIVE] + a.header[H_TOMBS]) * 2 > a.layout.capacity
-
-
 def rebuild(a: IndexArrays) -> None:
     """Refill the table from the slots' own keys (their state is the truth): after a holder died
-    inside the lock, and when tombstones crowd it. A key held by two slots keeps the first; the
+    inside the lock. A key held by two slots keeps the first; the
     other slot is freed unless it is pinned (then it stays out of the table until unpinned)."""
     a.table_slots[:] = EMPTY
     a.header[H_LIVE] = 0
