@@ -350,4 +350,5 @@ class HybridPlanner(Planner):
                 for g in self.groups
             }
             out["groups_refused"] = self.refused
+            out["block_tokens"] = self.block_tokens
         return out
