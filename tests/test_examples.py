@@ -107,7 +107,7 @@ def test_the_configuration_docs_error_examples_are_the_real_messages() -> None:
         with pytest.raises(ConfigError) as info:
             load_config(raw)
         real.append(str(info.value))
-    assert _documented_errors() == real
+    assert _documented_errors() == real, "update docs/configuration.md's example errors"
 
 
 def _rows(report: str) -> dict[str, tuple[int, float]]:
