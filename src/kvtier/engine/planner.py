@@ -20,6 +20,7 @@ from kvtier.config import KVTierConfig
 from kvtier.copy.base import Direction
 from kvtier.engine.ledger import JobLedger
 from kvtier.engine.orders import SKIP, CopyOrder, RankReport, StepOrders
+from kvtier.engine.prefix_keys import PrefixKeys
 from kvtier.engine.stats_file import Snapshot, StatsFile
 from kvtier.events import POOL_TIER, CacheEvent
 from kvtier.factory import build_cache
@@ -144,6 +145,8 @@ class Planner:
         """Request -> keys of its full blocks so far; None: not cacheable (``key_scope``)."""
         self._roots: dict[str, BlockKey | None] = {}
         """Request -> the start of its key chain (None: the namespace)."""
+        self._prefixes = PrefixKeys(namespace)
+        """Recent prompts' keys: a request's first keys reuse an earlier prompt's."""
         self._plans: dict[str, _LoadPlan] = {}
         self._offered: dict[str, int] = {}
         self._hit_blocks: dict[str, int] = {}
@@ -450,8 +453,11 @@ class Planner:
         have = len(keys)
         full = len(tokens) // bt
         if full > have:
-            start = keys[-1] if keys else self._roots[req_id]
-            keys.extend(chain_keys(self.namespace, tokens[have * bt : full * bt], start))
+            cut = tokens[have * bt : full * bt]
+            if have:
+                keys.extend(chain_keys(self.namespace, cut, keys[-1]))
+            else:  # a new prompt: an earlier prompt's keys may cover its start
+                keys = self._keys[req_id] = self._prefixes.keys(cut, self._roots[req_id])
         return keys
 
     # -- reporting ------------------------------------------------------------------------------
