@@ -366,12 +366,18 @@ class Planner:
         if not reservation.keys:
             return None
         block_ids = tables.get(req_id)
-        position = {key: offered + i for i, key in enumerate(wanted)}
         bps = self.blocks_per_slot
-        engine_blocks: list[int] = []
-        for key in reservation.keys:
-            first = position[key] * bps
-            engine_blocks.extend(block_ids[first : first + bps])
+        engine_blocks: list[int]
+        if len(reservation.keys) == len(wanted):
+            # The reserved keys are an ordered subsequence of ``wanted``: here all of it, so
+            # their engine blocks are one slice (a loop per block: 80 us for 512 blocks).
+            engine_blocks = list(block_ids[offered * bps : full * bps])
+        else:
+            position = {key: offered + i for i, key in enumerate(wanted)}
+            engine_blocks = []
+            for key in reservation.keys:
+                first = position[key] * bps
+                engine_blocks.extend(block_ids[first : first + bps])
         if len(engine_blocks) != len(reservation.keys) * bps:
             self.cache.complete_store(reservation.keys, ok=False)
             return None
