@@ -13,7 +13,7 @@ from typing import Any, get_type_hints
 import pytest
 import yaml
 
-from kvtier import factory
+from kvtier.cache import factory
 from kvtier.config import (
     AdmissionConfig,
     CopyStrategy,
@@ -30,7 +30,7 @@ from kvtier.pool import NAME_PREFIX, HostPool
 from kvtier.registry import TIERS
 from kvtier.tiers import tier_class
 from kvtier.tiers.base import Tier, TierJob, TierJobKind, WriteMode
-from kvtier.tiers.fs import FsTier
+from kvtier.tiers.fs.tier import FsTier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.validation import Section
 
@@ -688,7 +688,7 @@ def test_readme_python_example_runs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strategy", ["auto", "dma", "staged", "kernel"])
 def test_every_copy_strategy_reaches_the_cuda_backend_options(strategy: str) -> None:
-    from kvtier.copy.cuda import CudaCopyOptions
+    from kvtier.copy.cuda.backend import CudaCopyOptions
 
     config = load_config({"model": "m", "copy": {"strategy": strategy, "max_sms": 4}})
     options = CudaCopyOptions.from_config(config)

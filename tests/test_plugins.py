@@ -22,7 +22,7 @@ from plugin_examples import broken_modules
 from plugin_examples.dict_tier import DictTier
 from plugin_examples.fifo_policy import FifoPolicy
 
-from kvtier import factory
+from kvtier.cache import factory
 from kvtier.cli import main, parse_tier_spec
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -232,19 +232,28 @@ def test_register_refuses_bad_names_and_conflicting_targets() -> None:
 
 
 def _declaring_modules(package: str) -> dict[str, str]:
-    """What the registry should find, found the other way: import every module of ``package`` and
-    keep the classes that declare the module's name as ``kind`` (a module that needs a missing
-    dependency, such as the CUDA backend on a CPU build, is left out)."""
+    """What the registry should find, found the other way: import every module of ``package``
+    (and of each package in it) and keep the classes that declare the name of the module (or of
+    the package holding it) as ``kind`` (a module that needs a missing dependency, such as the
+    CUDA backend on a CPU build, is left out)."""
     found = {}
     for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
-        try:
-            module = importlib.import_module(f"{package}.{info.name}")
-        except ImportError:
-            continue
-        for cls in vars(module).values():
-            declares = isinstance(cls, type) and vars(cls).get("kind") == info.name
-            if declares and cls.__module__ == module.__name__:
-                found[info.name] = f"{module.__name__}:{cls.__name__}"
+        names = [f"{package}.{info.name}"]
+        if info.ispkg:
+            try:
+                inner = importlib.import_module(names[0]).__path__
+            except ImportError:
+                continue
+            names += [f"{names[0]}.{part.name}" for part in pkgutil.iter_modules(inner)]
+        for module_name in names:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            for cls in vars(module).values():
+                declares = isinstance(cls, type) and vars(cls).get("kind") == info.name
+                if declares and cls.__module__ == module.__name__:
+                    found[info.name] = f"{module.__name__}:{cls.__name__}"
     return found
 
 
@@ -257,7 +266,9 @@ def test_every_module_that_declares_its_kind_is_listed_and_resolves(registry: Re
     assert missing <= {"cuda"}  # cuda needs a CUDA build of torch to import
     for name, target in imported.items():
         cls = registry.load(name, "kind")
-        assert (cls.__module__, cls.kind) == (f"{registry.package}.{name}", name)
+        assert cls.kind == name
+        assert cls.__module__.partition(".")[0] == "kvtier"
+        assert f"{cls.__module__}.".startswith(f"{registry.package}.{name}.")
         assert f"{cls.__module__}:{cls.__qualname__}" == target
     assert list(registry.entries) == sorted(registry.entries)
     assert declared("kvtier.policies")["segmented"].endswith(":SegmentedPolicy")  # not the base
@@ -335,7 +346,8 @@ def test_a_module_declares_its_own_name_once(package: Path) -> None:
     (package / "twice.py").write_text(
         'class A:\n    kind = "twice"\n\n\nclass B:\n    kind = "twice"\n'
     )
-    with pytest.raises(ValueError, match=r"\['A', 'B'\] all declare kind 'twice'"):
+    twice = r"\['\w+\.twice:A', '\w+\.twice:B'\] all declare kind 'twice'"
+    with pytest.raises(ValueError, match=twice):
         declared(package.name)
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from kvtier.copy.options import CopyConfig as CopyConfig
-from kvtier.copy.options import CopyStrategy as CopyStrategy
+from kvtier.copy.cuda.options import CopyConfig as CopyConfig
+from kvtier.copy.cuda.options import CopyStrategy as CopyStrategy
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.policies import DEFAULT_EVICTION, parse_eviction
@@ -57,10 +57,10 @@ class PoolConfig:
     """Fraction of the pool, coldest first, copied ahead of eviction to write-on-evict tiers."""
     promotion_budget: float = 0.5
     """Fraction of the pool that blocks promoted for waiting requests may hold
-    (``kvtier.promotion``)."""
+    (``kvtier.cache.promotion``)."""
     promotion_costs: bool = True
     """Promote only as far as reading beats computing, and stop waiting when computing would
-    have finished (``kvtier.promotion``)."""
+    have finished (``kvtier.cache.promotion``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -245,32 +245,61 @@ def _tier_lacks(cls: type[Any]) -> str | None:
 
 
 def declared(package: str) -> dict[str, str]:
-    """``name -> package.name:Class`` for every module ``name.py`` of ``package`` with a top-level
-    class whose body declares ``kind = "name"``, sorted by name.
+    """``name -> target`` for every part of ``package`` that declares ``name``, sorted by name.
+
+    A part is a module ``name.py`` with a top-level class whose body declares ``kind = "name"``
+    (target ``package.name:Class``), or a package ``name/`` (a folder with ``__init__.py``) whose
+    ``__init__.py`` or one of whose modules ``name/module.py`` has such a class (target
+    ``package.name:Class`` or ``package.name.module:Class``).
 
     Read from the sources, nothing imported. A class declaring another name (a shared base class
-    such as ``SegmentedBase``) declares nothing; two classes of one module declaring its name are a
+    such as ``SegmentedBase``) declares nothing; two classes declaring one name are a
     ``ValueError`` (a programming error, caught by the registry tests).
     """
     found: dict[str, str] = {}
     for entry in sorted(resources.files(package).iterdir(), key=lambda entry: entry.name):
-        name = entry.name.removesuffix(".py")
-        if name == entry.name or name.startswith("_") or not name.isidentifier():
+        folder = entry.is_dir()
+        name = entry.name if folder else entry.name.removesuffix(".py")
+        if (name == entry.name and not folder) or name.startswith("_") or not name.isidentifier():
             continue
-        source = entry.read_text(encoding="utf-8")
-        # Most modules never say ``kind = "name"``: parse only those that do.
-        if not re.search(rf"^\s+kind\b[^=\n]*=\s*[\"']{name}[\"']", source, re.MULTILINE):
-            continue
-        classes = [
-            node.name
-            for node in ast.parse(source).body
-            if isinstance(node, ast.ClassDef) and _declared_kind(node) == name
+        if folder:
+            if not entry.joinpath("__init__.py").is_file():
+                continue
+            modules = sorted(
+                (part for part in entry.iterdir() if part.name.endswith(".py")),
+                key=lambda part: (part.name != "__init__.py", part.name),
+            )
+            sources = [(_module_path(package, name, part.name), part) for part in modules]
+        else:
+            sources = [(f"{package}.{name}", entry)]
+        targets = [
+            f"{module}:{cls}"
+            for module, part in sources
+            for cls in _classes_declaring(part.read_text(encoding="utf-8"), name)
         ]
-        if len(classes) > 1:
-            raise ValueError(f"{package}.{name}: classes {classes} all declare kind {name!r}")
-        if classes:
-            found[name] = f"{package}.{name}:{classes[0]}"
+        if len(targets) > 1:
+            raise ValueError(f"{package}.{name}: classes {targets} all declare kind {name!r}")
+        if targets:
+            found[name] = targets[0]
     return found
+
+
+def _module_path(package: str, name: str, file_name: str) -> str:
+    """The dotted path of ``file_name`` in the package ``package.name``."""
+    stem = file_name.removesuffix(".py")
+    return f"{package}.{name}" if stem == "__init__" else f"{package}.{name}.{stem}"
+
+
+def _classes_declaring(source: str, name: str) -> list[str]:
+    """The top-level classes of ``source`` whose body declares ``kind = "name"``."""
+    # Most modules never say ``kind = "name"``: parse only those that do.
+    if not re.search(rf"^\s+kind\b[^=\n]*=\s*[\"']{name}[\"']", source, re.MULTILINE):
+        return []
+    return [
+        node.name
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ClassDef) and _declared_kind(node) == name
+    ]
 
 
 def _declared_kind(node: ast.ClassDef) -> str | None:

@@ -1,12 +1,12 @@
-"""The copy options have one owner, ``kvtier.copy.options``: the config's ``copy`` section is parsed
-there, and every ``CopyStrategy`` is a strategy the CUDA backend's options accept."""
+"""The copy options have one owner, ``kvtier.copy.cuda.options``: the config's ``copy`` section
+is parsed there, and every ``CopyStrategy`` is a strategy the CUDA backend's options accept."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtier.config import load_config
-from kvtier.copy.options import CopyConfig, CopyStrategy, CudaCopyOptions
+from kvtier.copy.cuda.options import CopyConfig, CopyStrategy, CudaCopyOptions
 from kvtier.errors import ConfigError
 from kvtier.validation import Section
 

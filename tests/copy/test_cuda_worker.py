@@ -44,7 +44,7 @@ def _stand_in_for_vllm() -> None:
 
 _stand_in_for_vllm()
 
-from kvtier.copy.cuda import CudaCopyOptions  # noqa: E402
+from kvtier.copy.cuda.backend import CudaCopyOptions  # noqa: E402
 from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata  # noqa: E402
 from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402

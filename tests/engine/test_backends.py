@@ -15,8 +15,8 @@ from support.kv_reference import engine_arrays, logical_blocks
 torch = require.importorskip("torch", "vllm")
 
 from kvtier.copy.cpu import CpuCopyBackend  # noqa: E402
-from kvtier.copy.cuda import CudaCopyOptions  # noqa: E402
-from kvtier.copy.cuda_plan import KVLayout  # noqa: E402
+from kvtier.copy.cuda.backend import CudaCopyOptions  # noqa: E402
+from kvtier.copy.cuda.plan import KVLayout  # noqa: E402
 from kvtier.engine.backends import make_backend  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402
@@ -47,7 +47,7 @@ class Emulated(EmulatedBackend):
 def test_cuda_tensors_get_the_cuda_backend_with_their_layout_and_the_copy_options(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    assert COPY_BACKENDS.entries["cuda"] == "kvtier.copy.cuda:CudaCopyBackend"
+    assert COPY_BACKENDS.entries["cuda"] == "kvtier.copy.cuda.backend:CudaCopyBackend"
     monkeypatch.setitem(COPY_BACKENDS.entries, "cuda", f"{__name__}:Emulated")
     logical = logical_blocks(np.random.default_rng(0), 4)
     kv = [FakeTensor(a) for a in engine_arrays(logical, KVLayout.LAYER_KV_FIRST)]

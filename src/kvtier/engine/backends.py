@@ -61,7 +61,7 @@ def cuda_layout(kv_caches: Sequence[Any]) -> Any:
     ``KVCacheLayout`` order, and FlashInfer's older ``[num_blocks, 2, ...]`` are
     ``LAYER_BLOCKS_FIRST``; FlashAttention's older ``[2, num_blocks, ...]`` is
     ``LAYER_KV_FIRST``."""
-    from kvtier.copy.cuda_plan import KVLayout
+    from kvtier.copy.cuda.plan import KVLayout
 
     shapes = {tuple(t.shape) for t in kv_caches}
     if len(shapes) != 1:

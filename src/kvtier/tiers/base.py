@@ -48,7 +48,7 @@ class JobResult:
     busy_s: float | None = None
     """Seconds the tier worked on the job, from its first block to its last (waiting in the
     tier's queue excluded); None: not measured. The manager learns the tier's read speed from it
-    (``kvtier.promotion.ReadCost``)."""
+    (``kvtier.cache.promotion.ReadCost``)."""
 
 
 class Tier(ABC):

@@ -115,7 +115,7 @@ class KVTierConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            from kvtier.copy.cuda import CudaCopyOptions
+            from kvtier.copy.cuda.backend import CudaCopyOptions
 
             self._worker = WorkerSide(
                 self.settings.blocks_per_slot,

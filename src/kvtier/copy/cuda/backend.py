@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from kvtier.copy.base import CopyBackend, CopyJob, CopyResults
-from kvtier.copy.cuda_direct import KernelStrategy, kernel_unavailable
-from kvtier.copy.cuda_dma import DmaStrategy
-from kvtier.copy.cuda_executor import (
+from kvtier.copy.cuda.direct import KernelStrategy, kernel_unavailable
+from kvtier.copy.cuda.dma import DmaStrategy
+from kvtier.copy.cuda.executor import (
     Executor,
     ExecutorFunctions,
     ExecutorUnavailable,
@@ -44,7 +44,8 @@ from kvtier.copy.cuda_executor import (
     ProgramState,
     Recorder,
 )
-from kvtier.copy.cuda_plan import (
+from kvtier.copy.cuda.options import DEFAULT_MAX_SMS, CudaCopyOptions
+from kvtier.copy.cuda.plan import (
     KVGeometry,
     KVLayout,
     Plan,
@@ -53,8 +54,8 @@ from kvtier.copy.cuda_plan import (
     plan_job,
     region_table,
 )
-from kvtier.copy.cuda_queue import Transfer, TransferQueue
-from kvtier.copy.cuda_resources import (
+from kvtier.copy.cuda.queue import Transfer, TransferQueue
+from kvtier.copy.cuda.resources import (
     EventPool,
     PinnedPool,
     ResourceStats,
@@ -64,16 +65,15 @@ from kvtier.copy.cuda_resources import (
     open_rings,
     ring_events,
 )
-from kvtier.copy.cuda_runtime import (
+from kvtier.copy.cuda.runtime import (
     CudaError,
     CudaRuntime,
     event_handle,
     memcpy_attributes,
     runtime,
 )
-from kvtier.copy.cuda_staged import StagedStrategy, planner_missing
-from kvtier.copy.cuda_strategy import Strategy, choose_strategy, retire
-from kvtier.copy.options import DEFAULT_MAX_SMS, CudaCopyOptions
+from kvtier.copy.cuda.staged import StagedStrategy, planner_missing
+from kvtier.copy.cuda.strategy import Strategy, choose_strategy, retire
 from kvtier.pool import HostPool
 
 __all__ = ["CudaCopyBackend", "CudaCopyOptions", "PinnedPool", "ResourceStats"]
@@ -265,7 +265,7 @@ class CudaCopyBackend(CopyBackend):
         return ""
 
     def _compile_kernels(self) -> Any:
-        from kvtier.copy.cuda_kernels import CopyKernels
+        from kvtier.copy.cuda.kernels import CopyKernels
 
         return CopyKernels.compile()
 

@@ -1,4 +1,4 @@
-"""The copy backend's native executor thread (``cuda_executor.c``) and the recorder that feeds it.
+"""The copy backend's native executor thread (``executor.c``) and the recorder that feeds it.
 
 The backend plans a transfer on the caller's thread and *records* its CUDA calls (stream waits,
 event records, copies, launches) into a ``Program`` instead of making them; the executor's thread,
@@ -35,11 +35,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvtier.copy.cuda_runtime import CudaError
+from kvtier.copy.cuda.runtime import CudaError
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cuda_executor.c")
+SOURCE = Path(__file__).with_name("executor.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 WORDS = 8
 """uint64 words per recorded op: the op code, then up to seven arguments."""
@@ -86,7 +86,7 @@ class Program:
     """One transfer's recorded CUDA calls, run by the executor or replayed on the caller's
     thread: the same ops, in the same order, with the same failure handling.
 
-    An op is ``WORDS`` uint64 words, the op code then its arguments, as ``cuda_executor.c``
+    An op is ``WORDS`` uint64 words, the op code then its arguments, as ``executor.c``
     reads them; pointers in them point into arrays ``keep`` holds."""
 
     parts: list[np.ndarray | array[int]] = field(default_factory=list)

@@ -6,7 +6,7 @@ Layout: ``<path>/<namespace hex>/<first two hex digits of key>/<key hex>.kvb``. 
 
 ``FsTier`` is a ``BlockTier`` (``block_tier.py``: validation, header and checksum, corrupt ->
 drop, pins, counters, fan-out to I/O threads) whose storage is this module's ``exists`` / ``put``
-/ ``get`` / ``delete``; the file primitives are in ``fs_files.py``, the index and capacity
+/ ``get`` / ``delete``; the file primitives are in ``files.py``, the index and capacity
 accounting in ``fs_index.py``, the options in ``fs_options.py``.
 
 What callers may rely on (besides the ``Tier`` contract):
@@ -60,12 +60,12 @@ from concurrent.futures import Future
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.redaction import printable
-from kvtier.tiers import fs_files
 from kvtier.tiers.block_tier import BlockTier, Got, Put
 from kvtier.tiers.eviction import count_errors_in, tier_policy
-from kvtier.tiers.fs_files import FULL_ERRNOS, BlockFiles, Found, NotRegular
-from kvtier.tiers.fs_index import FsIndex, Victims
-from kvtier.tiers.fs_options import Options
+from kvtier.tiers.fs import files
+from kvtier.tiers.fs.files import FULL_ERRNOS, BlockFiles, Found, NotRegular
+from kvtier.tiers.fs.index import FsIndex, Victims
+from kvtier.tiers.fs.options import Options
 from kvtier.tiers.payload import HEADER_BYTES
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class FsTier(BlockTier):
         self._free_at = -FREE_SPACE_REFRESH_S
         self._root_fd = -1
         try:
-            self._root_fd = fs_files.open_root(
+            self._root_fd = files.open_root(
                 options.path,
                 self.root,
                 options.dir_mode,
@@ -143,7 +143,7 @@ class FsTier(BlockTier):
             # Size first: a truncated or grown file is rejected without reading it.
             if os.fstat(fd).st_size != self._file_bytes:
                 return Got.DAMAGED
-            return Got.FOUND if fs_files.read_exact(fd, [header, payload]) else Got.DAMAGED
+            return Got.FOUND if files.read_exact(fd, [header, payload]) else Got.DAMAGED
         except OSError:
             return Got.FAILED
         finally:
@@ -321,7 +321,7 @@ class FsTier(BlockTier):
                 "fs tier %s: cannot remove %s; files this process cannot delete are left alone "
                 "and not counted",
                 self.name,
-                printable(os.path.join(self.root, *fs_files.names(key))),
+                printable(os.path.join(self.root, *files.names(key))),
             )
 
     def _refresh_limit(self, force: bool = False) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.copy.base import CopyJob, CopyResults
-from kvtier.copy.cuda_executor import Program
+from kvtier.copy.cuda.executor import Program
 
 
 @dataclass(slots=True)

@@ -69,15 +69,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers import redis_wire
 from kvtier.tiers.block_tier import BlockTier, Got, Put, Views
-from kvtier.tiers.redis_blocks import BlockStore, Parts
-from kvtier.tiers.redis_client import Client, close_client, is_timeout
-from kvtier.tiers.redis_deadline import Watchdog
-from kvtier.tiers.redis_health import Health
-from kvtier.tiers.redis_keys import KeySpace
-from kvtier.tiers.redis_options import Options
-from kvtier.tiers.redis_presence import Presence, clock
+from kvtier.tiers.redis import wire as redis_wire
+from kvtier.tiers.redis.blocks import BlockStore, Parts
+from kvtier.tiers.redis.client import Client, close_client, is_timeout
+from kvtier.tiers.redis.deadline import Watchdog
+from kvtier.tiers.redis.health import Health
+from kvtier.tiers.redis.keys import KeySpace
+from kvtier.tiers.redis.options import Options
+from kvtier.tiers.redis.presence import Presence, clock
 
 __all__ = ["CLOSE_ABORT_S", "Options", "RedisTier"]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.copy.cuda_plan import KERNEL_CAPACITIES
+from kvtier.copy.cuda.plan import KERNEL_CAPACITIES
 
 THREADS = 512
 WARPS = THREADS // 32
