@@ -1,8 +1,9 @@
 """Open registries of the pluggable parts: tier kinds, eviction policies, copy backends.
 
-A built-in part is one file: the module ``<package>/<name>.py`` of the registry's package
-(``kvtier/tiers/fs.py``) with a top-level class whose body declares ``kind = "<name>"`` (a string
-literal equal to the module's name). The registry finds the names by reading its package's sources
+A built-in part is one module ``<package>/<name>.py`` of the registry's package
+(``kvtier/tiers/memory.py``) or one package ``<package>/<name>/`` (``kvtier/tiers/fs/``) with a
+top-level class, in the module or in one module of the package, whose body declares
+``kind = "<name>"`` (a string literal equal to the module's or package's name). The registry finds the names by reading its package's sources
 (``declared``: nothing is imported, so listing them needs no optional dependency) and imports a
 module only when its name is used, so an optional dependency (the ``redis`` client, CUDA) is needed
 only by the part that needs it. Wherever a name is accepted (``tiers[i].kind``, ``eviction``,

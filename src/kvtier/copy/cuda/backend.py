@@ -1,12 +1,12 @@
 """The CUDA copy backend: engine KV blocks on an NVIDIA GPU <-> the pinned shared host pool.
 
 ``submit`` notes what the copy must wait for on the GPU (the caller's current stream, or its
-``after=`` event) and queues the transfer (``cuda_queue``); while the device has room the transfer
-is planned at once: checked, and its CUDA calls recorded by its strategy (``cuda_dma``,
-``cuda_staged``, ``cuda_direct``: one chosen at registration, ``cuda_strategy``) into a program
-that the executor's native thread (``cuda_executor``) makes without the GIL. No CUDA call runs on
+``after=`` event) and queues the transfer (``queue``); while the device has room the transfer
+is planned at once: checked, and its CUDA calls recorded by its strategy (``dma``,
+``staged``, ``direct``: one chosen at registration, ``strategy``) into a program
+that the executor's native thread (``executor``) makes without the GIL. No CUDA call runs on
 the engine's thread and no number of outstanding transfers fills a CUDA queue. Streams, events,
-the pinned pool and the staging buffers (``cuda_resources``) are created at registration and go
+the pinned pool and the staging buffers (``resources``) are created at registration and go
 back to their pools when ``poll`` or ``wait`` sees a transfer finished, on every path: a transfer
 that failed while enqueueing stays in flight, marked failed, until what it enqueued drained, so a
 slot is never freed while a copy may still touch it.
@@ -102,7 +102,7 @@ def executor_functions(rt: CudaRuntime) -> ExecutorFunctions:
 class CudaCopyBackend(CopyBackend):
     """Copies between an engine's KV tensors on one CUDA device and pool slots.
 
-    ``kv_caches``: the engine's KV tensors in the given ``layout`` (see ``cuda_plan``). Each slot
+    ``kv_caches``: the engine's KV tensors in the given ``layout`` (see ``plan``). Each slot
     holds ``blocks_per_slot`` engine blocks; with tensor parallelism rank ``tp_rank`` owns part
     ``tp_rank`` of ``tp_size`` of each slot.
     """

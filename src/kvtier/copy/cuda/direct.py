@@ -1,4 +1,4 @@
-"""The ``kernel`` strategy: the gather/scatter kernel (``cuda_kernels``) reading and writing the
+"""The ``kernel`` strategy: the gather/scatter kernel (``kernels``) reading and writing the
 pinned pool directly through unified addressing, no staging.
 
 It leaves the copy engines free, but GPU-initiated PCIe transactions carry fewer bytes each
@@ -56,7 +56,7 @@ class KernelStrategy(Strategy):
         events: EventPool,
     ) -> None:
         """``functions``: the compiled kernel per parameter capacity; ``region_table``: the
-        device address of the engine's region table (``cuda_plan.region_table``)."""
+        device address of the engine's region table (``plan.region_table``)."""
         self.geometry = geometry
         self.functions = functions
         self.region_table = region_table

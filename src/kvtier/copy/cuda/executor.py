@@ -7,7 +7,7 @@ between every two CUDA calls, and a busy engine thread hands the GIL over only e
 interval; each hand-over stalled the engine's thread by 0.1-0.6 ms on an H100 host (two thread
 wake-ups), and the Python thread got one CUDA call through per 5 ms.
 
-The same C file plans staged transfers (``kvx_plan_staged``, see ``cuda_staged``). It is compiled
+The same C file plans staged transfers (``kvx_plan_staged``, see ``staged``). It is compiled
 with the system C compiler on first use (like the copy kernel with NVRTC) into
 ``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``, created 0700), once per source version; a
 cached file is loaded only when nobody else could have written it (see ``load_library``).

@@ -84,7 +84,7 @@ class CudaCopyOptions:
     """``staged``: jobs of fewer engine blocks go straight to the pool through the kernel."""
     stage_shared_streams: bool = True
     """``staged``: transfers of one direction run on that direction's staging streams (see
-    ``cuda_resources.StagingRing``); False: each on streams of its own from the pool (slower
+    ``resources.StagingRing``); False: each on streams of its own from the pool (slower
     back to back; kept to measure that)."""
     issue_thread: bool = True
     """Make the CUDA calls that enqueue transfers on the backend's native executor thread: the

@@ -392,7 +392,7 @@ def pack_params(
 ) -> None:
     """Write one launch's ``Params<capacity>`` into ``buf`` (uint8, at least ``param_bytes``).
 
-    The layout matches the ``Params`` struct in ``cuda_kernels``: u64 region table address,
+    The layout matches the ``Params`` struct in ``kernels``: u64 region table address,
     i64 piece bytes, i32 region_begin, n_regions, n_blocks, to_host, then the two arrays.
     """
     n = len(engine_blocks)

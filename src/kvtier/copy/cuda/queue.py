@@ -22,7 +22,7 @@ from kvtier.copy.cuda.executor import Program
 @dataclass(slots=True)
 class Transfer:
     job: CopyJob
-    """As submitted; checked and turned into a ``cuda_plan.Plan`` when it is enqueued on the
+    """As submitted; checked and turned into a ``plan.Plan`` when it is enqueued on the
     device."""
     layerwise: bool
     after: int

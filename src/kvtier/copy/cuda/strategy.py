@@ -1,4 +1,4 @@
-"""What the CUDA backend's copy strategies (``cuda_dma``, ``cuda_direct``, ``cuda_staged``) share:
+"""What the CUDA backend's copy strategies (``dma``, ``direct``, ``staged``) share:
 the interface the backend drives and the recorded steps several of them take.
 
 A strategy never makes a CUDA call: it records the calls of one transfer into the ``Recorder`` it

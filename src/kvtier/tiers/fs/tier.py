@@ -7,7 +7,7 @@ Layout: ``<path>/<namespace hex>/<first two hex digits of key>/<key hex>.kvb``. 
 ``FsTier`` is a ``BlockTier`` (``block_tier.py``: validation, header and checksum, corrupt ->
 drop, pins, counters, fan-out to I/O threads) whose storage is this module's ``exists`` / ``put``
 / ``get`` / ``delete``; the file primitives are in ``files.py``, the index and capacity
-accounting in ``fs_index.py``, the options in ``fs_options.py``.
+accounting in ``index.py``, the options in ``options.py``.
 
 What callers may rely on (besides the ``Tier`` contract):
 
@@ -17,7 +17,7 @@ What callers may rely on (besides the ``Tier`` contract):
   file is removed and the key reported through ``take_evicted``.
 * The bytes of the files this tier knows plus those reserved by in-flight writes never exceed
   ``capacity`` (headers included). Blocks are evicted to make room in the order of the
-  ``eviction`` policy (``lru`` by default; ``fs_index.py``); a block that an in-flight job reads
+  ``eviction`` policy (``lru`` by default; ``index.py``); a block that an in-flight job reads
   or writes is never evicted.
 * Disk full: the tier also stays below the space the filesystem really has. Its limit is
   ``min(capacity, used + free - min_free)``, with the free space re-read at most once a second and
@@ -45,7 +45,7 @@ from the directory at start (the newest files up to its capacity; older ones are
 enforced by each process over the files it knows, so give each process sharing a disk its share of
 it. A process deletes only its own files (those it wrote or found at start): a file a rescan found
 is forgotten when room is needed, never deleted, so a smaller share never eats a larger one
-(``fs_index.py``). A file this process cannot delete (another user's, a read-only directory) is
+(``index.py``). A file this process cannot delete (another user's, a read-only directory) is
 forgotten, no longer counted and not indexed again by ``rescan``.
 """
 

@@ -23,16 +23,16 @@ What callers may rely on (besides the ``Tier`` contract):
   deleted and reported. Only keys under this tier's ``<key_prefix>:<namespace>:`` are ever
   deleted.
 * Connection errors and timeouts mark the tier unhealthy, and so do
-  ``redis_health.PROTOCOL_ERRORS_UNHEALTHY`` replies in a row that are no valid RESP (another
+  ``health.PROTOCOL_ERRORS_UNHEALTHY`` replies in a row that are no valid RESP (another
   program on the port, a broken or hostile server): ``lookup`` answers ``False`` at once, new
   jobs fail at once (counted in ``rejected`` for writes, ``errors`` for reads), and a
   background probe (``PING``, which must answer ``PONG``, with capped exponential backoff)
   marks it healthy again by itself. The presence cache is dropped then (the server may have
   restarted empty).
 * Every command on the network (a pipelined batch counts as one: connect, send, every reply)
-  has one total deadline of ``timeout_s``, enforced by ``redis_deadline``: a server that
+  has one total deadline of ``timeout_s``, enforced by ``deadline``: a server that
   trickles its replies fails the command at its deadline, and the job is reported. Nothing
-  read is allocated from a length the server sent (``redis_wire``). Nothing retries in a loop
+  read is allocated from a length the server sent (``wire``). Nothing retries in a loop
   but the probe. Wrong credentials, ACL denials and TLS failures at start raise ``ConfigError``
   (password masked); an unreachable server (or another program on the port) at start only
   starts the tier unhealthy.
@@ -48,10 +48,10 @@ pipelined round trip each, on ``io_threads`` threads that keep one connection ea
 ``thread_state``), reads ahead of writes; ``EXISTS`` checks and ``DEL`` of corrupt values run on
 the skeleton's aside thread, never behind block batches; the health gate is the server's health,
 and ``close`` cuts off commands still running at ``timeout_s``. The work is done by one module per
-concern: ``redis_options`` (options), ``redis_keys`` (key naming), ``redis_presence`` (the
-presence cache), ``redis_health`` (start, probe, health thread, failed commands),
-``redis_blocks`` (one pipelined round trip of a batch), ``redis_wire`` (the standalone data path
-and reply parser), ``redis_client`` (redis-py clients and error sorting) and ``redis_deadline``
+concern: ``options`` (options), ``keys`` (key naming), ``presence`` (the
+presence cache), ``health`` (start, probe, health thread, failed commands),
+``blocks`` (one pipelined round trip of a batch), ``wire`` (the standalone data path
+and reply parser), ``client`` (redis-py clients and error sorting) and ``deadline``
 (the total deadline per command).
 """
 
