@@ -2,16 +2,16 @@
 
 A built-in part is one module ``<package>/<name>.py`` of the registry's package
 (``kvtier/tiers/memory.py``) or one package ``<package>/<name>/`` (``kvtier/tiers/fs/``) with a
-top-level class, in the module or in one module of the package, whose body declares
-``kind = "<name>"`` (a string literal equal to the module's or package's name). The registry finds the names by reading its package's sources
-(``declared``: nothing is imported, so listing them needs no optional dependency) and imports a
-module only when its name is used, so an optional dependency (the ``redis`` client, CUDA) is needed
-only by the part that needs it. Wherever a name is accepted (``tiers[i].kind``, ``eviction``,
-``kvtier simulate --policy``), a class outside kvtier can be named directly as
-``package.module:Class``: the module is imported from the Python path, so a plugin is one installed
-(or ``PYTHONPATH``) module and no kvtier file changes. An unknown name, a module that does not
-import or a class of the wrong base is a ``ConfigError`` naming the field and listing the known
-names, never a fallback.
+top-level class, in the module or in one module of the package, whose body declares ``kind =
+"<name>"`` (a string literal equal to the module's or package's name). The registry finds the names
+by reading its package's sources (``declared``: nothing is imported, so listing them needs no
+optional dependency) and imports a module only when its name is used, so an optional dependency (the
+``redis`` client, CUDA) is needed only by the part that needs it. Wherever a name is accepted
+(``tiers[i].kind``, ``eviction``, ``kvtier simulate --policy``), a class outside kvtier can be named
+directly as ``package.module:Class``: the module is imported from the Python path, so a plugin is
+one installed (or ``PYTHONPATH``) module and no kvtier file changes. An unknown name, a module that
+does not import or a class of the wrong base is a ``ConfigError`` naming the field and listing the
+known names, never a fallback.
 
 The config is operator input (like the command line): naming a module imports it, which runs its
 code. Only modules already on the Python path can be named; nothing is loaded from a file path.
