@@ -32,7 +32,6 @@ import ast
 import importlib
 import inspect
 import re
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -216,21 +215,12 @@ def _short_repr(obj: object) -> str:
     return text if len(text) <= ERROR_CHARS else f"{text[:ERROR_CHARS]}..."
 
 
-def tier_options(cls: type[Any]) -> Any:
-    """A tier class's ``Options`` record: the class attribute, else its module's ``Options``;
-    None when neither exists."""
-    options = getattr(cls, "Options", None)
-    if options is None:
-        options = getattr(sys.modules.get(cls.__module__), "Options", None)
-    return options
-
-
 def parse_tier_options(cls: type[Any], section: Any, field: str, kind: str) -> Any:
-    """``tier_options(cls).parse(section)``: the tier's own parser, a plugin's code. Its
-    ``ConfigError`` passes as it is; anything else it raises (``KeyboardInterrupt`` aside) is a
-    ``ConfigError`` for ``field`` (the tier's ``kind``)."""
+    """``cls.Options.parse(section)``: the tier's own parser, a plugin's code. Its ``ConfigError``
+    passes as it is; anything else it raises (``KeyboardInterrupt`` aside) is a ``ConfigError``
+    for ``field`` (the tier's ``kind``)."""
     try:
-        return tier_options(cls).parse(section)
+        return cls.Options.parse(section)
     except (KeyboardInterrupt, ConfigError):
         raise
     except BaseException as exc:
@@ -240,7 +230,7 @@ def parse_tier_options(cls: type[Any], section: Any, field: str, kind: str) -> A
 
 
 def _tier_lacks(cls: type[Any]) -> str | None:
-    if callable(getattr(tier_options(cls), "parse", None)):
+    if callable(getattr(getattr(cls, "Options", None), "parse", None)):
         return None
     return "a tier class with an Options record that has parse(section)"
 
@@ -319,16 +309,16 @@ def _declared_kind(node: ast.ClassDef) -> str | None:
 
 
 TIERS = Registry("tier", "kvtier.tiers.base:Tier", "kvtier.tiers", verify=_tier_lacks)
-"""Secondary tiers (``tiers[i].kind``). A tier class takes ``(name, namespace, pool, options)``
-and has an ``Options`` record with ``parse(section)``."""
+"""Secondary tiers (``tiers[i].kind``): an ``Options`` record with ``parse(section)`` and
+``create(name, namespace, pool, options)`` (``kvtier.tiers.base.Tier``)."""
 
 POLICIES = Registry("eviction policy", "kvtier.policies.base:EvictionPolicy", "kvtier.policies")
-"""Eviction policies of the host pool (``eviction``). A policy class is built with the pool's
-capacity in blocks as its one argument, or with none when its constructor takes none."""
+"""Eviction policies (``eviction``), built by ``create(capacity_blocks)``
+(``kvtier.policies.base.EvictionPolicy``)."""
 
 COPY_BACKENDS = Registry("copy backend", "kvtier.copy.base:CopyBackend", "kvtier.copy")
-"""Copy backends by the device type of the engine's KV tensors (``tensor.device.type``); see
-``kvtier.engine.backends.make_backend`` for the arguments a backend is built with."""
+"""Copy backends by the device type of the engine's KV tensors (``tensor.device.type``), built by
+``create(kv_caches, setup)`` (``kvtier.copy.base.CopyBackend``)."""
 
 __all__ = [
     "COPY_BACKENDS",
@@ -340,5 +330,4 @@ __all__ = [
     "describe",
     "is_plugin_path",
     "parse_tier_options",
-    "tier_options",
 ]

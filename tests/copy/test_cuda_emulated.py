@@ -20,6 +20,7 @@ from kvtier.copy.cuda.backend import CudaCopyOptions
 from kvtier.copy.cuda.executor import ExecutorUnavailable
 from kvtier.copy.cuda.plan import KVLayout
 from kvtier.copy.cuda.staged import chunk_sizes
+from kvtier.copy.options import CopyConfig, CopyStrategy
 from kvtier.errors import ConfigError, PoolError
 from kvtier.pool import HostPool
 
@@ -358,18 +359,8 @@ def test_options() -> None:
     with pytest.raises(ConfigError, match=r"copy\.max_sms"):
         CudaCopyOptions(max_sms=-1)
 
-    class Strategy:
-        value = "kernel"
-
-    class Cfg:
-        class copy:
-            strategy = Strategy()
-            max_sms = 12
-
-        class pool:
-            allow_pageable = True
-
-    opts = CudaCopyOptions.from_config(Cfg())
+    copy = CopyConfig(CopyStrategy.KERNEL, max_sms=12)
+    opts = CudaCopyOptions.from_copy(copy, True)
     assert (opts.strategy, opts.max_sms, opts.allow_pageable) == ("kernel", 12, True)
 
 

@@ -43,10 +43,10 @@ def build_tier(tier_config: TierConfig, namespace: Namespace, pool: HostPool, fi
     is a ``ConfigError`` for ``field``."""
     cls = tier_class(tier_config.kind, field)
     if cls.__module__.startswith("kvtier."):
-        tier: Tier = cls(tier_config.name, namespace, pool, tier_config.options)
+        tier: Tier = cls.create(tier_config.name, namespace, pool, tier_config.options)
         return tier
     try:
-        tier = cls(tier_config.name, namespace, pool, tier_config.options)
+        tier = cls.create(tier_config.name, namespace, pool, tier_config.options)
     except (KeyboardInterrupt, ConfigError):
         raise
     except BaseException as exc:  # SystemExit included: a plugin does not end kvtier

@@ -24,7 +24,6 @@ the measurements behind them.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections import deque
@@ -33,22 +32,23 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.copy.base import CopyBackend, CopyJob, CopyResults
+from kvtier.copy.base import BackendSetup, CopyBackend, CopyJob, CopyResults
 from kvtier.copy.cuda.direct import KernelStrategy, kernel_unavailable
 from kvtier.copy.cuda.dma import DmaStrategy
 from kvtier.copy.cuda.executor import (
     Executor,
-    ExecutorFunctions,
     ExecutorUnavailable,
     Program,
     ProgramState,
     Recorder,
+    executor_functions,
 )
 from kvtier.copy.cuda.options import DEFAULT_MAX_SMS, CudaCopyOptions
 from kvtier.copy.cuda.plan import (
     KVGeometry,
     KVLayout,
     Plan,
+    cuda_layout,
     describe_kv,
     merge_regions,
     plan_job,
@@ -81,24 +81,6 @@ __all__ = ["CudaCopyBackend", "CudaCopyOptions", "PinnedPool", "ResourceStats"]
 log = logging.getLogger(__name__)
 
 
-def executor_functions(rt: CudaRuntime) -> ExecutorFunctions:
-    """The runtime's entry points the native executor calls, as addresses."""
-
-    def address(fn: Any) -> int:
-        return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
-
-    batch = rt.batch_entry_point
-    return ExecutorFunctions(
-        address(rt.cudaSetDevice),
-        address(rt.cudaStreamWaitEvent),
-        address(rt.cudaEventRecord),
-        address(rt.cudaMemcpyAsync),
-        address(batch) if batch is not None else 0,
-        address(rt.cuLaunchKernel),
-        address(rt.cudaStreamSynchronize),
-    )
-
-
 class CudaCopyBackend(CopyBackend):
     """Copies between an engine's KV tensors on one CUDA device and pool slots.
 
@@ -108,6 +90,20 @@ class CudaCopyBackend(CopyBackend):
     """
 
     kind = "cuda"
+
+    @classmethod
+    def create(cls, kv_caches: Sequence[Any], setup: BackendSetup) -> CudaCopyBackend:
+        """The layout recognised from the tensors' shapes (``cuda_layout``), the options from the
+        config's ``copy`` section and ``pool.allow_pageable``."""
+        return cls(
+            kv_caches,
+            cuda_layout(kv_caches),
+            setup.pool,
+            CudaCopyOptions.from_copy(setup.copy, setup.allow_pageable),
+            blocks_per_slot=setup.blocks_per_slot,
+            tp_rank=setup.tp_rank,
+            tp_size=setup.tp_size,
+        )
 
     def __init__(
         self,

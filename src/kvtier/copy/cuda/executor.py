@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvtier.copy.cuda.runtime import CudaError
+from kvtier.copy.cuda.runtime import CudaError, CudaRuntime
 
 log = logging.getLogger(__name__)
 
@@ -443,3 +443,21 @@ class Executor:
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None:  # (not when __init__ failed)
             self.close()  # its thread may still be reading programs only this object holds
+
+
+def executor_functions(rt: CudaRuntime) -> ExecutorFunctions:
+    """The runtime's entry points the native executor calls, as addresses."""
+
+    def address(fn: Any) -> int:
+        return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+    batch = rt.batch_entry_point
+    return ExecutorFunctions(
+        address(rt.cudaSetDevice),
+        address(rt.cudaStreamWaitEvent),
+        address(rt.cudaEventRecord),
+        address(rt.cudaMemcpyAsync),
+        address(batch) if batch is not None else 0,
+        address(rt.cuLaunchKernel),
+        address(rt.cudaStreamSynchronize),
+    )

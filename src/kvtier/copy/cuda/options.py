@@ -1,58 +1,18 @@
-"""The copy options: the ``copy`` section of a config (``CopyConfig``, parsed here as a tier parses
-its own options) and the CUDA backend's full option record (``CudaCopyOptions``).
-
-``CopyStrategy`` is the one list of strategy names: the config parser, ``CudaCopyOptions`` and the
-backend's choice at registration all read it.
-"""
+"""The CUDA backend's full option record (``CudaCopyOptions``), built from the config's ``copy``
+section (``kvtier.copy.options.CopyConfig``) and ``pool.allow_pageable``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
+from kvtier.copy.options import STRATEGY_NAMES, CopyConfig
 from kvtier.errors import ConfigError
-from kvtier.validation import Section
 
 DEFAULT_MAX_SMS = 8
 """SMs the copy kernel occupies where ``max_sms`` is 0."""
 GIB = 1 << 30
 MIB = 1 << 20
-
-
-class CopyStrategy(Enum):
-    """How a worker's copy backend moves engine blocks to and from pool slots."""
-
-    AUTO = "auto"
-    """The backend picks per device and block layout."""
-    DMA = "dma"
-    """Copy engines only (batched ``cudaMemcpyAsync`` of contiguous runs); no SM used."""
-    STAGED = "staged"
-    """Small pieces gathered/scattered by a kernel (at most ``max_sms`` SMs) through a device
-    staging buffer, whole blocks over PCIe by the copy engines (vLLM's per-layer layout)."""
-    KERNEL = "kernel"
-    """A gather/scatter kernel reading/writing the pinned pool directly, on ``max_sms`` SMs."""
-
-
-STRATEGY_NAMES = tuple(strategy.value for strategy in CopyStrategy)
-
-
-@dataclass(frozen=True, slots=True)
-class CopyConfig:
-    """The config's ``copy`` section."""
-
-    strategy: CopyStrategy = CopyStrategy.AUTO
-    max_sms: int = 0
-    """Upper bound on SMs a copy kernel may occupy; 0 lets the backend choose."""
-
-    @classmethod
-    def parse(cls, section: Section) -> CopyConfig:
-        copy = cls(
-            strategy=section.choice("strategy", CopyStrategy, CopyStrategy.AUTO),
-            max_sms=section.integer("max_sms", 0, minimum=0),
-        )
-        section.done()
-        return copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,17 +89,12 @@ class CudaCopyOptions:
                 raise ConfigError(f"copy.{name}", getattr(self, name), "a positive byte count")
 
     @classmethod
-    def from_config(cls, config: Any, **overrides: Any) -> CudaCopyOptions:
-        """Options from a ``KVTierConfig`` (``copy.strategy``, ``copy.max_sms``,
-        ``pool.allow_pageable``), read by name so that this module needs no config import (the
-        config imports it)."""
-        copy = getattr(config, "copy", None)
-        pool = getattr(config, "pool", None)
-        strategy = getattr(copy, "strategy", "auto")
+    def from_copy(cls, copy: CopyConfig, allow_pageable: bool, **overrides: Any) -> CudaCopyOptions:
+        """Options from the config's ``copy`` section and ``pool.allow_pageable``."""
         values: dict[str, Any] = {
-            "strategy": str(getattr(strategy, "value", strategy)),
-            "max_sms": int(getattr(copy, "max_sms", 0)),
-            "allow_pageable": bool(getattr(pool, "allow_pageable", False)),
+            "strategy": copy.strategy.value,
+            "max_sms": copy.max_sms,
+            "allow_pageable": allow_pageable,
         }
         values.update(overrides)
         return cls(**values)

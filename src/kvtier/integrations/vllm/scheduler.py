@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.config import KVTierConfig
-from kvtier.engine.planner import PLAIN, KeyScope, Planner, PlannerSettings
+from kvtier.engine.planner import PLAIN, KeyScope, Planner
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import Namespace
@@ -78,13 +78,9 @@ class SchedulerSide(Planner):
         engine_block_size: int,
         tp_size: int,
     ) -> None:
-        planner = PlannerSettings(
-            blocks_per_slot=settings.blocks_per_slot,
-            store_generated=settings.store_generated,
-            async_loads=settings.async_loads,
-            stats_path=settings.stats_path,
+        super().__init__(
+            config, settings.planner, namespace, slot_bytes, engine_block_size, tp_size
         )
-        super().__init__(config, planner, namespace, slot_bytes, engine_block_size, tp_size)
         self._tables = BlockTables()
 
     def key_scope(self, request: Any) -> KeyScope | None:

@@ -12,15 +12,17 @@ derives from it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.engine.backends import cuda_layout, make_backend
+from kvtier.copy.base import BackendSetup, CopyBackend
+from kvtier.engine.backends import make_backend
 from kvtier.engine.copier import FAULT_ENV, Copier
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
 
-__all__ = ["FAULT_ENV", "WorkerSide", "cuda_layout", "make_backend"]
+__all__ = ["FAULT_ENV", "WorkerSide", "make_backend"]
 
 
 class WorkerSide(Copier):
@@ -28,18 +30,10 @@ class WorkerSide(Copier):
     engine-neutral ``kvtier.engine.backends.make_backend``, re-exported: vLLM's tensors need no
     translation)."""
 
-    def __init__(
-        self, blocks_per_slot: int, tp_rank: int, tp_size: int, copy_options: Any = None
-    ) -> None:
-        # Looked up when the backend is built, so a replaced make_backend (tests inject a
-        # recording backend) is the one used.
-        super().__init__(
-            blocks_per_slot,
-            tp_rank,
-            tp_size,
-            copy_options,
-            backend_factory=lambda *args: make_backend(*args),
-        )
+    def _new_backend(self, kv_caches: Sequence[Any], setup: BackendSetup) -> CopyBackend:
+        # This module's make_backend, looked up at each call: tests replace it with a recording
+        # backend.
+        return make_backend(kv_caches, setup)
 
     def take_meta(self) -> KVTierWorkerMetadata | None:
         """``take_report`` as vLLM's worker metadata class (imported here, where vLLM runs, so

@@ -80,12 +80,17 @@ MAX_VICTIM_ROUNDS = 8
 __all__ = ["FsTier", "Options"]
 
 
+FsOptions = Options
+"""``Options`` under a name the tier class's ``Options`` attribute does not hide."""
+
+
 class FsTier(BlockTier):
     """Blocks as files on a local or shared filesystem; see the module docstring."""
 
     kind = "fs"
+    Options = Options
 
-    def __init__(self, name: str, namespace: Namespace, pool: HostPool, options: Options) -> None:
+    def __init__(self, name: str, namespace: Namespace, pool: HostPool, options: FsOptions) -> None:
         file_bytes = HEADER_BYTES + pool.slot_bytes
         policy = tier_policy(
             options.eviction, options.capacity // file_bytes, f"{options.config_path}.eviction"

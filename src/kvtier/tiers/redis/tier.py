@@ -92,16 +92,21 @@ T = TypeVar("T")
 RoundTrip = Callable[[Client, redis_wire.Lane], T]
 
 
+RedisOptions = Options
+"""``Options`` under a name the tier class's ``Options`` attribute does not hide."""
+
+
 class RedisTier(BlockTier):
     """Blocks in Redis / Valkey; see the module docstring (options: ``Options`` here)."""
 
     kind = "redis"
+    Options = Options
     cut_off_grace_s = CLOSE_ABORT_S
 
     def __init__(
-        self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
+        self, name: str, namespace: Namespace, pool: HostPool, options: RedisOptions | None = None
     ) -> None:
-        opts = options if options is not None else Options()
+        opts = options if options is not None else RedisOptions()
         super().__init__(
             name,
             namespace,
