@@ -43,6 +43,81 @@ LLAMA_8B: dict[str, Any] = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+GEMMA3_12B: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "vocab_size": 262208,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+"""Gemma-3-12B's text model: 5 sliding-window layers (1024 tokens) to each full-attention one."""
+NEMOTRON_H_ATTENTION = (7, 18, 29, 40)
+NEMOTRON_H_8B: dict[str, Any] = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "hidden_size": 4096,
+    "intermediate_size": 21504,
+    "num_hidden_layers": 52,
+    "hybrid_override_pattern": "".join(
+        "*" if i in NEMOTRON_H_ATTENTION else "M-"[i % 2] for i in range(52)
+    ),
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "ssm_state_size": 128,
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "expand": 2,
+    "mamba_hidden_act": "silu",
+    "mlp_hidden_act": "relu2",
+    "use_conv_bias": True,
+    "use_bias": False,
+    "mlp_bias": False,
+    "attention_bias": False,
+    "residual_in_fp32": False,
+    "layer_norm_epsilon": 1e-5,
+    "vocab_size": 131072,
+    "max_position_embeddings": 16384,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""Nemotron-H-8B's shape (an SSM hybrid): 52 layers, Mamba-2 and MLP layers with 4 attention
+layers among them."""
+HYBRID_MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "gemma3": (
+        "Gemma-3-12B text architecture (sliding window 1024, 5:1), dummy weights, bf16",
+        GEMMA3_12B,
+        48,
+    ),
+    "nemotronh": (
+        "Nemotron-H-8B architecture (Mamba-2 hybrid, 4 attention layers), dummy weights, bf16",
+        NEMOTRON_H_8B,
+        4,
+    ),
+}
+"""``--model`` choices of hybrid models: (name, config.json, layers whose KV a token adds,
+for the GPU KV cache's size)."""
 SCHEDULER_HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -85,6 +160,11 @@ def make_model(kind: str, workdir: Path) -> ModelSpec:
         return ModelSpec(
             "Llama-3.1-8B architecture, dummy weights, bf16", path, 128256, per_token, True
         )
+    if kind in HYBRID_MODELS:
+        name, config, kv_layers = HYBRID_MODELS[kind]
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+        per_token = kv_layers * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+        return ModelSpec(name, path, int(config["vocab_size"]), per_token, True)
     size: ModelSize = MODELS["tiny"]
     write_model(path, size)
     per_token = size.num_hidden_layers * 2 * size.num_key_value_heads * size.head_dim * 4

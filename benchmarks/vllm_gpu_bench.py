@@ -27,7 +27,11 @@ Configurations (``--configs``, run in that order, each in a fresh engine):
 
 Model: Llama-3.1-8B's architecture (``--model llama8b``; ``config.json`` only, vLLM's dummy
 weights, bfloat16, CUDA graphs on, vLLM's default attention backend, prefix caching on) or a
-tiny Llama for a CPU smoke run (``--model tiny``). Token-id prompts, no tokenizer.
+tiny Llama for a CPU smoke run (``--model tiny``). Token-id prompts, no tokenizer. Hybrid models
+(issue 27), vLLM's hybrid KV cache manager on: ``--model gemma3`` (Gemma-3-12B's text
+architecture: 5 sliding-window layers of 1024 tokens to each full-attention one) and ``--model
+nemotronh`` (Nemotron-H-8B's shape: Mamba-2 layers with 4 attention layers); their kvtier rows
+add ``kvtier_bytes_per_token``, bytes stored per cached token for each kind of KV cache group.
 
 Workload: the demo's multi-turn conversations from the bundled trace (``kvtier.demo``: each
 turn re-sends the previous prompt and answer, then a new question), each demo token widened to
@@ -303,7 +307,23 @@ def run_config(
         row["async_loads"] = eng.async_loads()
         row["kvtier"] = kvtier_delta(before, after)
         row["kvtier_stats"] = after
+        if "groups" in after:
+            row["kvtier_bytes_per_token"] = group_bytes_per_token(after)
     return row
+
+
+def group_bytes_per_token(stats: dict[str, Any]) -> dict[str, float]:
+    """A hybrid model's bytes stored per cached token for each kind of KV cache group (kvtier's
+    stats file, ``groups``): every group's stored bytes over the tokens of the blocks its first
+    full-attention group stored (all ranks; slots hold more where groups differ in layers)."""
+    groups = list(stats.get("groups", {}).values())
+    full = [g for g in groups if g.get("kind") == "full"]
+    tokens = int(full[0].get("stored_blocks", 0)) * int(stats.get("block_tokens", 0) or 0)
+    out: dict[str, float] = {}
+    for group in groups:
+        kind = str(group.get("kind"))
+        out[kind] = out.get(kind, 0.0) + int(group.get("stored_bytes", 0))
+    return {kind: round(b / tokens, 1) if tokens else 0.0 for kind, b in out.items()}
 
 
 def run_safely(
@@ -478,7 +498,7 @@ def run_grid_mode(
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--configs", default=",".join(eng.CONFIGS))
-    p.add_argument("--model", choices=["llama8b", "tiny"], default="llama8b")
+    p.add_argument("--model", choices=["llama8b", "tiny", *eng.HYBRID_MODELS], default="llama8b")
     p.add_argument("--host-gib", type=float, default=8.0)
     p.add_argument("--fs-gib", type=float, default=None, help="default: the disk's safe size")
     p.add_argument("--concurrency", type=int, default=16)

@@ -93,3 +93,45 @@ def test_a_path_component_too_long_is_a_config_error_naming_the_field(
     assert out == ""  # not "valid" first
     assert err.startswith(f"kvtier: error: invalid config {field}=") and err.count("\n") == 1
     assert "File name too long" in err and "Traceback" not in err
+
+
+def test_check_config_simulate_does_not_weigh_the_pool_against_shm(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Before: the bundled simulate config's 250 GiB pool was reported as exceeding /dev/shm,
+    though ``kvtier simulate`` allocates none of ``pool.size`` (``--payload-bytes`` per block)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"pool": {"size": "1000TiB", "shm_dir": str(tmp_path)}}))
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "warning: pool.size 1000.0 TiB exceeds the free space of" in out
+    assert "kvtier simulate does not: check-config --simulate" in out
+
+    assert main(["check-config", "--simulate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "warning" not in out and "exceeds" not in out
+    assert f"simulate: a pool of {1000 * 1024**4 // (64 << 20)} blocks of 64MiB" in out
+
+
+def test_check_config_simulate_agrees_with_simulate_on_a_pool_under_one_block(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("pool: {size: 10}\n")
+    assert main(["check-config", "--simulate", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "pool.size=10: at least one block of 64.0 MiB" in err
+    assert main(["simulate", "--config", str(path), "--limit", "1", "--no-progress"]) == 2
+    assert "pool.size=10: at least one block of 64.0 MiB" in capsys.readouterr().err
+
+
+def test_the_bundled_simulate_config_checks_clean_for_simulate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvtier.sim.trace import bundled_trace_path
+
+    bundled = bundled_trace_path().parent / "simulate.yaml"
+    assert main(["check-config", "--simulate", str(bundled)]) == 0
+    out = capsys.readouterr().out
+    assert "simulate: a pool of 4000 blocks of 64MiB" in out and "warning" not in out

@@ -14,6 +14,7 @@ import pytest
 from kvtier.cli import main, parse_tier_spec
 from kvtier.errors import ConfigError
 from kvtier.sim.replay import Replayer
+from kvtier.validation import parse_size, written_size
 
 
 def simulate_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -253,8 +254,39 @@ def test_check_config_never_prints_the_redis_password(
     assert main(["check-config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "s3cr3t" not in out
-    assert "url='redis://app:***@cache.internal:6380/2'" in out
-    assert "url='redis://[::1]:6379'" in out
+    assert "url redis://app:***@cache.internal:6380/2," in out
+    assert "url redis://[::1]:6379," in out
+
+
+def test_check_config_prints_sizes_and_modes_as_a_config_writes_them(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Before: ``Options(path=..., capacity=2000000000000, ..., file_mode=384, dir_mode=448,
+    ..., config_path='tiers[0]')``."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"pool: {{size: 1280KiB}}\nblock: {{bytes: 4097}}\n"
+        f"tiers:\n  - {{kind: fs, path: {tmp_path}, capacity: 2TB, min_free: 1GiB,"
+        " file_mode: 0o640, dir_mode: 0o750, io_timeout_s: 2.5}\n"
+        "  - {kind: memory, capacity: 3MB}\n"
+    )
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\npool 1280KiB in /dev/shm\nblock 512 tokens, 4097 (4.0 KiB)\n" in out
+    assert "tier fs: fs, write through\n" in out
+    assert (
+        f"  path {tmp_path}, capacity 2TB (1.8 TiB), fsync false, threads 4, file_mode 0o640, "
+        "dir_mode 0o750, min_free 1GiB, io_timeout_s 2.5, eviction lru\n"
+    ) in out
+    assert "  capacity 3MB (2.9 MiB), capacity_blocks none, latency_ms 0," in out
+    assert "Options(" not in out and "config_path" not in out
+
+
+def test_written_sizes_read_back_as_the_same_bytes() -> None:
+    for n in [0, 1, 1000, 1024, 1536, 4097, 2 * 10**12, 64 << 30, 1310720, 10**12 + 1, 2**63 - 1]:
+        text = written_size(n)
+        assert parse_size(text.split(" (")[0], "x") == n, text
+    assert written_size(2 * 10**12) == "2TB (1.8 TiB)" and written_size(64 << 30) == "64GiB"
 
 
 @pytest.mark.parametrize(

@@ -216,7 +216,8 @@ BAD: list[tuple[dict[str, Any], str, object, str]] = [
         {"pool": {"sise": "1GiB"}},
         "pool.sise",
         "1GiB",
-        "known: allow_pageable, promotion_budget, promotion_costs, shm_dir, size, writeback_window",
+        "known: allow_pageable, promotion_budget, promotion_costs, share, share_lock_timeout_s, "
+        "share_quota, shm_dir, size, writeback_window",
     ),
     ({"pool": {"shm_dir": 3}}, "pool.shm_dir", 3, "a non-empty string"),
     ({"pool": {"allow_pageable": "no"}}, "pool.allow_pageable", "no", "true or false"),

@@ -142,5 +142,6 @@ def test_metrics_port_without_prometheus_client_is_a_clear_error(tmp_path: Path)
         timeout=60,
     )
     assert proc.returncode == 2
-    assert "pip install 'kvtier[prometheus]'" in proc.stderr
+    assert "-m pip install 'prometheus-client>=0.17'" in proc.stderr, proc.stderr
+    assert "pip install '.[prometheus]'" in proc.stderr
     assert "Traceback" not in proc.stderr

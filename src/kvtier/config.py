@@ -64,6 +64,13 @@ class PoolConfig:
     promotion_costs: bool = True
     """Promote only as far as reading beats computing, and stop waiting when computing would
     have finished (``kvtier.cache.promotion``)."""
+    share: str | None = None
+    """Engines on the node with this name and the same namespace share one pool and one block
+    index (``kvtier.shared_pool``); None: the pool is this engine's own."""
+    share_lock_timeout_s: float = 0.1
+    """Longest wait for the shared index's lock: a pin or store that waits longer is a miss."""
+    share_quota: float = 0.0
+    """Fraction of a shared pool past which an engine evicts its own blocks first (0: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +233,27 @@ def _pool(s: Section) -> PoolConfig:
         writeback_window=s.number("writeback_window", 0.25, minimum=0.0, maximum=1.0),
         promotion_budget=s.number("promotion_budget", 0.5, minimum=0.0, maximum=1.0),
         promotion_costs=s.boolean("promotion_costs", True),
+        share=_share_name(s),
+        share_lock_timeout_s=s.number("share_lock_timeout_s", 0.1, minimum=0.001, maximum=10.0),
+        share_quota=s.number("share_quota", 0.0, minimum=0.0, maximum=1.0),
     )
     s.done()
     return pool
+
+
+SHARE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""What ``pool.share`` may be: it becomes part of the pool's file name."""
+
+
+def _share_name(s: Section) -> str | None:
+    name = s.optional_string("share")
+    if name is not None and not SHARE_NAME.fullmatch(name):
+        raise ConfigError(
+            "pool.share",
+            name,
+            "1-64 letters, digits, '_', '.', '-', starting with a letter or digit",
+        )
+    return name
 
 
 def _block(s: Section) -> BlockConfig:

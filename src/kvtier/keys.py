@@ -136,3 +136,13 @@ def keys_from_hashes(namespace: Namespace, content_hashes: Iterable[bytes | int]
         raw = value if isinstance(value, bytes) else value.to_bytes(16, "little", signed=True)
         out.append(hashlib.blake2b(raw, digest_size=KEY_BYTES, key=root).digest())
     return out
+
+
+def group_keys(chain: Sequence[BlockKey], group_tag: str) -> list[BlockKey]:
+    """The keys of one KV cache group's blocks (hybrid models), from the request's chain keys.
+
+    ``group_tag`` names the group's kind and geometry (``kvtier.engine.groups.CacheGroup.tag``):
+    the same tokens give every group its own key, so blocks of two groups never alias.
+    """
+    salt = _digest(f"group\0{group_tag}".encode())
+    return [hashlib.blake2b(key, digest_size=KEY_BYTES, key=salt).digest() for key in chain]

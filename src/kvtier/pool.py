@@ -4,9 +4,12 @@ The scheduler-side process creates the pool and owns slot allocation; engine wor
 threads attach by name and read or write slots in place (memoryview / numpy views, no copies).
 
 The region is a file in ``/dev/shm`` mapped with ``mmap`` (not ``multiprocessing.shared_memory``,
-whose resource tracker in Python 3.11 unlinks a region when any attaching process exits). The owner
-holds an exclusive ``flock`` on the file for its lifetime, so a later process can tell a region left
-by a crashed owner (lock free) from a live one (lock held) and remove only the former.
+whose resource tracker in Python 3.11 unlinks a region when any attaching process exits). Every
+process using it (the owner and each attached one) holds a shared ``flock`` on the file for as long
+as it has it open, so a region nobody uses any more (lock free) can be told from a live one (lock
+held) and removed: at once by its reaper (``kvtier.pool_reaper``: waits for the exclusive lock,
+then unlinks; SIGKILL of every user included), or by the sweep at a later start when the reaper was
+killed too.
 
 The shm directory is writable by every local user, so nothing found there is trusted:
 
@@ -35,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.errors import PoolError
+from kvtier.pool_reaper import Reaper
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +90,19 @@ class HostPool:
     ``array`` work in every process that created or attached the pool.
     """
 
-    def __init__(self, handle: PoolHandle, fd: int, owner: bool) -> None:
+    def __init__(
+        self, handle: PoolHandle, fd: int, owner: bool, reaper: Reaper | None = None
+    ) -> None:
         self.handle = handle
         self.num_slots = handle.num_slots
         self.slot_bytes = handle.slot_bytes
         self.slot_stride = handle.slot_stride
         self._fd = fd
         self._owner = owner
+        self._reaper = reaper
+        self.last_out_unlinks = False
+        """Set by a pool several engines attach by name (``kvtier.shared_pool``): whoever closes
+        it last removes the file (the owner of a private pool removes it at its close)."""
         self._closed = False
         size = handle.slot_stride * handle.num_slots
         self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
@@ -103,8 +113,11 @@ class HostPool:
     # -- creation -------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, num_slots: int, slot_bytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> HostPool:
-        """A new pool in ``shm_dir``; ``ShmDirError`` when that directory is unusable."""
+    def create(
+        cls, num_slots: int, slot_bytes: int, shm_dir: str = DEFAULT_SHM_DIR, reap: bool = True
+    ) -> HostPool:
+        """A new pool in ``shm_dir``; ``ShmDirError`` when that directory is unusable. ``reap``
+        starts its reaper (the file goes when its last user dies; ``kvtier.pool_reaper``)."""
         if num_slots <= 0 or slot_bytes <= 0:
             raise PoolError(f"pool needs slots and slot bytes > 0, got {num_slots} x {slot_bytes}")
         stride = slot_stride(slot_bytes)
@@ -118,7 +131,8 @@ class HostPool:
             os.close(dir_fd)
         path = str(Path(shm_dir) / name)
         try:
-            return cls(PoolHandle(path, num_slots, slot_bytes, stride), fd, owner=True)
+            reaper = Reaper.start(path, fd) if reap else None
+            return cls(PoolHandle(path, num_slots, slot_bytes, stride), fd, True, reaper)
         except BaseException:
             os.close(fd)
             Path(path).unlink(missing_ok=True)
@@ -138,6 +152,11 @@ class HostPool:
         if st.st_size < handle.slot_stride * handle.num_slots:
             os.close(fd)
             raise PoolError(f"host pool {handle.path!r} is smaller than its handle says")
+        try:
+            hold_shared(fd, handle.path)
+        except BaseException:
+            os.close(fd)
+            raise
         return cls(handle, fd, owner=False)
 
     # -- slots ----------------------------------------------------------------------------------
@@ -185,13 +204,51 @@ class HostPool:
             self._mmap.close()
         if self._owner:
             Path(self.handle.path).unlink(missing_ok=True)
+        elif self.last_out_unlinks:
+            unlink_if_last(self._fd, self.handle.path)
         os.close(self._fd)
+        if self._reaper is not None:
+            self._reaper.stop()
 
     def __enter__(self) -> HostPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def hold_shared(fd: int, path: str) -> None:
+    """Take the shared lock every user of a pool holds; ``PoolError`` when the file is being
+    removed (its reaper or a sweep holds the exclusive lock) or ``path`` names another file now."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        raise PoolError(f"host pool {path!r} is being removed (its last user is gone)") from exc
+    st = os.fstat(fd)
+    try:
+        now = os.lstat(path)
+    except OSError as exc:
+        raise PoolError(f"host pool {path!r} was removed: {exc.strerror}") from exc
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        raise PoolError(f"host pool {path!r} was removed (the name is another file's now)")
+
+
+def unlink_if_last(fd: int, path: str) -> bool:
+    """Remove ``path`` if this process is the last user of the file open as ``fd`` (its shared
+    lock converts to the exclusive one at once) and the name still names that file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # others still use it: the last of them (or a reaper) removes it
+    st = os.fstat(fd)
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return False
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        return False
+    os.unlink(path)
+    return True
 
 
 def _open_dir(shm_dir: str) -> int:
@@ -258,10 +315,11 @@ def _check_room(dir_fd: int, size: int, shm_dir: str) -> None:
 
 
 def _new_locked_region(dir_fd: int, name: str, size: int, shm_dir: str) -> int:
-    """The open file of a new region, locked and sized before it gets ``name``."""
+    """The open file of a new region, locked and sized before it gets ``name``: the shared lock
+    every user holds (on a file nobody else can see yet it is as good as exclusive)."""
     fd, publish, discard = _new_region(dir_fd, name, shm_dir)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         os.ftruncate(fd, size)
         _reserve(fd, size, shm_dir)
         publish(fd)

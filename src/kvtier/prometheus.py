@@ -20,6 +20,7 @@ from typing import Any
 
 from kvtier import series
 from kvtier.errors import KVTierError
+from kvtier.extras import install_hint
 from kvtier.metrics import CacheStats
 from kvtier.metrics_server import (
     DEFAULT_ADDR,
@@ -39,7 +40,7 @@ def _client() -> Any:
         import prometheus_client
     except ImportError:
         raise PrometheusMissing(
-            "kvtier's Prometheus exporter needs prometheus-client: pip install 'kvtier[prometheus]'"
+            "kvtier's Prometheus exporter needs prometheus-client: " + install_hint("prometheus")
         ) from None
     return prometheus_client
 

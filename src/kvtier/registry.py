@@ -38,6 +38,7 @@ from importlib import resources
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.extras import extra_for, install_hint
 
 PLUGIN_FORM = "package.module:Class"
 _PLUGIN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
@@ -162,8 +163,10 @@ class Registry:
         except ImportError as exc:
             if builtin:
                 missing = describe(exc, False)
+                extra = extra_for(exc)
+                hint = f"; install it: {install_hint(extra)}" if extra else ""
                 raise ConfigError(
-                    field, key, f"its dependency is not installed ({missing})"
+                    field, key, f"its dependency is not installed ({missing}){hint}"
                 ) from exc
             raise ConfigError(field, key, f"an importable module ({describe(exc, False)})") from exc
         except BaseException as exc:  # whatever the module's code raised, SystemExit included

@@ -84,6 +84,26 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+_WRITTEN_UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+_WRITTEN_UNITS_SI = (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000))
+
+
+def written_size(n: int) -> str:
+    """``n`` bytes as a config writes it, exactly (``parse_size`` reads it back as ``n``):
+    ``64GiB``, ``2TB (1.8 TiB)``, ``4097 (4.0 KiB)``: the shortest whole multiple of a unit
+    (binary first); one that is not binary is followed by the size as the memory and disk tools
+    show it."""
+    best, binary = str(n), False
+    for units in (_WRITTEN_UNITS, _WRITTEN_UNITS_SI):
+        for name, value in units:
+            if n > 0 and n % value == 0:
+                text = f"{n // value}{name}"
+                if len(text) < len(best) or (len(text) == len(best) and not binary):
+                    best, binary = text, units is _WRITTEN_UNITS
+                break
+    return best if binary or n < 1024 else f"{best} ({format_size(n)})"
+
+
 class Section:
     """Typed reads from one mapping of a config, with field paths in every error.
 

@@ -34,7 +34,13 @@ from kvtier.copy.cuda.executor import (
     STREAM_WORD,
     Program,
 )
-from kvtier.copy.cuda.plan import PARAM_HEADER_BYTES, KVLayout, pack_params, param_bytes
+from kvtier.copy.cuda.plan import (
+    ONE_PIECE,
+    PARAM_HEADER_BYTES,
+    KVLayout,
+    pack_params,
+    param_bytes,
+)
 from kvtier.copy.cuda.resources import StagingRing
 from kvtier.copy.cuda.staged import StagedKernel, chunk_sizes, plan_staged
 from kvtier.errors import ConfigError
@@ -299,7 +305,9 @@ def test_the_native_plan_packs_what_pack_params_packs() -> None:
     ring = StagingRing(None, 0x1_0000_0000, 8 * block, [0, 555], next=1)
     kernel = StagedKernel(77, 64, 512, 16, 8, 0xABC0, 1024, 4)
     events = list(range(1000, 1000 + 2 * len(sizes)))
-    staged = plan_staged(blocks, hosts, False, block, sizes, 9, [21, 22], events, ring, kernel, 5)
+    staged = plan_staged(
+        blocks, hosts, False, block, sizes, 9, [21, 22], events, ring, kernel, 5, ONE_PIECE
+    )
     rows = staged.rows.tolist()
     launches = [op for op in rows if op[0] == OP_LAUNCH]
     copies = [op for op in rows if op[0] in (OP_MEMCPY, OP_BATCH)]

@@ -133,3 +133,20 @@ def test_bad_namespace_values_name_the_field():
         Namespace(model="m", dtype="d", block_tokens=1, tp_size=2, tp_rank=2)
     with pytest.raises(ConfigError, match=r"namespace\.model"):
         Namespace(model="", dtype="d", block_tokens=1)
+
+
+def test_group_keys_are_frozen_and_never_alias() -> None:
+    from kvtier.keys import group_keys
+
+    ns = Namespace(model="m", dtype="float16", block_tokens=2)
+    chain = chain_keys(ns, [1, 2, -3, 2**40, 7])
+    window = group_keys(chain, "window:0:w=64")
+    full = group_keys(chain, "full:1")
+    assert [k.hex() for k in window] == [k.hex() for k in group_keys(chain, "window:0:w=64")]
+    assert len({*chain, *window, *full}) == 3 * len(chain)
+    assert group_keys(chain[:1], "full:1") == full[:1]
+    assert [k.hex() for k in full] == FROZEN_GROUP_KEYS
+
+
+FROZEN_GROUP_KEYS = ["6555257b2b2e5f4d0674a4dda07436b6", "23a2963e45039d3fc2b81bda7f682bba"]
+"""Blocks of hybrid models stored by this release must be found by the next one."""

@@ -76,7 +76,7 @@ def test_clean_close_leaves_no_file(tmp_path):
 def test_pool_left_by_crashed_process_is_removed(tmp_path):
     code = (
         "import os, sys; from kvtier.pool import HostPool; "
-        f"p = HostPool.create(2, 64, shm_dir={str(tmp_path)!r}); "
+        f"p = HostPool.create(2, 64, shm_dir={str(tmp_path)!r}, reap=False); "
         "print(p.handle.path, flush=True); os._exit(1)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -175,14 +176,19 @@ def test_openai_server_metrics_match_the_stats_file(server: dict[str, Any]) -> N
             answer = complete(client, history[c], max_tokens=4)
             history[c] = history[c] + answer + words(BLOCK + 7)
 
-    # The stats file is written at most once a second, at an engine step: poll with small
-    # requests (less than a block: no kvtier traffic) until file and /metrics agree.
+    # A burst that ends within a second of a step that wrote the stats file, then nothing: the
+    # engine idles and makes no steps. The file still gets the burst's last step at most a
+    # second later. (Before, it was written only at a step a second after the previous write,
+    # and stayed stale: 5 lookups against /metrics' 153 looked-up blocks.)
+    time.sleep(1.2)
+    burst = [words(2 * BLOCK + 3) for _ in range(4)]
+    with ThreadPoolExecutor(len(burst)) as pool:
+        list(pool.map(lambda prompt: complete(client, prompt, max_tokens=1), burst))
     stats: dict[str, Any] = {}
     metrics: dict[str, float] = {}
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 4
     while time.monotonic() < deadline:
-        time.sleep(1.1)
-        complete(client, words(5), max_tokens=2)
+        time.sleep(0.5)
         stats = json.loads(Path(server["stats_path"]).read_text())
         metrics = scrape(server["base"])
         if metrics.get("vllm:kvtier_stored_blocks_total") == stats["cache"]["stored_blocks"] and (
@@ -236,3 +242,13 @@ def test_openai_server_metrics_match_the_stats_file(server: dict[str, Any]) -> N
         -3000:
     ]
     assert "does not implement the `build_kv_connector_stats`" not in log
+
+    # Stopped as an operator stops it (SIGTERM to the API server, which stops the engine process
+    # or kills it after 5 s): the file still holds what /metrics showed last.
+    proc = server["proc"]
+    proc.terminate()
+    proc.wait(timeout=60)
+    final = json.loads(Path(server["stats_path"]).read_text())["cache"]
+    assert final["lookup_blocks"] == metrics["vllm:kvtier_lookup_blocks_total"]
+    assert final["stored_blocks"] == metrics["vllm:kvtier_stored_blocks_total"]
+    assert final["hit_blocks"] == cache["hit_blocks"]

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from kvtier.config import load_config
 from kvtier.engine import stats_file
 from kvtier.engine.planner import Planner, PlannerSettings
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, keys_from_hashes
 from kvtier.stats_report import read_snapshot
 
 
@@ -112,3 +113,70 @@ def test_a_slow_stats_write_does_not_delay_the_step(
         release.set()
         planner.close()
     assert json.loads(written[-1])["cache"]["lookups"] == 0
+
+
+def _file_shows(path: Path, lookups: int, seconds: float) -> bool:
+    """Whether the stats file shows ``lookups`` within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.exists() and read_snapshot(path)["cache"]["lookups"] == lookups:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_last_steps_reach_the_file_when_no_step_follows(tmp_path: Path) -> None:
+    """Before: a snapshot was taken only at a step one second after the last one, so the steps
+    of a burst that ended within that second never reached the file while the engine idled
+    (after 8 requests to vLLM's API server the file read 5 lookups, /metrics 153 blocks)."""
+    path = tmp_path / "stats.json"
+    planner = stats_planner(tmp_path, path)
+    try:
+        step_in_time(planner)  # the first step's snapshot is written at once
+        assert _file_shows(path, 0, 5.0)
+        keys = keys_from_hashes(planner.namespace, [1, 2, 3])
+        for _ in range(3):  # three steps of a burst, each ending as vLLM ends a step
+            planner.cache.lookup(keys)
+            assert planner.take_stats() is not None
+        # No step follows: the file still gets the newest counters, within the interval.
+        assert _file_shows(path, 3, stats_file.INTERVAL_S + 3.0)
+    finally:
+        planner.close()
+    assert read_snapshot(path)["cache"]["lookups"] == 3
+
+
+def test_close_writes_the_stats_before_the_tiers_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM kills an engine process still shutting down 5 s after it asked it to stop; closing
+    the tiers may take up to job_timeout_s. Before: the file was written only after them."""
+    path = tmp_path / "stats.json"
+    planner = stats_planner(tmp_path, path)
+    planner.cache.lookup(keys_from_hashes(planner.namespace, [7]))
+    seen_while_closing: list[bool] = []
+    close_tiers = planner.cache.close
+
+    def slow_close() -> None:
+        seen_while_closing.append(_file_shows(path, 1, 5.0))
+        close_tiers()
+
+    monkeypatch.setattr(planner.cache, "close", slow_close)
+    planner.close()
+    assert seen_while_closing == [True]
+    assert read_snapshot(path)["cache"]["lookups"] == 1
+
+
+def test_snapshots_are_built_off_the_step_from_copies(tmp_path: Path) -> None:
+    """The step copies the counters; the dict is built later, on the writer's thread, and
+    shows the counters as they were when the snapshot was taken."""
+    planner = stats_planner(tmp_path, tmp_path / "stats.json")
+    try:
+        snapshot = planner.stats_snapshot(planner.cache.stats())
+        planner.cache.lookup(keys_from_hashes(planner.namespace, [1]))
+        planner.counters.requests_looked_up += 1
+        built = snapshot()
+        assert built["cache"]["lookups"] == 0 and built["connector"]["requests_looked_up"] == 0
+        assert planner.stats()["cache"]["lookups"] == 1
+        assert set(built) == set(planner.stats())
+    finally:
+        planner.close()

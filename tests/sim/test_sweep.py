@@ -132,4 +132,7 @@ def test_png_without_matplotlib_is_a_clear_error(tmp_path: Path) -> None:
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
-    assert "pip install 'kvtier[plot]'" in proc.stderr and "Traceback" not in proc.stderr
+    # Checked before the sweep starts: no replay ran, so no table was printed (it was, before).
+    assert proc.stdout == ""
+    assert "-m pip install 'matplotlib>=3.7'" in proc.stderr, proc.stderr
+    assert "pip install '.[plot]'" in proc.stderr and "Traceback" not in proc.stderr

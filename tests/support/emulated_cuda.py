@@ -176,15 +176,27 @@ class FakeRuntime:
     def host_device_pointer(self, address: int) -> int:
         return address
 
+    def _check_within_registration(self, entries: list[tuple[int, int, int]]) -> None:
+        """As the driver does: a copy whose host side starts in one registered range and runs
+        past its end is refused (seen on an H100 with CUDA 13: a batched copy spanning two
+        ``cudaHostRegister`` pieces of the pool fails with cudaErrorInvalidValue)."""
+        for dst, src, size in entries:
+            for address in (dst, src):
+                for start, nbytes in self.registered:
+                    if start <= address < start + nbytes < address + size:
+                        raise CudaError("memcpy", 1, "cudaErrorInvalidValue", "invalid argument")
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._maybe_fail("memcpy")
+        self._check_within_registration([(dst, src, nbytes)])
         self.calls.append(("memcpy", stream, 1))
         self._enqueue(lambda: ctypes.memmove(dst, src, nbytes))
 
     def memcpy_batch_async(self, dsts: Any, srcs: Any, sizes: Any, attrs: Any, stream: int) -> None:
         self._maybe_fail("memcpy")
-        self.calls.append(("memcpy", stream, len(sizes)))
         entries = list(zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True))
+        self._check_within_registration(entries)
+        self.calls.append(("memcpy", stream, len(sizes)))
 
         def op() -> None:
             for dst, src, size in entries:

@@ -883,3 +883,43 @@ def test_shutil_copy_of_a_store_is_readable(make_tier: MakeTier, tmp_path: Path)
     shutil.copytree(Path(tier.root).parent, copy)
     again = make_tier(path=copy)
     assert all(Driver(again).load_exact(key) for key in keys)
+
+
+def test_a_promotion_is_read_ahead_of_queued_writes(
+    make_fs: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read (a promotion a request waits for) is not queued behind the cascade's writes: on an
+    H100 at 8 conversations in flight, fs reads waited behind 28 GB of writes and requests with
+    full hits waited 3.8 s where vLLM alone took 1.8 s."""
+    tier = make_fs(threads=1)
+    drive = Driver(tier)
+    stored = make_keys(2, "old")
+    for key in stored:
+        assert drive.store(key)
+    real = fs_files.write_all
+    order: list[str] = []
+
+    def slow_write(fd: int, buffers: list[memoryview]) -> None:
+        time.sleep(0.02)
+        order.append("write")
+        real(fd, buffers)
+
+    monkeypatch.setattr(fs_files, "write_all", slow_write)
+    monkeypatch.setattr(fs_files, "read_exact", _noting(order, fs_files.read_exact))
+    fresh = make_keys(20, "new")
+    for i, key in enumerate(fresh):
+        fill(tier.pool, 10 + i, key)
+    writes = drive.submit(TierJobKind.WRITE, fresh, list(range(10, 30)))
+    time.sleep(0.05)  # the write job is running
+    read = drive.submit(TierJobKind.READ, [stored[1]], [40])
+    assert drive.wait(read) == [True]
+    assert drive.wait(writes) == [True] * 20
+    assert order.index("read") < 8, order  # after the write in progress, not after all 20
+
+
+def _noting(order: list[str], real: Callable[..., bool]) -> Callable[..., bool]:
+    def read(fd: int, buffers: list[memoryview]) -> bool:
+        order.append("read")
+        return real(fd, buffers)
+
+    return read

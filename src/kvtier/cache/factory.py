@@ -72,6 +72,10 @@ def build_cache(
     the shared memory cannot be created).
     """
     num_slots = pool_slots(config, slot_bytes)
+    if config.pool.share is not None:
+        from kvtier.shared_pool.factory import build_shared_cache  # imports this module
+
+        return build_shared_cache(config, namespace, slot_bytes, num_slots)
     try:
         pool = HostPool.create(num_slots, slot_bytes, config.pool.shm_dir)
     except ShmDirError as exc:

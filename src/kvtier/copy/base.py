@@ -49,6 +49,8 @@ class CopyJob:
     """``len(slots) * blocks_per_slot`` engine block ids, slot by slot (``SKIP``: not copied,
     LOAD only)."""
     slots: Sequence[int]
+    groups: Sequence[int] | None = None
+    """Per slot, the KV cache group whose layers it holds (``copy.grouped``); None: one group."""
 
 
 @dataclass(slots=True)

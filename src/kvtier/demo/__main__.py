@@ -329,11 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir", type=Path, default=Path("kvtier-demo"), help="model, fs tier, results"
     )
     parser.add_argument("--json", type=Path, default=None, help="default: WORKDIR/results.json")
+    parser.add_argument(
+        "--write-model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="only write --model's directory (config.json, seeded random weights) and exit",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.write_model is not None:  # a model for vllm serve (docs/vllm.md), no demo
+        print(write_model(args.write_model, MODELS[args.model]))
+        return 0
     wall = time.perf_counter()
     prepare_env()
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")

@@ -148,7 +148,10 @@ class Copier:
             if backend is None or order.fail or self._inject_fault():
                 self._fail_load(order)
                 continue
-            backend.submit(CopyJob(order.job_id, Direction.LOAD, order.engine_blocks, order.slots))
+            job = CopyJob(
+                order.job_id, Direction.LOAD, order.engine_blocks, order.slots, order.groups
+            )
+            backend.submit(job)
             if order.request_id is None:
                 submitted.append(order)
             else:
@@ -189,7 +192,10 @@ class Copier:
                 time.perf_counter(),
                 self._order_bytes(backend, order),
             )
-            backend.submit(CopyJob(order.job_id, Direction.STORE, order.engine_blocks, order.slots))
+            job = CopyJob(
+                order.job_id, Direction.STORE, order.engine_blocks, order.slots, order.groups
+            )
+            backend.submit(job)
         if backend is not None:
             self._collect()
 

@@ -28,6 +28,9 @@ class CopyOrder:
     """A load the engine does not wait for in this step (asynchronous: the request waits while
     other requests run, and the worker names it in ``Copier.take_finished_loads`` once its copy
     ended); None: the step's forward pass waits for it."""
+    groups: list[int] | None = None
+    """Per slot, the engine's KV cache group its blocks belong to (hybrid models: each group has
+    its own layers and block table); None: the model has one group."""
 
 
 @dataclass(slots=True)

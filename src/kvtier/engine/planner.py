@@ -21,7 +21,7 @@ from kvtier.config import KVTierConfig
 from kvtier.copy.base import Direction
 from kvtier.engine.ledger import JobLedger
 from kvtier.engine.orders import SKIP, CopyOrder, RankReport, StepOrders
-from kvtier.engine.stats_file import StatsFile
+from kvtier.engine.stats_file import Snapshot, StatsFile
 from kvtier.events import POOL_TIER, CacheEvent
 from kvtier.keys import BlockKey, Namespace, chain_keys, chain_root
 from kvtier.metrics import CacheStats
@@ -251,15 +251,9 @@ class Planner:
         if external_tokens == 0:
             self._unpin(plan)
             return
-        bs = self.engine_block_size
-        first = plan.first_token // bs
-        computed = plan.num_computed // bs
-        engine_blocks = [
-            SKIP if first + i < computed else block_ids[first + i]
-            for i in range(len(plan.slots) * self.blocks_per_slot)
-        ]
+        engine_blocks, groups, fits = self._load_targets(plan, block_ids)
         job_id = self._jobs.open(Direction.LOAD, plan.keys)
-        stale = external_tokens != plan.external_tokens
+        stale = external_tokens != plan.external_tokens or not fits
         if stale:
             # The engine changed the count we gave it: do not guess which bytes it expects; have
             # the worker report every block of the range as failed so the engine recomputes them.
@@ -272,7 +266,7 @@ class Planner:
         async_id = request.request_id if self.settings.async_loads else None
         if async_id is not None:
             self._async_loads[job_id] = async_id
-        self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, stale, async_id))
+        self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, stale, async_id, groups))
         self.counters.loads_ordered += 1
         self.counters.hit_tokens += 0 if stale else external_tokens
         if not stale:
@@ -287,6 +281,22 @@ class Planner:
             by_tier = self.hit_tokens_by_tier
             for origin, tokens in split.items():
                 by_tier[origin] = by_tier.get(origin, 0) + tokens
+
+    def _load_targets(
+        self, plan: _LoadPlan, block_ids: Sequence[int]
+    ) -> tuple[list[int], list[int] | None, bool]:
+        """The engine block ids a plan's slots load into (``SKIP`` where the engine holds the
+        position), the KV cache group of each slot (None: the one group), and whether the
+        allocation takes the plan (False: the load fails and the engine recomputes those
+        blocks). A hybrid adapter (``engine.hybrid``) overrides this."""
+        bs = self.engine_block_size
+        first = plan.first_token // bs
+        computed = plan.num_computed // bs
+        engine_blocks = [
+            SKIP if first + i < computed else block_ids[first + i]
+            for i in range(len(plan.slots) * self.blocks_per_slot)
+        ]
+        return engine_blocks, None, True
 
     def take_hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the request's load by the tier they come from (empty: no load planned)."""
@@ -327,7 +337,7 @@ class Planner:
                 stores.append(order)
         loads, self._loads = self._loads, []
         if self._stats_file is not None and self._stats_file.due():
-            self._stats_file.offer(self.stats())
+            self._stats_file.offer(self.stats_snapshot(self.cache.stats()))
         return StepOrders(self.pool.handle, loads, stores, fresh_blocks)
 
     def _store_order(
@@ -450,16 +460,26 @@ class Planner:
         return self.cache.take_events()
 
     def stats(self) -> dict[str, Any]:
-        snapshot: CacheStats = self.cache.stats()
-        out = snapshot.to_dict()
-        out["connector"] = {
-            name: getattr(self.counters, name) for name in PlannerCounters.__slots__
-        }
-        out["hits_by_tier"] = dict(self.hits_by_tier)
-        out["hit_tokens_by_tier"] = dict(self.hit_tokens_by_tier)
-        out["jobs_in_flight"] = len(self._jobs)
-        out["pinned_plans"] = len(self._plans)
-        return out
+        return self.stats_snapshot(self.cache.stats())()
+
+    def stats_snapshot(self, snapshot: CacheStats) -> Snapshot:
+        """What ``stats()`` returns, as a call another thread may make: it reads only copies
+        taken here (``snapshot`` is the cache's own copy), so the step pays for the copies and
+        the stats file's thread for the dict (``to_dict`` is most of the cost)."""
+        connector = {name: getattr(self.counters, name) for name in PlannerCounters.__slots__}
+        hits, hit_tokens = dict(self.hits_by_tier), dict(self.hit_tokens_by_tier)
+        jobs, plans = len(self._jobs), len(self._plans)
+
+        def build() -> dict[str, Any]:
+            out = snapshot.to_dict()
+            out["connector"] = connector
+            out["hits_by_tier"] = hits
+            out["hit_tokens_by_tier"] = hit_tokens
+            out["jobs_in_flight"] = jobs
+            out["pinned_plans"] = plans
+            return out
+
+        return build
 
     def take_stats(self) -> series.Payload | None:
         """What changed since the last call, as a :mod:`kvtier.series` payload (None: nothing).
@@ -480,14 +500,24 @@ class Planner:
         if self._waits:
             payload["histograms"]["kvtier_promotion_wait_seconds"] = {"": self._waits}
             self._waits = []
-        return None if series.is_empty(payload) else payload
+        if series.is_empty(payload):
+            return None
+        if self._stats_file is not None:
+            # The step's end, once per step: the stats file gets the newest counters even when
+            # no step follows (StatsFile writes at most once a second, the last one too).
+            self._stats_file.offer(self.stats_snapshot(snapshot))
+        return payload
 
     def close(self) -> None:
         for req_id in list(self._plans):
             self._release_plan(req_id)
         if self.recorder is not None:
             self.recorder.close()
+        if self._stats_file is not None:
+            # Written before the tiers close (up to job_timeout_s): vLLM kills an engine process
+            # still shutting down 5 s after it asked it to stop.
+            self._stats_file.offer(self.stats_snapshot(self.cache.stats()), now=True)
         self.cache.close()
         if self._stats_file is not None:
-            self._stats_file.close(self.stats())
+            self._stats_file.close(self.stats_snapshot(self.cache.stats()))
         self.pool.close()

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.extras import install_hint
 from kvtier.sim.conversations import trace_requests
 from kvtier.sim.optimal import infinite_hit_ratio, optimal_hit_ratio
 from kvtier.sim.replay import ReplayResult
@@ -208,8 +209,9 @@ def write_json(r: SweepResult, path: Path) -> None:
     path.write_text(json.dumps(r.to_dict(), indent=1) + "\n")
 
 
-def write_png(r: SweepResult, path: Path) -> None:
-    """The curve, the optimum and the ceiling over pool size (log scale)."""
+def plotting() -> Any:
+    """matplotlib's pyplot (the Agg backend), or the ``KVTierError`` with the install hint. The
+    command line asks before the sweep starts, so a missing matplotlib costs no replay."""
     try:
         import matplotlib
 
@@ -217,9 +219,14 @@ def write_png(r: SweepResult, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise KVTierError(
-            "the sweep's plot needs matplotlib: pip install 'kvtier[plot]' "
-            "(or leave out --sweep-png)"
+            f"the sweep's plot needs matplotlib: {install_hint('plot')} (or leave out --sweep-png)"
         ) from None
+    return plt
+
+
+def write_png(r: SweepResult, path: Path) -> None:
+    """The curve, the optimum and the ceiling over pool size (log scale)."""
+    plt = plotting()
     xs = [p.pool_blocks for p in r.points]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     ax.plot(xs, [p.hit_ratio for p in r.points], "o-", label=f"kvtier ({r.policy})")

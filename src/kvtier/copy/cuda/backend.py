@@ -222,12 +222,16 @@ class CudaCopyBackend(CopyBackend):
     def _make_strategy(self) -> Strategy:
         opts, geo, streams, events = self.options, self.geometry, self._streams, self._events
         if self.strategy == "dma":
-            return DmaStrategy(geo, self._merged, self._attrs, opts.dma_lanes, streams, events)
+            return DmaStrategy(
+                geo, self._merged, self._attrs, opts.dma_lanes, streams, events, self._pinned.pieces
+            )
         functions = self._kernels.functions
         direct = KernelStrategy(geo, functions, self._region_table_address, self.max_sms, events)
         if self.strategy == "kernel":
             return direct
-        return StagedStrategy(direct, self._rings, self._attrs, opts, streams, events)
+        return StagedStrategy(
+            direct, self._rings, self._attrs, opts, streams, events, self._pinned.pieces
+        )
 
     # -- the device touch points (overridden by the CPU emulation in the tests) ----------------
 

@@ -14,6 +14,7 @@ from kvtier.copy.cuda.executor import Recorder
 from kvtier.copy.cuda.plan import (
     CopyList,
     KVGeometry,
+    PinnedPieces,
     Plan,
     Region,
     RegionArrays,
@@ -37,10 +38,13 @@ class DmaStrategy(Strategy):
         dma_lanes: int,
         streams: StreamPool,
         events: EventPool,
+        pieces: PinnedPieces,
     ) -> None:
         """``merged``: the engine's regions merged where adjacent; ``attrs``: the batched copy's
-        attributes per direction (``to_host``)."""
+        attributes per direction (``to_host``); ``pieces``: where the pool's pinned pieces begin
+        (no copy runs across one)."""
         self._geometry = geometry
+        self._pieces_pinned = pieces
         layer_merged = [
             merge_regions([geometry.regions[i] for i in geometry.layer_regions(layer)])
             for layer in range(geometry.num_layers)
@@ -60,11 +64,19 @@ class DmaStrategy(Strategy):
 
     def enqueue(self, rec: Recorder, transfer: Transfer, plan: Plan) -> None:
         if not transfer.layerwise:
-            copies = copy_list(self._arrays, plan.blocks, plan.hosts, plan.to_host)
+            copies = copy_list(
+                self._arrays, plan.blocks, plan.hosts, plan.to_host, pieces=self._pieces_pinned
+            )
             self.dma(rec, transfer, copies, plan.to_host)
             return
         for layer in range(self._geometry.num_layers):
-            copies = copy_list(self._layer_arrays[layer], plan.blocks, plan.hosts, plan.to_host)
+            copies = copy_list(
+                self._layer_arrays[layer],
+                plan.blocks,
+                plan.hosts,
+                plan.to_host,
+                pieces=self._pieces_pinned,
+            )
             self.dma(rec, transfer, copies, plan.to_host)
             layer_done(rec, self._events, transfer)
 

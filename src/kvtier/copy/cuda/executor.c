@@ -297,6 +297,9 @@ typedef struct {
     uint64_t *copy_dsts;
     uint64_t *copy_srcs;
     uint64_t *copy_sizes;
+    /* the pool's pinned pieces: no copy runs across the start of one (pin_step 0: one piece) */
+    uint64_t pin_base;
+    uint64_t pin_step;
 } StagedPlan;
 
 static uint64_t *put_op(uint64_t *op, uint64_t code, uint64_t a, uint64_t b, uint64_t c,
@@ -335,7 +338,9 @@ int64_t kvx_plan_staged(const StagedPlan *p) {
             host_addr[i] = staged;
             block_id[i] = (int32_t)p->blocks[block + i];
             const uint64_t dst = p->to_host ? host : staged, src = p->to_host ? staged : host;
-            if (run > first_run && p->copy_dsts[run - 1] + p->copy_sizes[run - 1] == dst &&
+            const int piece_starts = p->pin_step && (host - p->pin_base) % p->pin_step == 0;
+            if (run > first_run && !piece_starts &&
+                p->copy_dsts[run - 1] + p->copy_sizes[run - 1] == dst &&
                 p->copy_srcs[run - 1] + p->copy_sizes[run - 1] == src) {
                 p->copy_sizes[run - 1] += (uint64_t)p->block_bytes;
             } else {

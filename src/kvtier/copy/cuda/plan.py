@@ -252,34 +252,60 @@ class RegionArrays:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PinnedPieces:
+    """Where the pool's separate ``cudaHostRegister`` pieces begin. No copy may run across the
+    start of one: the driver refuses it (cudaErrorInvalidValue on an H100, CUDA 13), so
+    neighbouring slots are joined into one copy only inside a piece."""
+
+    base: int
+    step: int
+    """Bytes per piece (whole slots); 0: the pool is one piece (or not pinned)."""
+
+    def starts(self, hosts: np.ndarray) -> np.ndarray:
+        """Per host address (uint64), whether a piece begins there."""
+        if self.step <= 0:
+            return np.zeros(len(hosts), dtype=bool)
+        offsets = hosts.astype(np.uint64) - np.uint64(self.base)
+        return np.asarray(offsets % np.uint64(self.step) == 0)
+
+
+ONE_PIECE = PinnedPieces(0, 0)
+
+
 def copy_list(
     regions: RegionArrays | Sequence[Region],
     engine_blocks: np.ndarray,
     host_addrs: np.ndarray,
     to_host: bool,
     coalesce: bool = True,
+    pieces: PinnedPieces = ONE_PIECE,
 ) -> CopyList:
-    """Copies of ``regions`` for each engine block (block-major), joined where contiguous."""
+    """Copies of ``regions`` for each engine block (block-major), joined where contiguous
+    inside one of the pool's pinned ``pieces``."""
     cols = regions if isinstance(regions, RegionArrays) else RegionArrays.of(regions)
     blocks = engine_blocks.astype(np.uint64)
     dev = (cols.base[None, :] + blocks[:, None] * cols.stride[None, :]).reshape(-1)
     host = (host_addrs.astype(np.uint64)[:, None] + cols.host_offset[None, :]).reshape(-1)
     sizes = np.tile(cols.nbytes, len(engine_blocks))
     if coalesce:
-        dev, host, sizes = join_contiguous(dev, host, sizes)
+        dev, host, sizes = join_contiguous(dev, host, sizes, pieces.starts(host))
     dev, host = dev.astype(np.uintp), host.astype(np.uintp)
     sizes = np.ascontiguousarray(sizes, dtype=np.uintp)
     return CopyList(host, dev, sizes) if to_host else CopyList(dev, host, sizes)
 
 
 def join_contiguous(
-    a: np.ndarray, b: np.ndarray, sizes: np.ndarray
+    a: np.ndarray, b: np.ndarray, sizes: np.ndarray, breaks: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Copies ``a[i] <-> b[i]`` of ``sizes[i]`` bytes, each run that continues the one before on
-    both sides joined into one (the driver's cost is per copy, about a microsecond each)."""
+    both sides joined into one (the driver's cost is per copy, about a microsecond each), except
+    where ``breaks[i]`` (copy ``i`` must start a copy of its own)."""
     if len(sizes) < 2:
         return a, b, sizes
     joins = (a[1:] == a[:-1] + sizes[:-1]) & (b[1:] == b[:-1] + sizes[:-1])
+    if breaks is not None:
+        joins &= ~breaks[1:]
     if not joins.any():
         return a, b, sizes
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvtier.copy.cuda.plan import ONE_PIECE, PinnedPieces
 from kvtier.copy.cuda.runtime import (
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     CUDA_SUCCESS,
@@ -180,6 +181,8 @@ class PinnedPool:
         self.device_addressable = False
         """The device reaches the pool at the same addresses (needed by the kernel strategy)."""
         self.reason = ""
+        self.pieces = ONE_PIECE
+        """Where its registered pieces begin (one piece: unpinned, or one registration)."""
         self._owned: list[int] = []
         step = max(1, chunk_bytes // pool.slot_stride) * pool.slot_stride
         failure = ""
@@ -207,6 +210,8 @@ class PinnedPool:
             log.warning("%s; running on pageable memory (DMA only)", self.reason)
             return
         self.pinned = True
+        if step < self.nbytes:
+            self.pieces = PinnedPieces(self.base, step)
         try:
             self.device_addressable = all(
                 rt.host_device_pointer(self.base + off) == self.base + off

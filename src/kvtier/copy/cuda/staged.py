@@ -44,7 +44,13 @@ from kvtier.copy.cuda.executor import (
 )
 from kvtier.copy.cuda.kernels import THREADS, WARPS
 from kvtier.copy.cuda.options import CudaCopyOptions
-from kvtier.copy.cuda.plan import KERNEL_CAPACITIES, Plan, param_bytes, pick_capacity
+from kvtier.copy.cuda.plan import (
+    KERNEL_CAPACITIES,
+    PinnedPieces,
+    Plan,
+    param_bytes,
+    pick_capacity,
+)
 from kvtier.copy.cuda.queue import Transfer
 from kvtier.copy.cuda.resources import EventPool, StagingRing, StreamPool
 from kvtier.copy.cuda.runtime import MemcpyAttributes
@@ -104,6 +110,7 @@ PLAN_FIELDS = (
     *("kernel", "threads", "warps", "max_sms", "capacity", "param_bytes", "region_table"),
     *("piece_bytes", "n_regions", "attrs", "attr_index"),
     *("ops", "params", "kernel_params", "copy_dsts", "copy_srcs", "copy_sizes"),
+    *("pin_base", "pin_step"),
 )
 """``StagedPlan`` of ``executor.c``: every field is 8 bytes, so it is passed as uint64
 words in this order."""
@@ -121,10 +128,12 @@ def plan_staged(
     ring: StagingRing,
     kernel: StagedKernel,
     attrs: int,
+    pieces: PinnedPieces,
 ) -> StagedOps:
     """The ops of a staged transfer of ``blocks`` (int64 ids) to or from ``hosts`` (uint64
     addresses) in chunks of ``sizes`` blocks, with ``2 * len(sizes)`` fresh ``events``
-    (hand-overs, then buffer-free events). Updates ``ring`` as if the ops had been made."""
+    (hand-overs, then buffer-free events); no host copy runs across the start of one of the
+    pool's pinned ``pieces``. Updates ``ring`` as if the ops had been made."""
     chunks, n = len(sizes), len(blocks)
     n_buffers = len(ring.free)
     first = ring.next
@@ -169,7 +178,9 @@ def plan_staged(
         "n_regions": kernel.n_regions,
         "attrs": attrs,
         "attr_index": ATTR_INDEX_ADDRESS,
-        **dict(zip(PLAN_FIELDS[-6:], at[:6], strict=True)),
+        **dict(zip(PLAN_FIELDS[-8:-2], at[:6], strict=True)),
+        "pin_base": pieces.base,
+        "pin_step": pieces.step,
     }
     plan = array("Q", [fields[name] for name in PLAN_FIELDS])
     count = load_library().kvx_plan_staged(plan.buffer_info()[0])
@@ -206,10 +217,13 @@ class StagedStrategy(Strategy):
         options: CudaCopyOptions,
         streams: StreamPool,
         events: EventPool,
+        pieces: PinnedPieces,
     ) -> None:
         """``direct``: the kernel strategy small and layer-wise jobs take; ``rings``: the staging
-        ring per direction (``to_host``); ``attrs``: the chunks' batched-copy attributes."""
+        ring per direction (``to_host``); ``attrs``: the chunks' batched-copy attributes;
+        ``pieces``: where the pool's pinned pieces begin."""
         self._direct = direct
+        self._pieces = pieces
         self._rings = rings
         self._attrs = attrs
         self._block = direct.geometry.block_bytes
@@ -270,6 +284,7 @@ class StagedStrategy(Strategy):
             ring,
             kernel,
             ctypes.addressof(attrs),
+            self._pieces,
         )
         rec.add_rows(staged.rows, staged.memory, attrs)
         for event in staged.retired:

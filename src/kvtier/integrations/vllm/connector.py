@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -29,9 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.copy.options import CopyConfig
+from kvtier.engine.groups import CacheGroup
 from kvtier.errors import ConfigError
 from kvtier.events import EventKind
 from kvtier.integrations.vllm import compat
+from kvtier.integrations.vllm import groups as vllm_groups
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import VllmSettings
@@ -51,7 +54,10 @@ def _load_config(vllm_config: Any) -> tuple[KVTierConfig, VllmSettings, CopyConf
     return config, VllmSettings.parse(config.vllm), CopyConfig.parse_mapping(config.copy)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """``SupportsHMA``: vLLM keeps its hybrid KV cache manager on with kvtier; hybrid models'
+    groups are stored and loaded each as they are (``kvtier.engine.hybrid``)."""
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.vllm_version = compat.installed_version()
@@ -95,26 +101,12 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._hit_source: dict[str, Any] = {}
+        self.groups = _groups(kv_cache_config)
+        if len(self.groups) > 1:
+            # One tensor per block for all layers is a single group's layout (0.25.1).
+            self.layout_request = compat.LayoutRequest(self.layout_request.layout, False)
         if role == KVConnectorRole.SCHEDULER:
-            group = _single_group(kv_cache_config)
-            page_bytes = int(group.kv_cache_spec.page_size_bytes)
-            layers = len(group.layer_names)
-            slot_bytes = self.tp_size * layers * blocks_per_slot * page_bytes
-            page_order = compat.page_order(
-                vllm_config, self.layout_request.layout, self.vllm_version
-            )
-            namespace = _namespace(
-                vllm_config,
-                config,
-                engine_block_size,
-                layers,
-                page_bytes,
-                page_order,
-                blocks_per_slot,
-            )
-            self._scheduler = SchedulerSide(
-                config, self.settings, namespace, slot_bytes, engine_block_size, self.tp_size
-            )
+            self._scheduler = self._make_scheduler(vllm_config, config, engine_block_size)
             self._hit_source = compat.hit_source_map(config.tiers)
             if self.settings.trace_path is not None:
                 from kvtier.recorder import TraceRecorder
@@ -132,6 +124,40 @@ class KVTierConnector(KVConnectorBase_V1):
                 copy,
                 config.pool.allow_pageable,
             )
+
+    def _make_scheduler(
+        self, vllm_config: Any, config: KVTierConfig, engine_block_size: int
+    ) -> SchedulerSide:
+        """The scheduler half: slots sized for the group with the most layers, one namespace
+        for the model (its groups named in it when there are several)."""
+        if not self.groups:
+            raise ConfigError("kv_cache_groups", 0, "at least one KV cache group")
+        page_bytes = max(g.page_bytes for g in self.groups)
+        layers = max(len(g.layers) for g in self.groups)
+        if len(self.groups) > 1:
+            engine_block_size = self.groups[0].block_tokens  # one size (_groups checked it)
+        blocks_per_slot = self.settings.planner.blocks_per_slot
+        slot_bytes = self.tp_size * layers * blocks_per_slot * page_bytes
+        page_order = compat.page_order(vllm_config, self.layout_request.layout, self.vllm_version)
+        namespace = _namespace(
+            vllm_config,
+            config,
+            engine_block_size,
+            layers,
+            page_bytes,
+            page_order,
+            blocks_per_slot,
+            vllm_groups.tag(self.groups),
+        )
+        return SchedulerSide(
+            config,
+            self.settings,
+            namespace,
+            slot_bytes,
+            engine_block_size,
+            self.tp_size,
+            self.groups,
+        )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -168,8 +194,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self._scheduler.after_alloc(request, block_ids, num_external_tokens)
+        block_ids = blocks.get_block_ids() if num_external_tokens else ()
+        self._scheduler.after_alloc_groups(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -186,6 +212,13 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.request_finished(request)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with every group's blocks (what vLLM calls with ``SupportsHMA``):
+        kvtier keeps no engine block past the request's end, whatever the groups."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         if self._scheduler is None:
@@ -268,7 +301,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
-        self._worker.register(list(kv_caches.values()))
+        if len(self.groups) > 1:
+            self._worker.register_groups(
+                {g.index: [kv_caches[name] for name in g.layers] for g in self.groups}
+            )
+        else:
+            self._worker.register(list(kv_caches.values()))
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
         assert self._worker is not None
@@ -333,13 +371,14 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker = None
 
 
-def _single_group(kv_cache_config: Any) -> Any:
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) != 1:
-        raise ConfigError(
-            "kv_cache_groups", len(groups), "exactly one KV cache group (hybrid models: not yet)"
-        )
-    return groups[0]
+def _groups(kv_cache_config: Any) -> list[CacheGroup]:
+    """The model's KV cache groups (none where vLLM gives a worker no ``kv_cache_config``: its
+    tensors are then one group's); several only with vLLM's hybrid KV cache manager on. Groups of
+    different block or page sizes cannot share kvtier's blocks: such a model is refused."""
+    groups = vllm_groups.describe(kv_cache_config)
+    if len(groups) > 1 and (why := vllm_groups.uniform(groups)) is not None:
+        raise ConfigError("kv_cache_groups", len(groups), f"groups kvtier can share ({why})")
+    return groups
 
 
 def _namespace(
@@ -350,6 +389,7 @@ def _namespace(
     page_bytes: int,
     page_order: str | None,
     blocks_per_slot: int,
+    groups_tag: str = "",
 ) -> Namespace:
     """Everything that decides the bytes of a block: model, dtypes, geometry, attention packing.
     A page's bytes follow the order of its dimensions (``page_order``), not where the layers and
@@ -374,6 +414,7 @@ def _namespace(
         block_tokens=block_size * blocks_per_slot,
         layout=f"vllm/{packing}/engine-block-{block_size}",
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-        extra=f"layers={layers};page_bytes={page_bytes};revision={model_config.revision}",
+        extra=f"layers={layers};page_bytes={page_bytes};revision={model_config.revision}"
+        + (f";{groups_tag}" if groups_tag else ""),
         tenant=config.tenant,
     )

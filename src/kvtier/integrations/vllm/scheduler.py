@@ -10,10 +10,14 @@ blocks read from each step's ``SchedulerOutput``, and the step orders as vLLM's 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.config import KVTierConfig
-from kvtier.engine.planner import PLAIN, KeyScope, Planner
+from kvtier.engine.groups import CacheGroup
+from kvtier.engine.hybrid import HybridPlanner
+from kvtier.engine.planner import PLAIN, KeyScope
+from kvtier.integrations.vllm.groups import NULL_BLOCK
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import Namespace
@@ -27,10 +31,11 @@ def fresh_blocks(scheduler_output: Any) -> list[int] | None:
     try:
         out: list[int] = []
         for new in scheduler_output.scheduled_new_reqs:
-            out.extend(new.block_ids[0])  # one KV cache group (checked at start)
+            for group in new.block_ids:  # every KV cache group's (hybrid models: several)
+                out.extend(group)
         for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
-            if ids:
-                out.extend(ids[0])
+            for group in ids or ():
+                out.extend(group)
         for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
             out.append(int(copy.dst_block_id))
     except (AttributeError, IndexError, TypeError):
@@ -39,35 +44,47 @@ def fresh_blocks(scheduler_output: Any) -> list[int] | None:
 
 
 class BlockTables:
-    """Each request's engine block ids, followed from the scheduler outputs the way vLLM's
-    workers follow them (every supported release carries them there): a new request brings its
-    whole table, a running one appends its new blocks, a resumed one brings a new table."""
+    """Each request's engine block ids per KV cache group, followed from the scheduler outputs
+    the way vLLM's workers follow them (every supported release carries them there): a new
+    request brings its whole tables, a running one appends its new blocks, a resumed one brings
+    new tables. A sliding-window group's blocks that left the window stay listed here (vLLM
+    frees them without a word to the workers): ``HybridPlanner`` never reads those."""
 
     def __init__(self) -> None:
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[list[int]]] = {}
 
     def update(self, scheduler_output: Any) -> None:
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
-            self._tables[new.req_id] = list(new.block_ids[0])  # one KV cache group
+            self._tables[new.req_id] = [list(group) for group in new.block_ids]
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is None:
             return
         resumed = getattr(cached, "resumed_req_ids", ())
         for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
             if req_id in resumed:
-                self._tables[req_id] = list(ids[0]) if ids else []
+                self._tables[req_id] = [list(group) for group in ids or ()]
             elif ids:
-                self._tables.setdefault(req_id, []).extend(ids[0])
+                tables = self._tables.setdefault(req_id, [])
+                tables.extend([] for _ in range(len(ids) - len(tables)))
+                for table, group in zip(tables, ids, strict=False):
+                    table.extend(group)
 
     def get(self, req_id: str) -> list[int]:
-        return self._tables.get(req_id, [])
+        """The first group's table (a model with one group: its only one)."""
+        return self.group(req_id, 0)
+
+    def group(self, req_id: str, group: int) -> list[int]:
+        tables = self._tables.get(req_id, ())
+        return tables[group] if group < len(tables) else []
 
     def drop(self, req_id: str) -> None:
         self._tables.pop(req_id, None)
 
 
-class SchedulerSide(Planner):
-    """The ``Planner`` under vLLM's scheduler hooks (``KVTierConnector`` calls these)."""
+class SchedulerSide(HybridPlanner):
+    """The planner under vLLM's scheduler hooks (``KVTierConnector`` calls these): ``Planner``
+    for a model with one KV cache group, ``HybridPlanner``'s per-group keys and orders for a
+    hybrid one."""
 
     def __init__(
         self,
@@ -77,11 +94,23 @@ class SchedulerSide(Planner):
         slot_bytes: int,
         engine_block_size: int,
         tp_size: int,
+        groups: Sequence[CacheGroup] = (),
     ) -> None:
         super().__init__(
             config, settings.planner, namespace, slot_bytes, engine_block_size, tp_size
         )
+        self.set_groups(groups, settings.window_boundary_blocks, NULL_BLOCK)
         self._tables = BlockTables()
+
+    def after_alloc_groups(
+        self, request: Any, block_ids: Sequence[Sequence[int]], external_tokens: int
+    ) -> None:
+        """vLLM's ``update_state_after_alloc`` with every group's block ids (``get_block_ids``)."""
+        self.alloc_tables = block_ids
+        try:
+            self.after_alloc(request, block_ids[0] if block_ids else [], external_tokens)
+        finally:
+            self.alloc_tables = ()
 
     def key_scope(self, request: Any) -> KeyScope | None:
         """Requests whose KV does not follow from token ids alone (multimodal inputs, prompt

@@ -31,6 +31,10 @@ class VllmSettings:
     trace_path: str | None = None
     """Append every request looked up to this Mooncake-format trace (``kvtier simulate --trace``
     replays it); block ids are salted digests of kvtier keys (the salt in ``<path>.salt``)."""
+    window_boundary_blocks: int = 0
+    """Hybrid models: a sliding-window group's blocks are stored at the end of what a request
+    stored and every this many kvtier blocks (the boundaries a later request can resume from);
+    0: four windows, at least 16 (``kvtier.engine.groups.auto_boundary_blocks``)."""
     kv_cache_layout: str = BLOCK_OUTERMOST_LAYOUT
     """The KV cache layout asked of vLLM (a 0.32 ``KVCacheLayout`` name, translated for older
     releases by ``compat.layout_request``), or ``engine`` to ask for none.
@@ -50,6 +54,7 @@ class VllmSettings:
             planner=planner,
             kv_cache_layout=s.string("kv_cache_layout", BLOCK_OUTERMOST_LAYOUT),
             trace_path=s.optional_file_path("trace_path"),
+            window_boundary_blocks=s.integer("window_boundary_blocks", 0, minimum=0),
         )
         if settings.kv_cache_layout not in (ENGINE_LAYOUT, *LAYOUT_NAMES):
             raise ConfigError(

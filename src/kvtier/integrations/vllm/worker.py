@@ -12,7 +12,8 @@ derives from it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from kvtier.copy.base import BackendSetup, CopyBackend
@@ -30,10 +31,25 @@ class WorkerSide(Copier):
     engine-neutral ``kvtier.engine.backends.make_backend``, re-exported: vLLM's tensors need no
     translation)."""
 
+    _groups: Mapping[int, Sequence[Any]] = MappingProxyType({})
+    """A hybrid model's tensors per KV cache group (``register_groups``); none: one backend."""
+
+    def register_groups(self, tensors: Mapping[int, Sequence[Any]]) -> None:
+        """A hybrid model's KV tensors per KV cache group (vLLM's group index -> the group's
+        layers' tensors, in layer order): each group gets its own backend
+        (``copy.grouped.GroupedCopyBackend``)."""
+        self._groups = {group: list(kv) for group, kv in tensors.items()}
+        self.register([t for kv in self._groups.values() for t in kv])
+
     def _new_backend(self, kv_caches: Sequence[Any], setup: BackendSetup) -> CopyBackend:
-        # This module's make_backend, looked up at each call: tests replace it with a recording
-        # backend.
-        return make_backend(kv_caches, setup)
+        # make_backend is looked up when the backend is built, so a replaced one (tests inject a
+        # recording backend) is the one used.
+        if not self._groups:
+            return make_backend(kv_caches, setup)
+        from kvtier.copy.grouped import GroupedCopyBackend
+
+        parts = {group: make_backend(kv, setup) for group, kv in self._groups.items()}
+        return GroupedCopyBackend(parts, self.blocks_per_slot)
 
     def take_meta(self) -> KVTierWorkerMetadata | None:
         """``take_report`` as vLLM's worker metadata class (imported here, where vLLM runs, so

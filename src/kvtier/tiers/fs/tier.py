@@ -96,7 +96,14 @@ class FsTier(BlockTier):
             options.eviction, options.capacity // file_bytes, f"{options.config_path}.eviction"
         )  # before the I/O threads start: a policy that fails to build leaves nothing running
         super().__init__(
-            name, namespace, pool, threads=options.threads, stuck_after_s=options.io_timeout_s
+            name,
+            namespace,
+            pool,
+            threads=options.threads,
+            stuck_after_s=options.io_timeout_s,
+            # A promotion is on a waiting request's path; a write is the cascade's, and a job
+            # of a stored prompt's blocks (300 MB at 8B) would hold every thread ahead of it.
+            reads_first=True,
         )
         self.options = options
         self.capacity = options.capacity

@@ -1,0 +1,8 @@
+"""One host pool and one block index for every engine on a node that names the same share
+(``pool.share``): no server, the engines coordinate through the shared memory itself.
+
+``segment`` creates or attaches the file, ``layout`` lays the index out in it, ``locks`` are the
+kernel-held locks between engines, ``table`` the key -> slot table, ``index`` the operations
+(pins, reservations, publication, eviction, reaping dead engines), ``checks`` its invariants,
+``cache`` the ``TieredCache`` an engine's planner uses over it, ``factory`` builds that.
+"""

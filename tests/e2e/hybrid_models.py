@@ -1,0 +1,66 @@
+"""Tiny hybrid models for the end-to-end tests: written locally, nothing is downloaded.
+
+:func:`write_tiny_gemma2` writes a Gemma-2-shaped model (sliding-window layers interleaved with
+full-attention layers, as in Gemma 2 and 3) with seeded random weights drawn from a CPU
+``torch.Generator``: projections N(0, 1/fan_in), embeddings N(0, 0.02^2), norms N(0, 0.1^2).
+With these, the greedy output depends on tokens far outside the window (through the
+full-attention layers) and differs from prompt to prompt; ``transformers``' own initialisation
+and vLLM's dummy weights give the same token for every prompt. No tokenizer: token-id prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+GEMMA2_WINDOW = 64
+"""The sliding window of the tiny Gemma-2, in tokens (two of the CPU build's 32-token blocks)."""
+
+TINY_GEMMA2: dict[str, Any] = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "sliding_window": GEMMA2_WINDOW,
+    "max_position_embeddings": 4096,
+    "query_pre_attn_scalar": 32,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "torch_dtype": "float32",
+}
+"""Layers 0 and 2 slide, 1 and 3 attend to everything (Gemma 2 alternates, starting with a
+sliding layer)."""
+
+
+def write_tiny_gemma2(model_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` of a tiny Gemma-2 (see the module
+    docstring); ``overrides`` change config fields (e.g. ``sliding_window``)."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    path = Path(model_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**TINY_GEMMA2, **overrides}
+    model = Gemma2ForCausalLM(Gemma2Config(**config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            draw = torch.randn(param.shape, generator=generator)
+            if "embed" in name:
+                param.copy_(draw * 0.02)
+            elif param.dim() == 2:
+                param.copy_(draw / param.shape[1] ** 0.5)
+            else:
+                param.copy_(draw * 0.1)
+    model.save_pretrained(str(path), safe_serialization=True)
+    # save_pretrained writes its own config.json; keep exactly the fields above.
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return path
