@@ -360,17 +360,29 @@ def async_loads() -> bool:
     return os.environ.get(ASYNC_LOADS_ENV) == "1"
 
 
+EVICTION_ENV = "KVTIER_BENCH_EVICTION"
+"""An eviction policy name for the kvtier configurations (default: kvtier's default); give such
+a run its own ``--json``."""
+
+
+def eviction() -> str | None:
+    return os.environ.get(EVICTION_ENV) or None
+
+
 def kvtier_extra(spec: RunSpec) -> dict[str, Any]:
     tiers = []
     if spec.config == "kvtier_fs":
         spec.kvtier_fs_dir.mkdir(parents=True, exist_ok=True)
         capacity = f"{spec.fs_gib:g}GiB"
         tiers.append({"kind": "fs", "path": str(spec.kvtier_fs_dir), "capacity": capacity})
-    return {
+    extra: dict[str, Any] = {
         "pool": {"size": f"{spec.host_gib:g}GiB"},
         "tiers": tiers,
         "vllm": {"stats_path": str(spec.stats_path), "async_loads": async_loads()},
     }
+    if (policy := eviction()) is not None:
+        extra["eviction"] = policy
+    return extra
 
 
 def fs_tier_type() -> str:

@@ -305,6 +305,7 @@ def run_config(
         row["fs_gib"] = spec.fs_gib
     if spec.config.startswith("kvtier"):
         row["async_loads"] = eng.async_loads()
+        row["eviction"] = eng.eviction() or "default"
         row["kvtier"] = kvtier_delta(before, after)
         row["kvtier_stats"] = after
         if "groups" in after:

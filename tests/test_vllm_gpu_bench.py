@@ -518,6 +518,21 @@ def test_native_fs_is_vllm_tiering_with_an_fs_tier(
     assert not (tmp_path / "native_fs").exists()
 
 
+def test_kvtier_variants_from_the_environment(
+    eng: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = eng.RunSpec("kvtier_fs", 8, 2.5, 10.0, 1 << 30, 4096, tmp_path)
+    monkeypatch.delenv(eng.EVICTION_ENV, raising=False)
+    monkeypatch.delenv(eng.ASYNC_LOADS_ENV, raising=False)
+    plain = eng.kvtier_extra(spec)
+    assert "eviction" not in plain and plain["vllm"]["async_loads"] is False
+    assert plain["tiers"][0]["kind"] == "fs" and plain["pool"]["size"] == "2.5GiB"
+    monkeypatch.setenv(eng.EVICTION_ENV, "lru")
+    monkeypatch.setenv(eng.ASYNC_LOADS_ENV, "1")
+    varied = eng.kvtier_extra(spec)
+    assert varied["eviction"] == "lru" and varied["vllm"]["async_loads"] is True
+
+
 @require.unless("vllm", require.vllm_missing())
 def test_native_fs_names_what_this_vllm_lacks(
     eng: ModuleType, monkeypatch: pytest.MonkeyPatch

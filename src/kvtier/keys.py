@@ -106,19 +106,26 @@ def chain_keys(
     ``start_key`` continues an earlier chain (the key of the block before ``token_ids``, or a
     request's ``chain_root``).
     """
+    return chain_keys_of_bytes(namespace, token_bytes(token_ids), start_key)
+
+
+def chain_keys_of_bytes(
+    namespace: Namespace, data: bytes, start_key: BlockKey | None = None
+) -> list[BlockKey]:
+    """``chain_keys`` of tokens already converted by ``token_bytes``."""
     step = namespace.block_tokens * TOKEN_BYTES
-    data = memoryview(_token_bytes(token_ids))
+    view = memoryview(data)
     parent = namespace.digest if start_key is None else start_key
     keys: list[BlockKey] = []
-    for end in range(step, len(data) + 1, step):
+    for end in range(step, len(view) + 1, step):
         h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
-        h.update(data[end - step : end])
+        h.update(view[end - step : end])
         parent = h.digest()
         keys.append(parent)
     return keys
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_bytes(tokens: Sequence[int]) -> bytes:
     """Fixed-width little-endian, so equal token lists always hash equally, whatever their type
     (and converted in one call: per token in Python it was most of an 8k-token lookup's time)."""
     return np.asarray(tokens, dtype="<i8").tobytes()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Container
+
 import pytest
 
 from core.conftest import keys_for
@@ -71,6 +73,37 @@ def test_pinned_blocks_are_never_evicted(ns, make_pool):
     assert cache.stats().cache.store_skipped_full == 2
     cache.complete_load(a)
     assert len(cache.prepare_store(keys_for(ns, 2, seed=2)).keys) == 2
+
+
+class CountingLRU(LRUPolicy):
+    """LRU that records how many victims each ``evict`` call asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def evict(self, n: int, pinned: Container[bytes]) -> list[bytes]:
+        self.asked.append(n)
+        return super().evict(n, pinned)
+
+
+def test_policy_is_asked_for_no_more_victims_than_unpinned_blocks(ns, make_pool):
+    # A pool pinned full (tier writes in flight) made every store scan the policy's whole order
+    # for victims it could not have: it is asked for at most the unpinned visible blocks.
+    policy = CountingLRU()
+    cache = TieredCache(make_pool(4), policy)
+    a = keys_for(ns, 4, seed=1)
+    store(cache, a)
+    cache.prepare_load(a[:3])
+    first = cache.prepare_store(keys_for(ns, 3, seed=2))
+    assert first.keys == keys_for(ns, 3, seed=2)[:1]  # the one unpinned block made room
+    assert policy.asked == [1]
+    assert cache.lookup(a).hits == 3
+    cache.complete_store(first.keys)
+    cache.prepare_load(first.keys)
+    assert cache.prepare_store(keys_for(ns, 2, seed=3)).keys == []  # every block pinned
+    assert policy.asked == [1]  # not asked at all
+    assert cache.stats().cache.store_skipped_full == 4
 
 
 def test_concurrent_load_of_same_blocks_answers_pending(ns, make_pool):

@@ -300,3 +300,46 @@ def test_engine_timing_on_the_bundled_trace_stays_above_lru() -> None:
 def test_engine_timing_arguments() -> None:
     with pytest.raises(ValueError, match="hint_lag"):
         EngineTiming(hint_lag=-1)
+
+
+class PerBlockRanking(HintedPolicy):
+    """The ranking as first written: ``_rank`` (follow, then the class's rate) for each block."""
+
+    def _rank_request(self, keys, hint):  # type: ignore[no-untyped-def]
+        rates = self.rates
+        rates.seen(keys)
+        self._hints_seen = True
+        n, first = len(keys), min(hint.hit_blocks, len(keys))
+        for k in keys[:first]:
+            self._unranked.pop(k, None)
+        start, mean = reuse_rates_module.first_class(hint), rates.mean()
+        for i in range(first, n):
+            k, cls = keys[i], reuse_rates_module.block_class(start, n - 1 - i)
+            if k in self._unranked:
+                del self._unranked[k]
+                self._rank(k, cls, mean)
+            elif not (k in self._lru or k in self._dead or k in self._ghost):
+                self._early[k] = cls
+                if len(self._early) > self.capacity:
+                    self._early.popitem(last=False)
+
+
+def test_ranking_a_request_decides_as_ranking_each_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A class's decision is kept while no followed block changes the rates: a followed block (its
+    # class) and a halving (every class, here every 64 followed blocks) must recompute it.
+    monkeypatch.setattr(reuse_rates_module, "MIN_FOLLOWED", 64)
+    rng = random.Random(5)
+    fast, slow = HintedPolicy(300), PerBlockRanking(300)
+    nxt = 0
+    for r in range(600):  # short outputs are sent again, long ones not: long ones die
+        n, drop, output = rng.randrange(1, 40), rng.randrange(8), rng.choice([None, 8, 300])
+        keys = [key(nxt + i, sampled=i % 3 > 0) for i in range(n)]
+        nxt, hits = nxt + n, rng.randrange(2) * n // 2
+        for policy in (fast, slow):
+            store(policy, keys)
+            policy.on_request(keys, RequestHint(hits, output))
+            if output == 8:
+                policy.on_request(keys, RequestHint(n, output))
+            policy.evict(drop, set())
+        assert fast.coldest(400) == slow.coldest(400), r
+    assert len(fast._dead) > 0  # some blocks were demoted

@@ -164,3 +164,27 @@ def test_a_rank_that_fails_a_store_fails_the_job(tmp_path: Path) -> None:
         planner.close()
         for copier in copiers:
             copier.close()
+
+
+def test_the_next_turn_of_a_conversation_reuses_the_earlier_prompts_keys(tmp_path: Path) -> None:
+    planner, copiers, _ = _engine(tmp_path)
+    try:
+        ns = planner.namespace
+        turn1 = ToyRequest("t1", list(range(100, 117)))
+        planner.matched_tokens(turn1, 0)
+        turn1.tokens = [*turn1.tokens, *range(500, 506)]  # generated tokens: the chain extends
+        assert planner._request_keys(turn1) == chain_keys(ns, turn1.tokens)
+        planner.request_finished(turn1)
+        turn2 = ToyRequest("t2", [*turn1.tokens, *range(900, 910)])
+        planner.matched_tokens(turn2, 0)
+        assert planner._request_keys(turn2) == chain_keys(ns, turn2.tokens)
+        assert planner._prefixes.reused_blocks == 4  # turn 1's prompt, not its output
+        other = ToyRequest("o", [*turn1.tokens[:9], 7, *turn1.tokens[10:]], tenant_salt="x")
+        planner.matched_tokens(other, 0)
+        root = chain_root(ns, salt="x")
+        assert planner._request_keys(other) == chain_keys(ns, other.tokens, root)
+        assert planner._prefixes.reused_blocks == 4
+    finally:
+        planner.close()
+        for copier in copiers:
+            copier.close()

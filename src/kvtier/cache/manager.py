@@ -274,10 +274,8 @@ class TieredCache(CacheReports):
     # -- engine-step housekeeping ---------------------------------------------------------------
 
     def step(self) -> int:
-        """Collect finished tier jobs and tier evictions, time out stuck jobs.
-
-        Returns the number of jobs that ended.
-        """
+        """Collect finished tier jobs and tier evictions, time out stuck jobs; returns the number
+        of jobs that ended."""
         ended = 0
         for tier_index, tier in enumerate(self._tiers):
             try:
@@ -347,9 +345,10 @@ class TieredCache(CacheReports):
             pins[key] = count - 1
 
     def _reserve(self, n: int) -> list[int]:
-        """Up to ``n`` free slots, evicting unpinned visible keys as needed."""
+        """Up to ``n`` free slots, evicting unpinned visible keys as needed (every pin is on a
+        visible key: the policy is not made to scan a pool that tier writes pinned full)."""
         slots = self._pool.alloc(n)
-        short = n - len(slots)
+        short = min(n - len(slots), len(self._index) - len(self._pins))
         if short > 0:
             victims = self._policy.evict(short, self._pins)
             if victims:

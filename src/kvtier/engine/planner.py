@@ -21,6 +21,7 @@ from kvtier.config import KVTierConfig
 from kvtier.copy.base import Direction
 from kvtier.engine.ledger import JobLedger
 from kvtier.engine.orders import SKIP, CopyOrder, RankReport, StepOrders
+from kvtier.engine.prefix_keys import PrefixKeys
 from kvtier.engine.stats_file import Snapshot, StatsFile
 from kvtier.events import POOL_TIER, CacheEvent
 from kvtier.keys import BlockKey, Namespace, chain_keys, chain_root
@@ -144,6 +145,8 @@ class Planner:
         """Request -> keys of its full blocks so far; None: not cacheable (``key_scope``)."""
         self._roots: dict[str, BlockKey | None] = {}
         """Request -> the start of its key chain (None: the namespace)."""
+        self._prefixes = PrefixKeys(namespace)
+        """Recent prompts' keys: a request's first keys reuse an earlier prompt's."""
         self._plans: dict[str, _LoadPlan] = {}
         self._offered: dict[str, int] = {}
         self._hit_blocks: dict[str, int] = {}
@@ -363,12 +366,18 @@ class Planner:
         if not reservation.keys:
             return None
         block_ids = tables.get(req_id)
-        position = {key: offered + i for i, key in enumerate(wanted)}
         bps = self.blocks_per_slot
-        engine_blocks: list[int] = []
-        for key in reservation.keys:
-            first = position[key] * bps
-            engine_blocks.extend(block_ids[first : first + bps])
+        engine_blocks: list[int]
+        if len(reservation.keys) == len(wanted):
+            # The reserved keys are an ordered subsequence of ``wanted``: here all of it, so
+            # their engine blocks are one slice (a loop per block: 80 us for 512 blocks).
+            engine_blocks = list(block_ids[offered * bps : full * bps])
+        else:
+            position = {key: offered + i for i, key in enumerate(wanted)}
+            engine_blocks = []
+            for key in reservation.keys:
+                first = position[key] * bps
+                engine_blocks.extend(block_ids[first : first + bps])
         if len(engine_blocks) != len(reservation.keys) * bps:
             self.cache.complete_store(reservation.keys, ok=False)
             return None
@@ -450,8 +459,11 @@ class Planner:
         have = len(keys)
         full = len(tokens) // bt
         if full > have:
-            start = keys[-1] if keys else self._roots[req_id]
-            keys.extend(chain_keys(self.namespace, tokens[have * bt : full * bt], start))
+            cut = tokens[have * bt : full * bt]
+            if have:
+                keys.extend(chain_keys(self.namespace, cut, keys[-1]))
+            else:  # a new prompt: an earlier prompt's keys may cover its start
+                keys = self._keys[req_id] = self._prefixes.keys(cut, self._roots[req_id])
         return keys
 
     # -- reporting ------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.policies.pressure import PressureGauge
-from kvtier.policies.reuse_rates import ReuseRates, block_class, first_class
+from kvtier.policies.reuse_rates import POSITIONS, ReuseRates, block_class, first_class
 from kvtier.policies.segments import GHOST_FACTOR, remember_evicted
 from kvtier.policies.segments import take as _take
 
@@ -209,12 +209,24 @@ class HintedPolicy(EvictionPolicy):
         start = first_class(hint)
         mean = rates.mean()
         lru, dead, early, ghost = self._lru, self._dead, self._early, self._ghost
+        # What ``_rank`` decides, per class, until a followed block changes the rates: a call and
+        # a rate per block were most of a finished request's time on the scheduler thread.
+        deep, tail = block_class(start, POSITIONS - 1), n - POSITIONS + 1
+        demoted: dict[int, bool] = {}
         for i in range(first, n):
             key = keys[i]
-            cls = block_class(start, n - 1 - i)
+            cls = deep if i < tail else block_class(start, n - 1 - i)
             if key in unranked:
                 del unranked[key]
-                self._rank(key, cls, mean)
+                if rates.follow(key, cls):
+                    demoted.clear()
+                verdict = demoted.get(cls)
+                if verdict is None:
+                    verdict = mean > 0.0 and rates.rate(cls, mean) < DEMOTE_RATIO * mean
+                    demoted[cls] = verdict
+                if verdict:
+                    del lru[key]
+                    dead[key] = None
             elif not (key in lru or key in dead or key in ghost):
                 # Not stored yet (in flight): ranked when it is stored. Not a key evicted before
                 # (its reuse would be its second use).

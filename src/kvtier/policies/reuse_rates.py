@@ -71,10 +71,11 @@ class ReuseRates:
                     reused[cls] += 1.0
                     self._reused_total += 1.0
 
-    def follow(self, key: BlockKey, cls: int) -> None:
-        """A new block of class ``cls`` (followed only when sampled)."""
+    def follow(self, key: BlockKey, cls: int) -> bool:
+        """A new block of class ``cls`` (followed only when sampled); True when it was, and so
+        changed the rates (``rate``) of its class or, halving them, of every class."""
         if not key or key[-1] % SAMPLE:
-            return
+            return False
         followed = self._followed
         followed[key] = cls
         self._inserted[cls] += 1.0
@@ -91,6 +92,7 @@ class ReuseRates:
                 reused[i] /= 2.0
             self._inserted_total /= 2.0
             self._reused_total /= 2.0
+        return True
 
     def mean(self) -> float:
         """The reuse rate of all followed new blocks (0 before any)."""
