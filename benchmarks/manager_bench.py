@@ -16,8 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvtier.cache.manager import TieredCache
 from kvtier.keys import Namespace, chain_keys
-from kvtier.manager import TieredCache
 from kvtier.policies import RequestHint, make_policy
 from kvtier.pool import HostPool
 from kvtier.registry import POLICIES

@@ -32,9 +32,9 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvtier.cache.manager import TieredCache
 from kvtier.demo import build_workload
 from kvtier.keys import BlockKey, Namespace
-from kvtier.manager import TieredCache
 from kvtier.policies import EvictionPolicy, HintedPolicy, LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.sim.conversations import trace_requests

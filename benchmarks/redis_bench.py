@@ -44,8 +44,8 @@ import redis
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import TierJob, TierJobKind
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_options import Options
+from kvtier.tiers.redis.options import Options
+from kvtier.tiers.redis.tier import RedisTier
 from kvtier.validation import Section
 
 MIB = 1024 * 1024

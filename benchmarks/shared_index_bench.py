@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.cache.factory import build_cache
 from kvtier.config import load_config
-from kvtier.factory import build_cache
 from kvtier.keys import Namespace, chain_keys
 from kvtier.shared_pool import table
 from kvtier.shared_pool.cache import SharedTieredCache

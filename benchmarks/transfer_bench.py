@@ -37,9 +37,9 @@ import torch
 from bench_common import shm_dir
 
 from kvtier.copy.base import CopyJob, Direction
-from kvtier.copy.cuda import CudaCopyBackend, CudaCopyOptions
-from kvtier.copy.cuda_plan import KVLayout
-from kvtier.copy.cuda_runtime import runtime
+from kvtier.copy.cuda.backend import CudaCopyBackend, CudaCopyOptions
+from kvtier.copy.cuda.plan import KVLayout
+from kvtier.copy.cuda.runtime import runtime
 from kvtier.pool import DEFAULT_SHM_DIR, HostPool
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16

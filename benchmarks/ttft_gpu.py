@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from bench_common import shm_dir
 
 from kvtier.copy.base import CopyJob, Direction
-from kvtier.copy.cuda import CudaCopyBackend, CudaCopyOptions
-from kvtier.copy.cuda_plan import KVLayout
+from kvtier.copy.cuda.backend import CudaCopyBackend, CudaCopyOptions
+from kvtier.copy.cuda.plan import KVLayout
 from kvtier.keys import Namespace, chain_keys
 from kvtier.pool import DEFAULT_SHM_DIR, HostPool
 
@@ -310,7 +310,7 @@ def main() -> None:
     # kvtier on the worker: host pool, copy backend (registered before any CUDA graph is
     # captured, as an engine does at start-up) and the manager.
     try:
-        from kvtier.manager import TieredCache
+        from kvtier.cache.manager import TieredCache
         from kvtier.policies import DEFAULT_EVICTION, make_policy
 
         have_manager = True
@@ -484,7 +484,7 @@ def main() -> None:
         "kv_gb": round(kv_gb, 3),
         "kvtier_path": "keys + TieredCache + HostPool + CudaCopyBackend"
         if manager is not None
-        else "HostPool + CudaCopyBackend (kvtier.manager not available)",
+        else "HostPool + CudaCopyBackend (kvtier.cache.manager not available)",
         "copy_strategy": strategy,
         "copy_sms": sms,
         "ttft_recompute_ms": round(med, 2),

@@ -13,16 +13,17 @@ from typing import Any, get_type_hints
 import pytest
 import yaml
 
-from kvtier import factory
+from kvtier.cache import factory
+from kvtier.cli import owned_sections
 from kvtier.config import (
     AdmissionConfig,
-    CopyStrategy,
     KVTierConfig,
     PoolConfig,
     bundled_config_mapping,
     load_config,
 )
-from kvtier.config import options_class as config_options_class
+from kvtier.copy.options import CopyConfig, CopyStrategy
+from kvtier.engine.planner import PlannerSettings
 from kvtier.errors import HIDDEN_VALUE, ConfigError, shown
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import BlockKey, Namespace, keys_from_hashes
@@ -30,7 +31,7 @@ from kvtier.pool import NAME_PREFIX, HostPool
 from kvtier.registry import TIERS
 from kvtier.tiers import tier_class
 from kvtier.tiers.base import Tier, TierJob, TierJobKind, WriteMode
-from kvtier.tiers.fs import FsTier
+from kvtier.tiers.fs.tier import FsTier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.validation import Section
 
@@ -86,8 +87,10 @@ def fake_kind(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def error_of(source: Any) -> ConfigError:
+    """The error of the whole file: the core config, then the sections their owners parse
+    (``copy``, ``vllm``), as ``check-config`` and a run see it."""
     with pytest.raises(ConfigError) as info:
-        load_config(source)
+        owned_sections(load_config(source))
     return info.value
 
 
@@ -108,9 +111,9 @@ def test_empty_mapping_gives_documented_defaults() -> None:
     assert config.tiers == ()
     assert config.job_timeout_s == 30.0
     assert config.events is True
-    assert config.copy.strategy is CopyStrategy.AUTO
-    assert config.copy.max_sms == 0
-    assert dict(config.vllm) == {}
+    assert dict(config.copy) == {} and dict(config.vllm) == {}
+    assert owned_sections(config) == CopyConfig(CopyStrategy.AUTO, max_sms=0)
+    assert VllmSettings.parse(config.vllm) == VllmSettings()
 
 
 FULL: dict[str, Any] = {
@@ -148,8 +151,10 @@ def test_full_config_is_parsed_into_typed_records() -> None:
     assert fs.options.path == "/tmp/x" and fs.options.capacity == 10**12
     assert config.job_timeout_s == 5.0
     assert config.events is False
-    assert config.copy.strategy is CopyStrategy.KERNEL and config.copy.max_sms == 8
+    assert owned_sections(config) == CopyConfig(CopyStrategy.KERNEL, max_sms=8)
     assert dict(config.vllm) == {"blocks_per_slot": 16, "store_generated": True}
+    planner = VllmSettings.parse(config.vllm).planner
+    assert (planner.blocks_per_slot, planner.store_generated) == (16, True)
 
 
 def test_config_records_are_frozen() -> None:
@@ -374,11 +379,11 @@ def _decimal_options() -> list[tuple[str, dict[str, Any]]]:
         out.append((name, {}))
     for name in _float_fields(PoolConfig):
         out.append((f"pool.{name}", {"pool": {}}))
-    for name in _float_fields(VllmSettings):
+    for name in _float_fields(VllmSettings) + _float_fields(PlannerSettings):
         out.append((f"vllm.{name}", {"vllm": {}}))
     required = {"fs": {"path": "/tmp/kvtier-nan-test", "capacity": 1}}
     for kind in TIERS:
-        options = config_options_class(tier_class(kind))
+        options = tier_class(kind).Options
         for name in _float_fields(options):
             out.append((f"tiers[0].{name}", {"tiers": [{"kind": kind, **required.get(kind, {})}]}))
     return out
@@ -637,7 +642,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def config_keys() -> dict[str, list[str]]:
     """Every key the config reads, by section, from the records themselves."""
-    from kvtier.config import BlockConfig, CopyConfig, PoolConfig
+    from kvtier.config import BlockConfig, PoolConfig
     from kvtier.tiers import tier_class
 
     keys = {
@@ -648,10 +653,9 @@ def config_keys() -> dict[str, list[str]]:
         "copy": [f.name for f in dataclasses.fields(CopyConfig)],
         "tiers": ["kind", "name", "write"],
     }
-    from kvtier.config import options_class
 
     for kind in TIERS:
-        fields = dataclasses.fields(options_class(tier_class(kind)))
+        fields = dataclasses.fields(tier_class(kind).Options)
         keys[kind] = [f.name for f in fields if f.compare]  # compare=False: bookkeeping, not keys
     return keys
 
@@ -689,11 +693,11 @@ def test_readme_python_example_runs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strategy", ["auto", "dma", "staged", "kernel"])
 def test_every_copy_strategy_reaches_the_cuda_backend_options(strategy: str) -> None:
-    from kvtier.copy.cuda import CudaCopyOptions
+    from kvtier.copy.cuda.options import CudaCopyOptions
 
     config = load_config({"model": "m", "copy": {"strategy": strategy, "max_sms": 4}})
-    options = CudaCopyOptions.from_config(config)
-    assert (options.strategy, options.max_sms) == (strategy, 4)
+    options = CudaCopyOptions.from_copy(CopyConfig.parse_mapping(config.copy), True)
+    assert (options.strategy, options.max_sms, options.allow_pageable) == (strategy, 4, True)
 
 
 def test_a_misspelt_secret_is_not_printed() -> None:

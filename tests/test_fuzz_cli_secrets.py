@@ -178,7 +178,7 @@ def urls(draw: st.DrawFn, password: str) -> str:
 def secret_specs(draw: st.DrawFn) -> tuple[str, str]:
     password = draw(PASSWORDS)
     url = draw(urls(password))
-    kind = draw(st.sampled_from(["redis", "memory", "fs", "kvtier.tiers.redis:RedisTier"]))
+    kind = draw(st.sampled_from(["redis", "memory", "fs", "kvtier.tiers.redis.tier:RedisTier"]))
     form = draw(st.sampled_from(["password", "url=", "url", "token"]))
     if form == "password":
         spec = f"{kind}:password={password}"

@@ -22,7 +22,7 @@ from plugin_examples import broken_modules
 from plugin_examples.dict_tier import DictTier
 from plugin_examples.fifo_policy import FifoPolicy
 
-from kvtier import factory
+from kvtier.cache import factory
 from kvtier.cli import main, parse_tier_spec
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -83,6 +83,51 @@ def test_out_of_tree_tier_is_built_from_its_module_path_with_its_own_options(shm
     finally:
         cache.close()
         pool.close()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["plugin_examples.box_tier:BoxTier", "plugin_examples.box_tier.tier:BoxTier", "box_tier"],
+)
+def test_a_tier_written_as_a_package_loads_by_class_path_and_by_name(
+    kind: str, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # By name: a registry over ``plugin_examples`` (as TIERS is over ``kvtier.tiers``) lists the
+    # package ``box_tier/`` by the class its module ``tier.py`` declares.
+    plugins = Registry("tier", "kvtier.tiers.base:Tier", "plugin_examples")
+    assert plugins.entries["box_tier"] == "plugin_examples.box_tier.tier:BoxTier"
+    monkeypatch.setitem(TIERS.entries, "box_tier", plugins.entries["box_tier"])
+    config = load_config(
+        {"pool": {"size": 2048, "shm_dir": str(shm)}, "tiers": [{"kind": kind, "boxes": 2}]}
+    )
+    assert config.tiers[0].name == ("BoxTier" if ":" in kind else "box_tier")
+    pool, cache = factory.build_cache(config, NS, slot_bytes=1024)
+    try:
+        tier = DictTier.instances[-1]
+        assert type(tier).__name__ == "BoxTier" and tier.boxes == 2  # type: ignore[attr-defined]
+        for i in range(4):
+            store(cache, pool, key(i))
+        assert list(tier.blocks) == [key(2), key(3)]  # its own options reached it
+    finally:
+        cache.close()
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "target"),
+    [
+        ("fs", "kvtier.tiers.fs.tier:FsTier"),
+        ("redis", "kvtier.tiers.redis.tier:RedisTier"),
+        ("memory", "kvtier.tiers.memory:MemoryTier"),
+    ],
+)
+def test_a_built_in_tier_package_loads_by_name_and_by_class_path(kind: str, target: str) -> None:
+    assert TIERS.entries[kind] == target
+    by_name = TIERS.load(kind, "kind")
+    assert by_name.kind == kind
+    package_path = target.rpartition(".")[0] if kind != "memory" else target.partition(":")[0]
+    assert TIERS.load(target, "kind") is by_name
+    assert TIERS.load(f"{package_path}:{by_name.__name__}", "kind") is by_name
 
 
 def test_out_of_tree_tier_options_are_validated_by_its_own_parser() -> None:
@@ -217,7 +262,7 @@ def test_cli_policy_choices_come_from_the_registry(
 
 
 def test_register_refuses_bad_names_and_conflicting_targets() -> None:
-    registry = Registry("tier", "kvtier.tiers.base:Tier", "plugin_examples")  # declares nothing
+    registry = Registry("tier", "kvtier.tiers.base:Tier", "plugin_examples")  # box_tier only
     registry.register("dict", TIER)
     registry.register("dict", TIER)  # the same again: fine
     for name, target in [
@@ -228,23 +273,32 @@ def test_register_refuses_bad_names_and_conflicting_targets() -> None:
     ]:
         with pytest.raises(ValueError):
             registry.register(name, target)
-    assert registry.names() == ("dict",)
+    assert registry.names() == ("box_tier", "dict")
 
 
 def _declaring_modules(package: str) -> dict[str, str]:
-    """What the registry should find, found the other way: import every module of ``package`` and
-    keep the classes that declare the module's name as ``kind`` (a module that needs a missing
-    dependency, such as the CUDA backend on a CPU build, is left out)."""
+    """What the registry should find, found the other way: import every module of ``package``
+    (and of each package in it) and keep the classes that declare the name of the module (or of
+    the package holding it) as ``kind`` (a module that needs a missing dependency, such as the
+    CUDA backend on a CPU build, is left out)."""
     found = {}
     for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
-        try:
-            module = importlib.import_module(f"{package}.{info.name}")
-        except ImportError:
-            continue
-        for cls in vars(module).values():
-            declares = isinstance(cls, type) and vars(cls).get("kind") == info.name
-            if declares and cls.__module__ == module.__name__:
-                found[info.name] = f"{module.__name__}:{cls.__name__}"
+        names = [f"{package}.{info.name}"]
+        if info.ispkg:
+            try:
+                inner = importlib.import_module(names[0]).__path__
+            except ImportError:
+                continue
+            names += [f"{names[0]}.{part.name}" for part in pkgutil.iter_modules(inner)]
+        for module_name in names:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            for cls in vars(module).values():
+                declares = isinstance(cls, type) and vars(cls).get("kind") == info.name
+                if declares and cls.__module__ == module.__name__:
+                    found[info.name] = f"{module.__name__}:{cls.__name__}"
     return found
 
 
@@ -257,7 +311,9 @@ def test_every_module_that_declares_its_kind_is_listed_and_resolves(registry: Re
     assert missing <= {"cuda"}  # cuda needs a CUDA build of torch to import
     for name, target in imported.items():
         cls = registry.load(name, "kind")
-        assert (cls.__module__, cls.kind) == (f"{registry.package}.{name}", name)
+        assert cls.kind == name
+        assert cls.__module__.partition(".")[0] == "kvtier"
+        assert f"{cls.__module__}.".startswith(f"{registry.package}.{name}.")
         assert f"{cls.__module__}:{cls.__qualname__}" == target
     assert list(registry.entries) == sorted(registry.entries)
     assert declared("kvtier.policies")["segmented"].endswith(":SegmentedPolicy")  # not the base
@@ -335,7 +391,28 @@ def test_a_module_declares_its_own_name_once(package: Path) -> None:
     (package / "twice.py").write_text(
         'class A:\n    kind = "twice"\n\n\nclass B:\n    kind = "twice"\n'
     )
-    with pytest.raises(ValueError, match=r"\['A', 'B'\] all declare kind 'twice'"):
+    twice = r"\['\w+\.twice:A', '\w+\.twice:B'\] all declare kind 'twice'"
+    with pytest.raises(ValueError, match=twice):
+        declared(package.name)
+
+
+def test_a_package_declares_its_name_in_its_init_or_in_one_module(package: Path) -> None:
+    (package / "boxed").mkdir()
+    (package / "boxed" / "__init__.py").write_text('class Boxed:\n    kind = "boxed"\n')
+    (package / "split").mkdir()
+    (package / "split" / "__init__.py").write_text("from .impl import Split\n")
+    (package / "split" / "impl.py").write_text('class Split:\n    kind = "split"\n')
+    (package / "split" / "helpers.py").write_text('class Helper:\n    kind = "helpers"\n')
+    (package / "loose").mkdir()  # a folder without __init__.py is no package: not listed
+    (package / "loose" / "impl.py").write_text('class Loose:\n    kind = "loose"\n')
+    (package / "_hidden").mkdir()
+    (package / "_hidden" / "__init__.py").write_text('class Hidden:\n    kind = "_hidden"\n')
+    assert declared(package.name) == {
+        "boxed": f"{package.name}.boxed:Boxed",
+        "split": f"{package.name}.split.impl:Split",
+    }
+    (package / "split" / "other.py").write_text('class Again:\n    kind = "split"\n')
+    with pytest.raises(ValueError, match=r"split\.impl:Split', '\S+split\.other:Again'\]"):
         declared(package.name)
 
 

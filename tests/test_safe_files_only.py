@@ -25,13 +25,13 @@ POOL = (
 )
 PACKAGE_DATA = "a file of the installed package itself (importlib.resources), not a user's path"
 ALLOWED: dict[tuple[str, str, str], str] = {
-    ("tiers/fs_files.py", "open_root", "os.open"): FS_TIER,
-    ("tiers/fs_files.py", "BlockFiles.open_block", "os.open"): FS_TIER,
-    ("tiers/fs_files.py", "BlockFiles.write", "os.open"): FS_TIER,
-    ("tiers/fs_files.py", "BlockFiles.remove", "os.open"): FS_TIER,
-    ("tiers/fs_files.py", "BlockFiles.scan", "os.open"): FS_TIER,
-    ("tiers/fs_files.py", "BlockFiles._open_shard", "os.open"): FS_TIER,
-    ("tiers/fs_files.py", "make_dirs", "os.open"): FS_TIER,
+    ("tiers/fs/files.py", "open_root", "os.open"): FS_TIER,
+    ("tiers/fs/files.py", "BlockFiles.open_block", "os.open"): FS_TIER,
+    ("tiers/fs/files.py", "BlockFiles.write", "os.open"): FS_TIER,
+    ("tiers/fs/files.py", "BlockFiles.remove", "os.open"): FS_TIER,
+    ("tiers/fs/files.py", "BlockFiles.scan", "os.open"): FS_TIER,
+    ("tiers/fs/files.py", "BlockFiles._open_shard", "os.open"): FS_TIER,
+    ("tiers/fs/files.py", "make_dirs", "os.open"): FS_TIER,
     ("pool.py", "HostPool.attach", "os.open"): POOL,
     ("pool.py", "_open_dir", "os.open"): POOL,
     ("pool.py", "_new_region", "os.open"): POOL,
@@ -41,14 +41,14 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a shared pool's shm file: O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file of this "
         "user (docs/reliability.md)"
     ),
-    ("copy/cuda_executor.py", "_open_private", "os.open"): (
+    ("copy/cuda/executor.py", "_open_private", "os.open"): (
         "the built copy executor: O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file of this "
         "user, not group/world-writable (docs/reliability.md)"
     ),
-    ("copy/cuda_executor.py", "library_name", ".read_bytes"): PACKAGE_DATA,
+    ("copy/cuda/executor.py", "library_name", ".read_bytes"): PACKAGE_DATA,
     ("config.py", "bundled_config_mapping", ".read_text"): PACKAGE_DATA,
     ("registry.py", "declared", ".read_text"): PACKAGE_DATA,
-    ("copy/cuda_runtime.py", "_loaded_library", "open"): "/proc/self/maps, a kernel file",
+    ("copy/cuda/runtime.py", "_loaded_library", "open"): "/proc/self/maps, a kernel file",
     ("sim/replay.py", "machine_description", "open"): "/proc/cpuinfo, a kernel file",
     ("cli.py", "main", "os.open"): "/dev/null, by its fixed name, over a stdout closed early",
     ("engine/planner.py", "Planner.after_alloc", ".open"): "JobLedger.open: a copy job",

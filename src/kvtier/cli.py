@@ -30,6 +30,7 @@ from kvtier.config import (
     parse_config,
     read_config_file,
 )
+from kvtier.copy.options import CopyConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.redaction import printable, redact_text, yaml_problem
 from kvtier.registry import PLUGIN_FORM, POLICIES, TIERS, is_plugin_path
@@ -262,6 +263,7 @@ def _positive_int(text: str) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     raw = read_config_file(args.config) if args.config else bundled_config_mapping()
     config = parse_config(apply_overrides(raw, args))
+    owned_sections(config)  # a file a run refuses is not simulated
     if args.sweep is not None:
         return cmd_sweep(config, args)
     pool_blocks = simulate_pool_blocks(config, args.pool_blocks, args.pool_size)
@@ -472,11 +474,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from kvtier.capacity import capacity_warnings
 
     config = parse_config(read_config_file(args.config))
+    copy_section = owned_sections(config)  # each owner's section, as a run parses it
     # Errors before "valid": simulate's "at least one block", a path no filesystem takes.
     blocks = simulate_pool_blocks(config, None, None) if args.simulate else 0
     warnings = capacity_warnings(config, pool=not args.simulate)
     print(f"{printable(str(args.config))}: valid")
-    print(describe_config(config))
+    print(describe_config(config, copy_section))
     if args.simulate:
         print(
             f"simulate: a pool of {blocks} blocks of {written_size(config.block.bytes)} "
@@ -492,7 +495,19 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def describe_config(config: KVTierConfig) -> str:
+def owned_sections(config: KVTierConfig) -> CopyConfig:
+    """Parse the sections the core config keeps as given, each by its owner, so that a typo there
+    fails ``check-config`` as it would fail a run: ``copy`` (the copy backends) and ``vllm`` (the
+    vLLM connector). Returns the ``copy`` section; ``ConfigError`` naming the field."""
+    from kvtier.integrations.vllm.settings import VllmSettings
+
+    copy_section = CopyConfig.parse_mapping(config.copy)
+    VllmSettings.parse(config.vllm)
+    return copy_section
+
+
+def describe_config(config: KVTierConfig, copy_section: CopyConfig | None = None) -> str:
+    copy_section = copy_section or CopyConfig.parse_mapping(config.copy)
     lines = [
         f"model {config.model or '(from the engine)'}, tenant {config.tenant}",
         f"pool {written_size(config.pool.size)} in {config.pool.shm_dir}"
@@ -508,8 +523,8 @@ def describe_config(config: KVTierConfig) -> str:
         lines.append(redact_text(f"  {options}"))
     lines.append(
         f"job_timeout_s {config.job_timeout_s:g}, events {'on' if config.events else 'off'}, "
-        f"copy {config.copy.strategy.value}"
-        + (f" (max {config.copy.max_sms} SMs)" if config.copy.max_sms else "")
+        f"copy {copy_section.strategy.value}"
+        + (f" (max {copy_section.max_sms} SMs)" if copy_section.max_sms else "")
     )
     return printable("\n".join(lines), keep_newlines=True)  # paths and names may hold escapes
 

@@ -1,6 +1,13 @@
 """The declarative kvtier configuration: one mapping (a Python dict, a JSON file or a YAML file),
 validated up front into frozen records.
 
+The core sections (``pool``, ``block``, ``eviction``, ``admission``, ``tiers``, ...) are parsed
+here, each tier's options by its own class (``Options.parse``). A section that belongs to one
+component above the cache is handed to it as given, a read-only mapping: ``copy`` to the copy
+backends (``kvtier.copy.cuda.options.CopyConfig.parse_mapping``), ``vllm`` to the vLLM connector
+(``kvtier.integrations.vllm.settings.VllmSettings.parse``). The component that uses such a section
+parses it, once; ``kvtier check-config`` asks each owner (``kvtier.cli.owned_sections``).
+
 Every bad value raises ``ConfigError`` naming the full field path (``tiers[1].capacity``), the value
 and what is allowed; unknown keys are rejected so that a typo never passes silently. The schema is
 documented key by key in ``docs/configuration.md``.
@@ -10,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -20,10 +26,7 @@ from typing import Any
 
 import yaml
 
-from kvtier.copy.options import CopyConfig as CopyConfig
-from kvtier.copy.options import CopyStrategy as CopyStrategy
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.policies import DEFAULT_EVICTION, parse_eviction
 from kvtier.pool import DEFAULT_SHM_DIR
 from kvtier.redaction import yaml_problem
@@ -57,10 +60,10 @@ class PoolConfig:
     """Fraction of the pool, coldest first, copied ahead of eviction to write-on-evict tiers."""
     promotion_budget: float = 0.5
     """Fraction of the pool that blocks promoted for waiting requests may hold
-    (``kvtier.promotion``)."""
+    (``kvtier.cache.promotion``)."""
     promotion_costs: bool = True
     """Promote only as far as reading beats computing, and stop waiting when computing would
-    have finished (``kvtier.promotion``)."""
+    have finished (``kvtier.cache.promotion``)."""
     share: str | None = None
     """Engines on the node with this name and the same namespace share one pool and one block
     index (``kvtier.shared_pool``); None: the pool is this engine's own."""
@@ -96,7 +99,7 @@ class TierConfig:
     name: str
     write: WriteMode
     options: Any
-    """The tier class's own ``Options`` record (``tier_class(kind).Options``)."""
+    """The tier class's own ``Options`` record (``tier_class(kind).Options.parse``'s result)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +116,10 @@ class KVTierConfig:
     """Secondary tiers, fastest first."""
     job_timeout_s: float = 30.0
     events: bool = True
-    copy: CopyConfig = field(default_factory=CopyConfig)
+    copy: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """The ``copy`` section as given, parsed by the copy backends (``CopyConfig.parse_mapping``)."""
     vllm: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    """Options of the vLLM connector, validated by the connector (``kvtier.integrations.vllm``)."""
+    """The ``vllm`` section as given, parsed by the vLLM connector (``VllmSettings.parse``)."""
 
 
 DEFAULT_POOL_SIZE = "64GiB"
@@ -214,8 +218,8 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
         tiers=_tiers(root),
         job_timeout_s=root.number("job_timeout_s", 30.0, minimum=0.001, maximum=MAX_JOB_TIMEOUT_S),
         events=root.boolean("events", True),
-        copy=CopyConfig.parse(root.section("copy")),
-        vllm=_vllm(root.section("vllm")),
+        copy=_as_given(root.section("copy")),
+        vllm=_as_given(root.section("vllm")),
     )
     root.done()
     return config
@@ -304,18 +308,6 @@ def _tiers(root: Section) -> tuple[TierConfig, ...]:
     return tuple(out)
 
 
-def options_class(tier_cls: Any) -> Any:
-    """A tier's ``Options`` record: the class attribute, else its module's ``Options``."""
-    options = getattr(tier_cls, "Options", None)
-    if options is None:
-        options = getattr(sys.modules[tier_cls.__module__], "Options", None)
-    if options is None or not callable(getattr(options, "parse", None)):
-        raise TypeError(f"tier class {tier_cls.__qualname__} has no Options.parse")
-    return options
-
-
-def _vllm(section: Section) -> Mapping[str, Any]:
-    """The ``vllm`` mapping, validated here (a typo is an error at load time, in ``check-config``
-    too) and kept as given for the connector, which parses it into its ``VllmSettings``."""
-    VllmSettings.parse(section.data)
+def _as_given(section: Section) -> Mapping[str, Any]:
+    """A section its owner parses (see the module docstring): a mapping, kept read-only."""
     return MappingProxyType(dict(section.data))

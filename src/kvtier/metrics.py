@@ -52,7 +52,7 @@ class CacheCounters:
     promotion_failures: int = 0
     promotions_declined: int = 0
     """Blocks found in a tier and not promoted: over the promotion budget, or expected to be read
-    later than the engine would compute them (``kvtier.promotion``)."""
+    later than the engine would compute them (``kvtier.cache.promotion``)."""
     cascade_writes: int = 0
     cascade_failures: int = 0
     cascade_skipped: int = 0

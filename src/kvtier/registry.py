@@ -1,16 +1,17 @@
 """Open registries of the pluggable parts: tier kinds, eviction policies, copy backends.
 
-A built-in part is one file: the module ``<package>/<name>.py`` of the registry's package
-(``kvtier/tiers/fs.py``) with a top-level class whose body declares ``kind = "<name>"`` (a string
-literal equal to the module's name). The registry finds the names by reading its package's sources
-(``declared``: nothing is imported, so listing them needs no optional dependency) and imports a
-module only when its name is used, so an optional dependency (the ``redis`` client, CUDA) is needed
-only by the part that needs it. Wherever a name is accepted (``tiers[i].kind``, ``eviction``,
-``kvtier simulate --policy``), a class outside kvtier can be named directly as
-``package.module:Class``: the module is imported from the Python path, so a plugin is one installed
-(or ``PYTHONPATH``) module and no kvtier file changes. An unknown name, a module that does not
-import or a class of the wrong base is a ``ConfigError`` naming the field and listing the known
-names, never a fallback.
+A built-in part is one module ``<package>/<name>.py`` of the registry's package
+(``kvtier/tiers/memory.py``) or one package ``<package>/<name>/`` (``kvtier/tiers/fs/``) with a
+top-level class, in the module or in one module of the package, whose body declares ``kind =
+"<name>"`` (a string literal equal to the module's or package's name). The registry finds the names
+by reading its package's sources (``declared``: nothing is imported, so listing them needs no
+optional dependency) and imports a module only when its name is used, so an optional dependency (the
+``redis`` client, CUDA) is needed only by the part that needs it. Wherever a name is accepted
+(``tiers[i].kind``, ``eviction``, ``kvtier simulate --policy``), a class outside kvtier can be named
+directly as ``package.module:Class``: the module is imported from the Python path, so a plugin is
+one installed (or ``PYTHONPATH``) module and no kvtier file changes. An unknown name, a module that
+does not import or a class of the wrong base is a ``ConfigError`` naming the field and listing the
+known names, never a fallback.
 
 The config is operator input (like the command line): naming a module imports it, which runs its
 code. Only modules already on the Python path can be named; nothing is loaded from a file path.
@@ -31,7 +32,6 @@ import ast
 import importlib
 import inspect
 import re
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -218,21 +218,12 @@ def _short_repr(obj: object) -> str:
     return text if len(text) <= ERROR_CHARS else f"{text[:ERROR_CHARS]}..."
 
 
-def tier_options(cls: type[Any]) -> Any:
-    """A tier class's ``Options`` record: the class attribute, else its module's ``Options``;
-    None when neither exists."""
-    options = getattr(cls, "Options", None)
-    if options is None:
-        options = getattr(sys.modules.get(cls.__module__), "Options", None)
-    return options
-
-
 def parse_tier_options(cls: type[Any], section: Any, field: str, kind: str) -> Any:
-    """``tier_options(cls).parse(section)``: the tier's own parser, a plugin's code. Its
-    ``ConfigError`` passes as it is; anything else it raises (``KeyboardInterrupt`` aside) is a
-    ``ConfigError`` for ``field`` (the tier's ``kind``)."""
+    """``cls.Options.parse(section)``: the tier's own parser, a plugin's code. Its ``ConfigError``
+    passes as it is; anything else it raises (``KeyboardInterrupt`` aside) is a ``ConfigError``
+    for ``field`` (the tier's ``kind``)."""
     try:
-        return tier_options(cls).parse(section)
+        return cls.Options.parse(section)
     except (KeyboardInterrupt, ConfigError):
         raise
     except BaseException as exc:
@@ -242,38 +233,67 @@ def parse_tier_options(cls: type[Any], section: Any, field: str, kind: str) -> A
 
 
 def _tier_lacks(cls: type[Any]) -> str | None:
-    if callable(getattr(tier_options(cls), "parse", None)):
+    if callable(getattr(getattr(cls, "Options", None), "parse", None)):
         return None
     return "a tier class with an Options record that has parse(section)"
 
 
 def declared(package: str) -> dict[str, str]:
-    """``name -> package.name:Class`` for every module ``name.py`` of ``package`` with a top-level
-    class whose body declares ``kind = "name"``, sorted by name.
+    """``name -> target`` for every part of ``package`` that declares ``name``, sorted by name.
+
+    A part is a module ``name.py`` with a top-level class whose body declares ``kind = "name"``
+    (target ``package.name:Class``), or a package ``name/`` (a folder with ``__init__.py``) whose
+    ``__init__.py`` or one of whose modules ``name/module.py`` has such a class (target
+    ``package.name:Class`` or ``package.name.module:Class``).
 
     Read from the sources, nothing imported. A class declaring another name (a shared base class
-    such as ``SegmentedBase``) declares nothing; two classes of one module declaring its name are a
+    such as ``SegmentedBase``) declares nothing; two classes declaring one name are a
     ``ValueError`` (a programming error, caught by the registry tests).
     """
     found: dict[str, str] = {}
     for entry in sorted(resources.files(package).iterdir(), key=lambda entry: entry.name):
-        name = entry.name.removesuffix(".py")
-        if name == entry.name or name.startswith("_") or not name.isidentifier():
+        folder = entry.is_dir()
+        name = entry.name if folder else entry.name.removesuffix(".py")
+        if (name == entry.name and not folder) or name.startswith("_") or not name.isidentifier():
             continue
-        source = entry.read_text(encoding="utf-8")
-        # Most modules never say ``kind = "name"``: parse only those that do.
-        if not re.search(rf"^\s+kind\b[^=\n]*=\s*[\"']{name}[\"']", source, re.MULTILINE):
-            continue
-        classes = [
-            node.name
-            for node in ast.parse(source).body
-            if isinstance(node, ast.ClassDef) and _declared_kind(node) == name
+        if folder:
+            if not entry.joinpath("__init__.py").is_file():
+                continue
+            modules = sorted(
+                (part for part in entry.iterdir() if part.name.endswith(".py")),
+                key=lambda part: (part.name != "__init__.py", part.name),
+            )
+            sources = [(_module_path(package, name, part.name), part) for part in modules]
+        else:
+            sources = [(f"{package}.{name}", entry)]
+        targets = [
+            f"{module}:{cls}"
+            for module, part in sources
+            for cls in _classes_declaring(part.read_text(encoding="utf-8"), name)
         ]
-        if len(classes) > 1:
-            raise ValueError(f"{package}.{name}: classes {classes} all declare kind {name!r}")
-        if classes:
-            found[name] = f"{package}.{name}:{classes[0]}"
+        if len(targets) > 1:
+            raise ValueError(f"{package}.{name}: classes {targets} all declare kind {name!r}")
+        if targets:
+            found[name] = targets[0]
     return found
+
+
+def _module_path(package: str, name: str, file_name: str) -> str:
+    """The dotted path of ``file_name`` in the package ``package.name``."""
+    stem = file_name.removesuffix(".py")
+    return f"{package}.{name}" if stem == "__init__" else f"{package}.{name}.{stem}"
+
+
+def _classes_declaring(source: str, name: str) -> list[str]:
+    """The top-level classes of ``source`` whose body declares ``kind = "name"``."""
+    # Most modules never say ``kind = "name"``: parse only those that do.
+    if not re.search(rf"^\s+kind\b[^=\n]*=\s*[\"']{name}[\"']", source, re.MULTILINE):
+        return []
+    return [
+        node.name
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ClassDef) and _declared_kind(node) == name
+    ]
 
 
 def _declared_kind(node: ast.ClassDef) -> str | None:
@@ -292,16 +312,16 @@ def _declared_kind(node: ast.ClassDef) -> str | None:
 
 
 TIERS = Registry("tier", "kvtier.tiers.base:Tier", "kvtier.tiers", verify=_tier_lacks)
-"""Secondary tiers (``tiers[i].kind``). A tier class takes ``(name, namespace, pool, options)``
-and has an ``Options`` record with ``parse(section)``."""
+"""Secondary tiers (``tiers[i].kind``): an ``Options`` record with ``parse(section)`` and
+``create(name, namespace, pool, options)`` (``kvtier.tiers.base.Tier``)."""
 
 POLICIES = Registry("eviction policy", "kvtier.policies.base:EvictionPolicy", "kvtier.policies")
-"""Eviction policies of the host pool (``eviction``). A policy class is built with the pool's
-capacity in blocks as its one argument, or with none when its constructor takes none."""
+"""Eviction policies (``eviction``), built by ``create(capacity_blocks)``
+(``kvtier.policies.base.EvictionPolicy``)."""
 
 COPY_BACKENDS = Registry("copy backend", "kvtier.copy.base:CopyBackend", "kvtier.copy")
-"""Copy backends by the device type of the engine's KV tensors (``tensor.device.type``); see
-``kvtier.engine.backends.make_backend`` for the arguments a backend is built with."""
+"""Copy backends by the device type of the engine's KV tensors (``tensor.device.type``), built by
+``create(kv_caches, setup)`` (``kvtier.copy.base.CopyBackend``)."""
 
 __all__ = [
     "COPY_BACKENDS",
@@ -313,5 +333,4 @@ __all__ = [
     "describe",
     "is_plugin_path",
     "parse_tier_options",
-    "tier_options",
 ]

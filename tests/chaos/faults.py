@@ -224,7 +224,7 @@ import random, sys, time
 from kvtier.keys import Namespace, keys_from_hashes
 from kvtier.pool import HostPool
 from kvtier.tiers.base import TierJobKind, TierJob
-from kvtier.tiers.fs import FsTier, Options
+from kvtier.tiers.fs.tier import FsTier, Options
 
 path, ns_model = sys.argv[1], sys.argv[2]
 slot_bytes, capacity, seed = (int(arg) for arg in sys.argv[3:6])

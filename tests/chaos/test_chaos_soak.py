@@ -43,17 +43,17 @@ from chaos.faults import (
     WriterProcess,
     inject_file_fault,
 )
+from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.config import load_config
 from kvtier.keys import BlockKey, keys_from_hashes
-from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.sim.replay import payload_for
 from kvtier.sim.simulate import simulation_namespace
 from kvtier.sim.trace import bundled_trace_path, read_trace
 from kvtier.tiers.base import WriteMode
-from kvtier.tiers.fs import FsTier
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.fs.tier import FsTier
+from kvtier.tiers.redis.tier import RedisTier
 
 pytestmark = pytest.mark.redis
 

@@ -1,12 +1,14 @@
-"""The copy options have one owner, ``kvtier.copy.options``: the config's ``copy`` section is parsed
-there, and every ``CopyStrategy`` is a strategy the CUDA backend's options accept."""
+"""The copy options have one owner, the copy package: the config's ``copy`` section is kept as given
+by the core config and parsed by ``kvtier.copy.options.CopyConfig``, and every ``CopyStrategy`` is
+a strategy the CUDA backend's options (``kvtier.copy.cuda.options``) accept."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtier.config import load_config
-from kvtier.copy.options import CopyConfig, CopyStrategy, CudaCopyOptions
+from kvtier.copy.cuda.options import CudaCopyOptions
+from kvtier.copy.options import CopyConfig, CopyStrategy
 from kvtier.errors import ConfigError
 from kvtier.validation import Section
 
@@ -15,7 +17,9 @@ def test_the_config_section_is_parsed_by_the_copy_package() -> None:
     parsed = CopyConfig.parse(Section({"strategy": "staged", "max_sms": 12}, "copy"))
     assert parsed == CopyConfig(CopyStrategy.STAGED, 12)
     assert CopyConfig.parse(Section({}, "copy")) == CopyConfig()
-    assert load_config({"copy": {"strategy": "dma"}}).copy == CopyConfig(CopyStrategy.DMA, 0)
+    kept = load_config({"copy": {"strategy": "dma"}}).copy
+    assert dict(kept) == {"strategy": "dma"}
+    assert CopyConfig.parse_mapping(kept) == CopyConfig(CopyStrategy.DMA, 0)
 
 
 @pytest.mark.parametrize(
@@ -33,12 +37,14 @@ def test_a_bad_copy_section_names_the_field(
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as raised:
         CopyConfig.parse(Section(section, "copy"))
     assert allowed in str(raised.value)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        CopyConfig.parse_mapping(load_config({"copy": section}).copy)
 
 
 @pytest.mark.parametrize("strategy", list(CopyStrategy))
 def test_every_strategy_reaches_the_cuda_options(strategy: CopyStrategy) -> None:
     config = load_config({"copy": {"strategy": strategy.value, "max_sms": 4}})
-    options = CudaCopyOptions.from_config(config, stage_lanes=3)
+    options = CudaCopyOptions.from_copy(CopyConfig.parse_mapping(config.copy), False, stage_lanes=3)
     assert (options.strategy, options.max_sms, options.stage_lanes) == (strategy.value, 4, 3)
 
 

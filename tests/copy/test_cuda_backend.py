@@ -18,13 +18,13 @@ import pytest
 from support import require
 
 from kvtier.copy.base import SKIP, CopyJob, Direction
-from kvtier.copy.cuda_plan import KVLayout
+from kvtier.copy.cuda.plan import KVLayout
 
 torch = require.importorskip("torch", "gpu", "PyTorch is not installed")
 if not torch.cuda.is_available():
     require.missing("gpu", "no CUDA device", module=True)
 
-from kvtier.copy.cuda import CudaCopyBackend, CudaCopyOptions  # noqa: E402
+from kvtier.copy.cuda.backend import CudaCopyBackend, CudaCopyOptions  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -413,7 +413,7 @@ def test_ten_thousand_outstanding_transfers_never_block(
 
 
 def test_pool_is_registered_and_unregistered(pool: HostPool) -> None:
-    from kvtier.copy.cuda_runtime import runtime
+    from kvtier.copy.cuda.runtime import runtime
 
     layout = KVLayout.BLOCK_COMPACT
     kv = make_kv(layout, torch.Generator(device="cuda").manual_seed(6))

@@ -16,10 +16,11 @@ from support.emulated_cuda import COMPUTE_STREAM, EmulatedBackend, FakeRuntime, 
 from support.kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
 
 from kvtier.copy.base import SKIP, CopyJob, CopyResults, Direction
-from kvtier.copy.cuda import CudaCopyOptions
-from kvtier.copy.cuda_executor import ExecutorUnavailable
-from kvtier.copy.cuda_plan import KVLayout
-from kvtier.copy.cuda_staged import chunk_sizes
+from kvtier.copy.cuda.backend import CudaCopyOptions
+from kvtier.copy.cuda.executor import ExecutorUnavailable
+from kvtier.copy.cuda.plan import KVLayout
+from kvtier.copy.cuda.staged import chunk_sizes
+from kvtier.copy.options import CopyConfig, CopyStrategy
 from kvtier.errors import ConfigError, PoolError
 from kvtier.pool import HostPool
 
@@ -294,7 +295,7 @@ def test_stream_creation_failure_unregisters_the_pool(
     pool: HostPool, layout: KVLayout, strategy: str
 ) -> None:
     """The third stream fails (the pool's, or the staging rings'): what was created is gone."""
-    from kvtier.copy.cuda_runtime import CudaError
+    from kvtier.copy.cuda.runtime import CudaError
 
     fake = FakeRuntime(fail={"stream_create": 2})
     with pytest.raises(CudaError, match="injected"):
@@ -358,18 +359,8 @@ def test_options() -> None:
     with pytest.raises(ConfigError, match=r"copy\.max_sms"):
         CudaCopyOptions(max_sms=-1)
 
-    class Strategy:
-        value = "kernel"
-
-    class Cfg:
-        class copy:
-            strategy = Strategy()
-            max_sms = 12
-
-        class pool:
-            allow_pageable = True
-
-    opts = CudaCopyOptions.from_config(Cfg())
+    copy = CopyConfig(CopyStrategy.KERNEL, max_sms=12)
+    opts = CudaCopyOptions.from_copy(copy, True)
     assert (opts.strategy, opts.max_sms, opts.allow_pageable) == ("kernel", 12, True)
 
 

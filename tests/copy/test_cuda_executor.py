@@ -1,4 +1,4 @@
-"""The native executor (``cuda_executor.c``) and the recorder, on the CPU: the same calls in the
+"""The native executor (``executor.c``) and the recorder, on the CPU: the same calls in the
 same order as a replay on the caller's thread, failures, no GIL, fallback when it cannot build."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from support.emulated_cuda import EmulatedBackend, FakeRuntime, FakeTensor
 
-from kvtier.copy import cuda_executor
 from kvtier.copy.base import CopyJob, Direction
-from kvtier.copy.cuda import CudaCopyOptions
-from kvtier.copy.cuda_executor import (
+from kvtier.copy.cuda import executor as cuda_executor
+from kvtier.copy.cuda.backend import CudaCopyOptions
+from kvtier.copy.cuda.executor import (
     Executor,
     ExecutorFunctions,
     ExecutorUnavailable,
@@ -28,8 +28,8 @@ from kvtier.copy.cuda_executor import (
     ProgramState,
     Recorder,
 )
-from kvtier.copy.cuda_plan import KVLayout
-from kvtier.copy.cuda_runtime import memcpy_attributes
+from kvtier.copy.cuda.plan import KVLayout
+from kvtier.copy.cuda.runtime import memcpy_attributes
 from kvtier.pool import HostPool
 
 
@@ -175,10 +175,10 @@ def test_no_compiler_falls_back_to_the_callers_thread(
     monkeypatch.setattr(cuda_executor, "_LIBRARY", None)
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
-    with pytest.raises(ExecutorUnavailable, match=r"failed on cuda_executor\.c"):
+    with pytest.raises(ExecutorUnavailable, match=r"failed on executor\.c"):
         cuda_executor.load_library()
     fake = FakeRuntime()
-    with caplog.at_level(logging.WARNING, logger="kvtier.copy.cuda"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.copy.cuda.backend"):
         backend = _compact_backend(pool, fake)
     assert backend._executor is None
     assert "CUDA calls on the caller's thread" in caplog.text

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support import require
 
-from kvtier.copy import cuda_executor
+from kvtier.copy.cuda import executor as cuda_executor
 
 NOBODY = 65534
 PLANTED_C = r"""
@@ -44,7 +44,7 @@ def planted(tmp_path: Path) -> Path:
 def load_in_child(cache: Path, marker: Path) -> subprocess.CompletedProcess[str]:
     code = (
         "import logging; logging.basicConfig(level=logging.WARNING)\n"
-        "from kvtier.copy import cuda_executor\n"
+        "from kvtier.copy.cuda import executor as cuda_executor\n"
         "lib = cuda_executor.load_library()\n"
         "print('loaded', bool(lib.kvx_create))\n"
     )

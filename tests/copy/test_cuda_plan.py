@@ -10,7 +10,7 @@ import pytest
 from support.emulated_cuda import FakeTensor
 from support.kv_reference import block_bytes, engine_arrays, logical_blocks
 
-from kvtier.copy.cuda_plan import (
+from kvtier.copy.cuda.plan import (
     KVLayout,
     check_job,
     copy_list,

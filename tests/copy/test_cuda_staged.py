@@ -21,10 +21,10 @@ import pytest
 from support.emulated_cuda import COMPUTE_STREAM, EmulatedBackend, FakeRuntime, FakeTensor
 from support.kv_reference import block_bytes, engine_arrays, logical_blocks, to_logical
 
-from kvtier.copy import cuda_executor
 from kvtier.copy.base import CopyJob, Direction
-from kvtier.copy.cuda import CudaCopyOptions
-from kvtier.copy.cuda_executor import (
+from kvtier.copy.cuda import executor as cuda_executor
+from kvtier.copy.cuda.backend import CudaCopyOptions
+from kvtier.copy.cuda.executor import (
     OP_BATCH,
     OP_LAUNCH,
     OP_MEMCPY,
@@ -34,15 +34,15 @@ from kvtier.copy.cuda_executor import (
     STREAM_WORD,
     Program,
 )
-from kvtier.copy.cuda_plan import (
+from kvtier.copy.cuda.plan import (
     ONE_PIECE,
     PARAM_HEADER_BYTES,
     KVLayout,
     pack_params,
     param_bytes,
 )
-from kvtier.copy.cuda_resources import StagingRing
-from kvtier.copy.cuda_staged import StagedKernel, chunk_sizes, plan_staged
+from kvtier.copy.cuda.resources import StagingRing
+from kvtier.copy.cuda.staged import StagedKernel, chunk_sizes, plan_staged
 from kvtier.errors import ConfigError
 from kvtier.pool import HostPool
 

@@ -44,7 +44,7 @@ def _stand_in_for_vllm() -> None:
 
 _stand_in_for_vllm()
 
-from kvtier.copy.cuda import CudaCopyOptions  # noqa: E402
+from kvtier.copy.options import CopyConfig, CopyStrategy  # noqa: E402
 from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata  # noqa: E402
 from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402
@@ -81,7 +81,7 @@ def test_store_fence_overwrite_then_load(pool: HostPool, strategy: str) -> None:
     originals = [t[:, index].clone() for t in kv]
     slots = list(range(STORED))[::-1]
 
-    worker = WorkerSide(1, 0, 1, CudaCopyOptions(strategy=strategy))
+    worker = WorkerSide(1, 0, 1, CopyConfig(CopyStrategy(strategy)))
     worker.register(kv)
     try:
         # Round 0 warms every kernel up: the first launch of a lazily loaded kernel synchronizes

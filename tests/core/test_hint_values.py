@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.conftest import keys_for
+from kvtier.cache.manager import TieredCache
 from kvtier.keys import Namespace
-from kvtier.manager import TieredCache
 from kvtier.policies import HintedPolicy
 from kvtier.policies.hints import MAX_COUNT, RequestHint
 from kvtier.pool import HostPool

@@ -6,8 +6,8 @@ import pytest
 
 from core.conftest import keys_for
 from core.scripted_tier import ScriptedTier
+from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.events import EventKind
-from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.tiers.base import WriteMode

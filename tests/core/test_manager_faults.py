@@ -14,8 +14,8 @@ import pytest
 
 from core.conftest import keys_for
 from core.scripted_tier import ScriptedTier
+from kvtier.cache.manager import MAX_EVENTS, TierBinding, TieredCache
 from kvtier.keys import BlockKey, Namespace
-from kvtier.manager import MAX_EVENTS, TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.sim.replay import Replayer
@@ -176,7 +176,7 @@ def test_a_stuck_write_is_given_up_but_its_pinned_slots_are_never_reused(ns, mak
     a = keys_for(ns, 2, seed=1)
     store(cache, a)  # the write-through job never returns (until released below)
     now[0] = 10.0
-    with caplog.at_level(logging.WARNING, logger="kvtier.manager"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache.manager"):
         cache.step()
     assert "tier stuck: a write job of 2 blocks did not end within job_timeout_s=5" in caplog.text
     assert cache.stats().cache.job_timeouts == 1 and cache.jobs_waiting() == {}
@@ -239,7 +239,7 @@ def test_close_returns_within_its_bound_whatever_the_tiers_do(ns, make_pool, cap
     store(cache, keys_for(ns, 2))
     closer = threading.Thread(target=cache.close, daemon=True)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="kvtier.manager"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache.manager"):
         closer.start()
         closer.join(10)
     elapsed = time.monotonic() - t0
@@ -277,7 +277,7 @@ def test_write_back_to_a_tier_rejecting_every_copy_does_not_spin(ns, make_pool, 
         job_timeout_s=1.0,
         writeback_window=8,
     )
-    with caplog.at_level(logging.WARNING, logger="kvtier.manager"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache.manager"):
         store(cache, keys_for(ns, 16))
         cpu0, t0 = time.process_time(), time.monotonic()
         while time.monotonic() - t0 < 1.0:  # a drain: wait while jobs run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from core.conftest import keys_for
 from core.scripted_tier import ScriptedTier
-from kvtier.manager import TierBinding, TieredCache
+from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.tiers.base import WriteMode
 

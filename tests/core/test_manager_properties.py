@@ -8,9 +8,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from support.blocks import payload_for
 
 from core.scripted_tier import ScriptedTier
+from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.events import POOL_TIER, EventKind
 from kvtier.keys import Namespace, chain_keys
-from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import make_policy
 from kvtier.pool import HostPool
 from kvtier.registry import POLICIES

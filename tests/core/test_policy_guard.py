@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from plugin_examples.hostile import HostilePolicy
 
+from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.keys import BlockKey, Namespace
-from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import POLICIES, GuardedPolicy, make_policy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.cache.manager import TieredCache
 from kvtier.config import bundled_config_mapping, parse_config
-from kvtier.manager import TieredCache
 from kvtier.policies import DEFAULT_EVICTION, HintedPolicy, LRUPolicy, RequestHint, make_policy
 from kvtier.policies import reuse_rates as reuse_rates_module
 from kvtier.pool import HostPool

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.cache.factory import build_cache
 from kvtier.config import parse_config
 from kvtier.errors import ConfigError, PoolError
-from kvtier.factory import build_cache
 from kvtier.keys import Namespace
 from kvtier.pool import NAME_PREFIX, HostPool, PoolHandle, cleanup_stale_pools
 
@@ -273,9 +273,9 @@ def test_without_o_tmpfile_the_pool_is_locked_before_it_gets_its_name(tmp_path, 
 
 
 def test_an_unusable_shm_dir_is_a_config_error_naming_it(tmp_path, shared_dir):
+    from kvtier.cache.factory import build_cache
     from kvtier.config import load_config
     from kvtier.errors import ConfigError
-    from kvtier.factory import build_cache
     from kvtier.keys import Namespace
     from kvtier.pool import ShmDirError
 

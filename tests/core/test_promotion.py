@@ -1,6 +1,6 @@
-"""Promotions for waiting requests under pressure (``kvtier.promotion``): blocks promoted for a
-request stay until it loads them, a budget caps what promotions hold, a tier slower than the
-engine is not waited for, a wait ends at its deadline, and an empty tier is not asked."""
+"""Promotions for waiting requests under pressure (``kvtier.cache.promotion``): blocks promoted
+for a request stay until it loads them, a budget caps what promotions hold, a tier slower than
+the engine is not waited for, a wait ends at its deadline, and an empty tier is not asked."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 
 from core.conftest import keys_for
 from core.scripted_tier import ScriptedTier
+from kvtier.cache.manager import TierBinding, TieredCache
+from kvtier.cache.promotion import ComputeRate, PromotionRules, PromotionSettings, ReadCost
 from kvtier.keys import BlockKey, Namespace
-from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
-from kvtier.promotion import ComputeRate, PromotionRules, PromotionSettings, ReadCost
 from kvtier.tiers.base import TierJobKind
 
 

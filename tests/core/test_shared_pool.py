@@ -21,9 +21,9 @@ from support.shared_engine import (
     serve,
 )
 
+from kvtier.cache.factory import build_cache
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, PoolError
-from kvtier.factory import build_cache
 from kvtier.keys import Namespace
 from kvtier.shared_pool import locks, table
 from kvtier.shared_pool.layout import H_DIRTY, H_REPAIRS, MAX_ENGINES, WRITING

@@ -11,8 +11,8 @@ import pytest
 
 from core.conftest import keys_for
 from core.scripted_tier import ScriptedTier
+from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.keys import BlockKey, Namespace
-from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobResult

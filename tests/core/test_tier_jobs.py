@@ -4,7 +4,7 @@ import logging
 
 from core.conftest import keys_for
 from core.scripted_tier import ScriptedTier
-from kvtier.tier_jobs import TierJobs
+from kvtier.cache.tier_jobs import TierJobs
 from kvtier.tiers.base import TierJobKind
 
 
@@ -49,7 +49,7 @@ def test_late_jobs_are_abandoned_once_and_warned_once_per_late_spell(ns, make_po
     for i in range(3):
         jobs.submit(0, TierJobKind.READ, keys[i : i + 1], [i], False)
     ids = [job.job_id for job in tier.submitted]
-    with caplog.at_level(logging.WARNING, logger="kvtier.tier_jobs"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache.tier_jobs"):
         assert jobs.time_out(0.99) == []
         late = jobs.time_out(1.0)
         assert [job.keys for job in late] == [keys[:1], keys[1:2], keys[2:]]

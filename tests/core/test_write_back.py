@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.write_back import WRITEBACK_RETRY_MIN_S, WriteBack
+from kvtier.cache.write_back import WRITEBACK_RETRY_MIN_S, WriteBack
 
 
 def k(i: int) -> bytes:
@@ -50,7 +50,7 @@ def test_failed_copies_are_dirty_again_and_pause_write_back(caplog):
     wb = WriteBack([0], window=4, max_pause_s=0.15, clock=lambda: now[0])
     wb.stored([k(1), k(2), k(3)])
     assert wb.take_coldest(lambda n: [k(1), k(2), k(3)]) == [k(1), k(2), k(3)]
-    with caplog.at_level(logging.WARNING, logger="kvtier.write_back"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.cache.write_back"):
         # k(3) left the pool meanwhile: not dirty again
         wb.settle("disk", [k(1), k(2), k(3)], [False, True, False], visible={k(1), k(2)})
         assert "tier disk: 2 of 3 block copies failed; write-back paused" in caplog.text

@@ -7,13 +7,14 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from support import require
 
 torch = require.importorskip("torch", "vllm")
 
-from kvtier.copy.base import CopyBackend, CopyJob, CopyResults  # noqa: E402
+from kvtier.copy.base import BackendSetup, CopyBackend, CopyJob, CopyResults  # noqa: E402
 from kvtier.engine.backends import make_backend  # noqa: E402
 from kvtier.engine.copier import Copier  # noqa: E402
 from kvtier.engine.orders import SKIP, CopyOrder, StepOrders  # noqa: E402
@@ -65,7 +66,7 @@ def test_no_backend_for_the_device_fails_every_order() -> None:
         assert report is not None and report.failed == {0: 1, 1: 1}
         assert copier.take_load_errors() == {1}
         with pytest.raises(NotImplementedError, match="'meta'"):
-            make_backend([torch.empty(4, 64, device="meta")], pool, 1, 0, 1)
+            make_backend([torch.empty(4, 64, device="meta")], BackendSetup(pool))
         copier.close()
 
 
@@ -101,6 +102,10 @@ def test_the_vllm_worker_half_imports_and_copies_without_vllm() -> None:
 class HeldLoads(CopyBackend):
     """A copy backend whose loads end only when the test says so (``end``): an asynchronous
     copy still running on the device."""
+
+    @classmethod
+    def create(cls, kv_caches: Sequence[Any], setup: BackendSetup) -> HeldLoads:
+        return cls()
 
     def __init__(self) -> None:
         self.submitted: list[CopyJob] = []

@@ -61,9 +61,9 @@ class Engine:
             for g in (0, 1)
         }
 
-        def grouped(kv, pool, bps, rank, size, options):  # type: ignore[no-untyped-def]
-            parts = {g: CpuCopyBackend(self.kv[g], pool, blocks_per_slot=bps) for g in (0, 1)}
-            return GroupedCopyBackend(parts, bps)
+        def grouped(kv, setup):  # type: ignore[no-untyped-def]
+            parts = {g: CpuCopyBackend.create(self.kv[g], setup) for g in (0, 1)}
+            return GroupedCopyBackend(parts, setup.blocks_per_slot)
 
         self.copier = Copier(1, 0, 1, backend_factory=grouped)
         self.copier.register([t for g in (0, 1) for t in self.kv[g]])

@@ -92,8 +92,7 @@ def test_cross_layer_views_are_the_layers_and_a_block_is_one_copy() -> None:
     connectors that one tensor: each view is one layer's ``[num_blocks, 2, ...]`` (what its
     attention layer reads), and the CUDA planner moves a block of all layers as one piece."""
     torch = require.importorskip("torch", "vllm")
-    from kvtier.copy.cuda_plan import describe_kv, merge_regions
-    from kvtier.integrations.vllm.worker import cuda_layout
+    from kvtier.copy.cuda.plan import cuda_layout, describe_kv, merge_regions
 
     layers, blocks, shape = 3, 5, (2, 16, 2, 8)
     page = 2 * 16 * 2 * 8 * 2  # bf16

@@ -525,9 +525,11 @@ def test_the_namespace_names_the_page_order_on_cuda(monkeypatch: pytest.MonkeyPa
     def layout_of(name: str) -> str:
         config = vllm_config({"pool": {"size": "64MiB"}})
         config.cache_config.kv_cache_layout = name
-        kvtier_config = connector_module._load_config(config)
+        kvtier_config, settings, _ = connector_module._load_config(config)
         order = compat.page_order(config, None, (0, 32, 0))
-        return connector_module._namespace(config, kvtier_config, BS, LAYERS, PAGE, order).layout
+        bps = settings.planner.blocks_per_slot
+        namespace = connector_module._namespace(config, kvtier_config, BS, LAYERS, PAGE, order, bps)
+        return namespace.layout
 
     assert layout_of("LBNHC") == layout_of("BLNHC") == f"vllm/cuda-NHC/engine-block-{BS}"
     assert layout_of("LBHNC") == layout_of("BLHNC") != layout_of("LBNHC")

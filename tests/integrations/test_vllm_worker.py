@@ -14,16 +14,20 @@ from support import require
 
 require.importorskip("vllm", "vllm")
 
-from kvtier.copy.base import CopyBackend, CopyJob, CopyResults, Direction  # noqa: E402
-from kvtier.copy.cuda_plan import KVLayout  # noqa: E402
+from kvtier.copy.base import BackendSetup, CopyBackend, CopyJob, CopyResults, Direction  # noqa: E402
+from kvtier.copy.cuda.plan import KVLayout, cuda_layout  # noqa: E402
 from kvtier.integrations.vllm import worker as worker_module  # noqa: E402
 from kvtier.integrations.vllm.metadata import CopyOrder, KVTierMetadata  # noqa: E402
-from kvtier.integrations.vllm.worker import WorkerSide, cuda_layout  # noqa: E402
+from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402
 
 
 class AsyncBackend(CopyBackend):
     """Jobs finish only when the test says so; records what the worker asked for."""
+
+    @classmethod
+    def create(cls, kv_caches: Sequence[Any], setup: BackendSetup) -> AsyncBackend:
+        return cls()
 
     def __init__(self) -> None:
         self.submitted: list[CopyJob] = []
@@ -226,7 +230,7 @@ def test_vllm_032_views_map_to_their_pages(layout_name: str) -> None:
 
     import torch
 
-    from kvtier.copy.cuda_plan import describe_kv, merge_regions
+    from kvtier.copy.cuda.plan import describe_kv, merge_regions
 
     layers, blocks = 3, 5
     raw, views, page = vllm_views(layout_name, layers, blocks)

@@ -1,4 +1,7 @@
-"""An eviction policy outside kvtier: first in, first out (a hit does not protect a block)."""
+"""An eviction policy outside kvtier: first in, first out (a hit does not protect a block).
+
+Written against ``EvictionPolicy.create(capacity_blocks)``, the one call that builds a policy: the
+default builds ``cls()``; this one keeps the capacity, so it says how it is built."""
 
 from __future__ import annotations
 
@@ -10,6 +13,10 @@ from kvtier.policies.base import EvictionPolicy
 
 
 class FifoPolicy(EvictionPolicy):
+    @classmethod
+    def create(cls, capacity_blocks: int) -> FifoPolicy:
+        return cls(capacity_blocks)
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._order: OrderedDict[BlockKey, None] = OrderedDict()

@@ -42,7 +42,8 @@ class TierWithoutCounters(DictTier):
 
 
 class PolicyFailingToBuild(LRUPolicy):
-    def __init__(self, capacity: int) -> None:
+    @classmethod
+    def create(cls, capacity_blocks: int) -> PolicyFailingToBuild:
         raise SystemExit(3)
 
 
@@ -50,7 +51,7 @@ class HostilePolicy(EvictionPolicy):
     """An LRU whose answers a test can replace: ``fail`` names the methods that raise,
     ``evict_answer`` / ``coldest_answer`` replace what ``evict`` / ``coldest`` return."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self) -> None:
         self.lru = LRUPolicy()
         self.fail: set[str] = set()
         self.evict_answer: Any = None

@@ -2,6 +2,7 @@
 
 Registered for a device type (``COPY_BACKENDS.register("meta", ...)``): a device type is not a
 config field. It copies nothing and reports every job done, and keeps what it was built with.
+Written against ``CopyBackend.create(kv_caches, setup)``, the one call that builds a backend.
 """
 
 from __future__ import annotations
@@ -9,22 +10,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.copy.base import CopyBackend, CopyJob, CopyResults
-from kvtier.pool import HostPool
+from kvtier.copy.base import BackendSetup, CopyBackend, CopyJob, CopyResults
 
 
 class MetaCopyBackend(CopyBackend):
-    def __init__(
-        self,
-        kv_caches: Sequence[Any],
-        pool: HostPool,
-        options: Any = None,
-        *,
-        blocks_per_slot: int = 1,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ) -> None:
-        self.built_with = (len(kv_caches), pool, options, blocks_per_slot, tp_rank, tp_size)
+    @classmethod
+    def create(cls, kv_caches: Sequence[Any], setup: BackendSetup) -> MetaCopyBackend:
+        return cls(len(kv_caches), setup)
+
+    def __init__(self, layers: int, setup: BackendSetup) -> None:
+        self.built_with = (layers, setup)
         self._done: list[int] = []
 
     def submit(self, job: CopyJob) -> None:

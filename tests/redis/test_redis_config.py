@@ -6,11 +6,11 @@ import pytest
 from support.blocks import payload_for
 from support.redis_servers import RedisServer
 
+from kvtier.cache.factory import build_cache
 from kvtier.config import parse_config
 from kvtier.errors import ConfigError
-from kvtier.factory import build_cache
 from kvtier.keys import Namespace, chain_keys
-from kvtier.tiers.redis import Options, RedisTier
+from kvtier.tiers.redis.tier import Options, RedisTier
 
 pytestmark = pytest.mark.redis
 

@@ -159,7 +159,7 @@ def test_close_is_bounded_with_commands_stuck_on_a_frozen_server(
 ) -> None:
     """SIGSTOP with reads, writes and lookups in flight: close() returns within its documented
     bound and reports every job once, failed."""
-    from kvtier.tiers.redis import CLOSE_ABORT_S
+    from kvtier.tiers.redis.tier import CLOSE_ABORT_S
 
     timeout_s = 1.0
     tier = make_tier(

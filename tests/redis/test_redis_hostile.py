@@ -16,7 +16,7 @@ from support.redis_tier import make_tier
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import TierJobKind
-from kvtier.tiers.redis import CLOSE_ABORT_S
+from kvtier.tiers.redis.tier import CLOSE_ABORT_S
 
 TIMEOUT_S = 0.5
 """The tier's ``timeout_s`` here: the total deadline of one command."""

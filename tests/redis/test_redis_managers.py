@@ -10,8 +10,8 @@ from support.blocks import payload_for
 from support.redis_servers import RedisServer
 from support.redis_tier import make_tier
 
+from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.keys import Namespace, chain_keys
-from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.tiers.base import WriteMode

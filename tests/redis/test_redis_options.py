@@ -6,17 +6,16 @@ import pytest
 from redis.connection import PythonRespSerializer
 from support.redis_tier import options
 
-from kvtier.config import options_class
 from kvtier.errors import ConfigError
 from kvtier.tiers import tier_class
-from kvtier.tiers.redis import Options, RedisTier
-from kvtier.tiers.redis_client import BlockValue, ZeroCopyPacker
-from kvtier.tiers.redis_options import masked_url
+from kvtier.tiers.redis.client import BlockValue, ZeroCopyPacker
+from kvtier.tiers.redis.options import masked_url
+from kvtier.tiers.redis.tier import Options, RedisTier
 
 
 def test_registry_finds_the_tier() -> None:
     assert tier_class("redis") is RedisTier
-    assert options_class(RedisTier) is Options
+    assert RedisTier.Options is Options
 
 
 def test_defaults() -> None:

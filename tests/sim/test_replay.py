@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from kvtier.cache.factory import build_cache
 from kvtier.config import load_config
-from kvtier.factory import build_cache
 from kvtier.keys import BlockKey
 from kvtier.sim.replay import Replayer, ReplayResult
 from kvtier.sim.simulate import simulate, simulation_namespace

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.copy.cuda import CudaCopyBackend
-from kvtier.copy.cuda_executor import Executor, ExecutorFunctions
-from kvtier.copy.cuda_plan import KERNEL_CAPACITIES, emulate_kernel, param_bytes
-from kvtier.copy.cuda_runtime import CudaError
+from kvtier.copy.cuda.backend import CudaCopyBackend
+from kvtier.copy.cuda.executor import Executor, ExecutorFunctions
+from kvtier.copy.cuda.plan import KERNEL_CAPACITIES, emulate_kernel, param_bytes
+from kvtier.copy.cuda.runtime import CudaError
 
 COMPUTE_STREAM = 7
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.copy.cuda_plan import KVLayout
+from kvtier.copy.cuda.plan import KVLayout
 
 LAYERS = 3
 BLOCK_TOKENS = 4

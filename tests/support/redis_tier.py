@@ -6,7 +6,7 @@ from typing import Any
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.redis import Options, RedisTier
+from kvtier.tiers.redis.tier import Options, RedisTier
 from kvtier.validation import Section
 
 

@@ -16,8 +16,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from kvtier.cache.factory import build_cache
 from kvtier.config import load_config
-from kvtier.factory import build_cache
 from kvtier.keys import BlockKey, Namespace, chain_keys
 from kvtier.pool import HostPool
 from kvtier.shared_pool.cache import SharedTieredCache

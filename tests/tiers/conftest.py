@@ -9,7 +9,7 @@ from support.drivers import run_job as _run_job
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobResult, Tier, TierJob
-from kvtier.tiers.fs import FsTier, Options
+from kvtier.tiers.fs.tier import FsTier, Options
 from kvtier.tiers.payload import HEADER_BYTES
 
 SLOT_BYTES = 4000

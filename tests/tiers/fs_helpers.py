@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.tiers.fs import FsTier
+from kvtier.tiers.fs.tier import FsTier
 from tiers.conftest import FILE_BYTES, MakeTier
 
 __all__ = ["FILE_BYTES", "MakeTier", "block_file", "block_files", "disk_bytes"]

@@ -15,8 +15,8 @@ from support.drivers import Driver
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers import fs as fs_module
-from kvtier.tiers.fs import FsTier, Options
+from kvtier.tiers.fs import tier as fs_module
+from kvtier.tiers.fs.tier import FsTier, Options
 from tiers.fs_helpers import FILE_BYTES, block_files, disk_bytes
 
 MountSmall = Callable[[int], Path]

@@ -21,7 +21,7 @@ from support.drivers import Driver
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.fs import FsTier, Options
+from kvtier.tiers.fs.tier import FsTier, Options
 from kvtier.validation import Section
 from tiers.fs_helpers import FILE_BYTES, MakeTier, block_file, block_files, disk_bytes
 

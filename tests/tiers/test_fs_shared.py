@@ -13,7 +13,7 @@ from support.blocks import make_keys
 from support.drivers import Driver
 
 from kvtier.policies import GuardedPolicy
-from kvtier.tiers.fs import FsTier
+from kvtier.tiers.fs.tier import FsTier
 from tiers.conftest import FILE_BYTES, MakeTier
 
 

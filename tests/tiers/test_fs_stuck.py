@@ -15,8 +15,8 @@ import pytest
 from support.blocks import fill, make_keys
 from support.drivers import Driver
 
-from kvtier.tiers import fs_files
 from kvtier.tiers.base import TierJobKind
+from kvtier.tiers.fs import files as fs_files
 from tiers.fs_helpers import MakeTier
 
 TIMEOUT_S = 0.3

@@ -20,9 +20,10 @@ from support.drivers import Driver
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers import fs_files, tier_class
+from kvtier.tiers import tier_class
 from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind
-from kvtier.tiers.fs import FsTier, Options
+from kvtier.tiers.fs import files as fs_files
+from kvtier.tiers.fs.tier import FsTier, Options
 from kvtier.tiers.payload import HEADER_BYTES
 from kvtier.validation import Section
 from tiers.conftest import NUM_SLOTS, SLOT_BYTES

@@ -22,11 +22,12 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.policies import ARCPolicy, LRUPolicy, SegmentedPolicy
 from kvtier.policies.base import EvictionPolicy
 from kvtier.pool import HostPool
-from kvtier.tiers import fs_options, memory
+from kvtier.tiers import memory
 from kvtier.tiers.base import Tier
 from kvtier.tiers.block_tier import BlockTier, Got, Put
-from kvtier.tiers.fs import FsTier
-from kvtier.tiers.fs_index import FsIndex
+from kvtier.tiers.fs import options as fs_options
+from kvtier.tiers.fs.index import FsIndex
+from kvtier.tiers.fs.tier import FsTier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.payload import HEADER_BYTES
 from kvtier.validation import Section

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
+
+from kvtier.copy.options import CopyConfig
+from kvtier.pool import HostPool
 
 SKIP = -1
 """A LOAD's engine block id for a position the engine already holds (see the module docstring)."""
@@ -55,6 +59,21 @@ class CopyResults:
     failed: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class BackendSetup:
+    """Everything a copy backend is built with besides the KV tensors (``CopyBackend.create``)."""
+
+    pool: HostPool
+    blocks_per_slot: int = 1
+    """Engine blocks per kvtier block (per slot)."""
+    tp_rank: int = 0
+    tp_size: int = 1
+    copy: CopyConfig = field(default_factory=CopyConfig)
+    """The config's ``copy`` section, parsed once by the engine adapter."""
+    allow_pageable: bool = False
+    """``pool.allow_pageable``: keep running where pinning the pool fails."""
+
+
 class CopyBackend(ABC):
     """Moves blocks between engine KV memory and pool slots, asynchronously where the device can.
 
@@ -63,7 +82,16 @@ class CopyBackend(ABC):
     ``submit`` on the engine's compute stream (the forward pass that wrote them) finished. A LOAD is
     complete, visible to the engine's next kernels, when ``poll`` reports it done or when
     ``wait(job_id)`` returns.
+
+    A backend is built by ``create(kv_caches, setup)``: the one call that
+    ``engine.backends.make_backend`` makes for every backend, built-in or registered.
     """
+
+    @classmethod
+    @abstractmethod
+    def create(cls, kv_caches: Sequence[Any], setup: BackendSetup) -> CopyBackend:
+        """A backend for the engine's per-layer KV tensors (all on this backend's device type)
+        and ``setup``; raises when it cannot copy them (the copier then fails every order)."""
 
     @abstractmethod
     def submit(self, job: CopyJob) -> None: ...

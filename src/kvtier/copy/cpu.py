@@ -11,12 +11,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.copy.base import SKIP, CopyBackend, CopyJob, CopyResults, Direction
+from kvtier.copy.base import SKIP, BackendSetup, CopyBackend, CopyJob, CopyResults, Direction
 from kvtier.pool import HostPool
 
 
 class CpuCopyBackend(CopyBackend):
     kind = "cpu"
+
+    @classmethod
+    def create(cls, kv_caches: Sequence[Any], setup: BackendSetup) -> CpuCopyBackend:
+        """The copy options do not apply: a CPU copy is one ``memcpy`` per piece."""
+        return cls(
+            kv_caches,
+            setup.pool,
+            blocks_per_slot=setup.blocks_per_slot,
+            tp_rank=setup.tp_rank,
+            tp_size=setup.tp_size,
+        )
 
     def __init__(
         self,

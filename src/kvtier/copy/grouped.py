@@ -10,13 +10,18 @@ bytes they are (the group's backend is the device's usual one, built over its la
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from kvtier.copy.base import CopyBackend, CopyJob, CopyResults
+from kvtier.copy.base import BackendSetup, CopyBackend, CopyJob, CopyResults
 
 
 class GroupedCopyBackend(CopyBackend):
     """Routes each slot of a job to the backend of its KV cache group (see the module docstring).
     Declares no ``kind``: the worker builds it around the device's backends, never by name."""
+
+    @classmethod
+    def create(cls, kv_caches: Sequence[Any], setup: BackendSetup) -> GroupedCopyBackend:
+        raise TypeError("GroupedCopyBackend is built around one backend per group, not by name")
 
     def __init__(self, backends: Mapping[int, CopyBackend], blocks_per_slot: int) -> None:
         if not backends:

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier import series
-from kvtier.copy.base import SKIP, CopyBackend, CopyJob, Direction
+from kvtier.copy.base import SKIP, BackendSetup, CopyBackend, CopyJob, Direction
+from kvtier.copy.options import CopyConfig
 from kvtier.engine.backends import BackendFactory, make_backend
 from kvtier.engine.orders import CopyOrder, RankReport, StepOrders
 from kvtier.pool import HostPool, PoolHandle
@@ -45,14 +46,16 @@ class Copier:
         blocks_per_slot: int,
         tp_rank: int,
         tp_size: int,
-        copy_options: Any = None,
+        copy: CopyConfig | None = None,
+        allow_pageable: bool = False,
         backend_factory: BackendFactory = make_backend,
     ) -> None:
         self.blocks_per_slot = blocks_per_slot
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self._copy_options = copy_options
-        """``CudaCopyOptions`` for a CUDA backend (None: its defaults)."""
+        self._copy = copy or CopyConfig()
+        """The config's ``copy`` section, for the backend (``BackendSetup``)."""
+        self._allow_pageable = allow_pageable
         self._backend_factory = backend_factory
         self._kv: list[Any] = []
         self._pool: HostPool | None = None
@@ -98,19 +101,23 @@ class Copier:
         try:
             if self._pool is None:
                 self._pool = HostPool.attach(handle)
-            self._backend = self._backend_factory(
-                self._kv,
+            setup = BackendSetup(
                 self._pool,
                 self.blocks_per_slot,
                 self.tp_rank,
                 self.tp_size,
-                self._copy_options,
+                self._copy,
+                self._allow_pageable,
             )
+            self._backend = self._new_backend(self._kv, setup)
         except Exception as exc:
             # Every order then fails: loads are recomputed by the engine, stores are dropped.
             self._broken = f"{type(exc).__name__}: {exc}"
             log.error("kvtier worker cannot copy, caching disabled on this rank: %s", exc)
         return self._backend
+
+    def _new_backend(self, kv_caches: Sequence[Any], setup: BackendSetup) -> CopyBackend:
+        return self._backend_factory(kv_caches, setup)
 
     def fence(self, orders: StepOrders | None) -> None:
         """Before this step writes any KV: its work waits for the stores still in flight that

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtier import series
+from kvtier.cache.factory import build_cache
 from kvtier.config import KVTierConfig
 from kvtier.copy.base import Direction
 from kvtier.engine.ledger import JobLedger
@@ -23,7 +24,6 @@ from kvtier.engine.orders import SKIP, CopyOrder, RankReport, StepOrders
 from kvtier.engine.prefix_keys import PrefixKeys
 from kvtier.engine.stats_file import Snapshot, StatsFile
 from kvtier.events import POOL_TIER, CacheEvent
-from kvtier.factory import build_cache
 from kvtier.keys import BlockKey, Namespace, chain_keys, chain_root
 from kvtier.metrics import CacheStats
 from kvtier.policies.hints import RequestHint

@@ -8,8 +8,6 @@ class is an error, never another policy.
 
 from __future__ import annotations
 
-import inspect
-
 from kvtier.errors import ConfigError
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.base import EvictionPolicy
@@ -53,8 +51,7 @@ def parse_eviction(section: Section, default: str = DEFAULT_EVICTION) -> str:
 
 def make_policy(kind: str, capacity_blocks: int, field: str = "eviction") -> EvictionPolicy:
     """A new policy ``kind`` (a registered name or ``package.module:Class``) for a pool of
-    ``capacity_blocks`` blocks: built with the capacity as its one argument, or with none when
-    its constructor takes none.
+    ``capacity_blocks`` blocks: ``cls.create(capacity_blocks)`` (``EvictionPolicy.create``).
 
     A policy from outside kvtier is the plugin boundary: whatever building it raises is a
     ``ConfigError`` for ``field`` (``KeyboardInterrupt`` aside), and it runs inside a
@@ -62,9 +59,9 @@ def make_policy(kind: str, capacity_blocks: int, field: str = "eviction") -> Evi
     are: they are on every lookup's and store's path."""
     cls = policy_class(kind, field)
     if cls.__module__.startswith("kvtier."):
-        return _build(cls, capacity_blocks)
+        return cls.create(capacity_blocks)
     try:
-        policy = _build(cls, capacity_blocks)
+        policy = cls.create(capacity_blocks)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # SystemExit included: a plugin does not end kvtier
@@ -72,14 +69,6 @@ def make_policy(kind: str, capacity_blocks: int, field: str = "eviction") -> Evi
     if not isinstance(policy, EvictionPolicy):  # a __new__ that returns something else
         raise ConfigError(field, kind, "a class whose constructor returns an EvictionPolicy")
     return GuardedPolicy(policy, kind)
-
-
-def _build(cls: type[EvictionPolicy], capacity_blocks: int) -> EvictionPolicy:
-    try:
-        inspect.signature(cls).bind(capacity_blocks)
-    except (TypeError, ValueError):  # takes no argument, or has no signature to read
-        return cls()
-    return cls(capacity_blocks)  # type: ignore[call-arg]
 
 
 __all__ = [

@@ -19,6 +19,10 @@ from kvtier.policies.base import EvictionPolicy
 class ARCPolicy(EvictionPolicy):
     kind = "arc"
 
+    @classmethod
+    def create(cls, capacity_blocks: int) -> ARCPolicy:
+        return cls(capacity_blocks)
+
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"ARC capacity must be positive, got {capacity}")

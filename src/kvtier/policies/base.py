@@ -2,6 +2,10 @@
 
 A policy orders the keys that are visible in the pool. The manager tells it what happened
 (``insert``, ``access``, ``remove``) and asks it for victims; it never evicts on its own.
+
+A policy is built by ``create(capacity_blocks)``, the one call ``make_policy`` makes for every
+policy, built-in or a plugin: the default builds ``cls()``; a policy that sizes itself by the
+capacity overrides it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,12 @@ from kvtier.policies.hints import RequestHint
 
 
 class EvictionPolicy(ABC):
+    @classmethod
+    def create(cls, capacity_blocks: int) -> EvictionPolicy:
+        """A new policy for a pool (or a tier) of ``capacity_blocks`` blocks: ``cls()`` unless
+        overridden."""
+        return cls()
+
     @abstractmethod
     def insert(self, key: BlockKey) -> None:
         """A key became visible in the pool (it must not be tracked already)."""

@@ -60,6 +60,10 @@ to the learned mean, not to any trace; a class near the mean is left to LRU."""
 class HintedPolicy(EvictionPolicy):
     kind = "hinted"
 
+    @classmethod
+    def create(cls, capacity_blocks: int) -> HintedPolicy:
+        return cls(capacity_blocks)
+
     def __init__(self, capacity: int, ghost_factor: float = GHOST_FACTOR) -> None:
         if capacity <= 0:
             raise ValueError(f"hinted policy capacity must be positive, got {capacity}")

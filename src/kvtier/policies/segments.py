@@ -37,6 +37,10 @@ class SegmentedBase(EvictionPolicy):
     kind: ClassVar[str] = "segmented"
     """The policy's name in errors."""
 
+    @classmethod
+    def create(cls, capacity_blocks: int) -> SegmentedBase:
+        return cls(capacity_blocks)
+
     def __init__(
         self,
         capacity: int,

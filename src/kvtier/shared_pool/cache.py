@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from kvtier import promotion as promo
-from kvtier.cache_records import LookupResult, StoreReservation
+from kvtier.cache import promotion as promo
+from kvtier.cache.manager import TieredCache
+from kvtier.cache.records import LookupResult, StoreReservation
 from kvtier.events import POOL_TIER, EventKind
 from kvtier.keys import BlockKey
-from kvtier.manager import TieredCache
 from kvtier.metrics import CacheStats
 from kvtier.policies.hints import RequestHint
 from kvtier.policies.lru import LRUPolicy

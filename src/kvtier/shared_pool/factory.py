@@ -1,5 +1,5 @@
-"""Build the cache over a shared pool (``pool.share``): ``kvtier.factory.build_cache`` hands over
-here when the config names a share."""
+"""Build the cache over a shared pool (``pool.share``): ``kvtier.cache.factory.build_cache``
+hands over here when the config names a share."""
 
 from __future__ import annotations
 

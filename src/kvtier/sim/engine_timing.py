@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.cache.manager import TieredCache
 from kvtier.keys import BlockKey, keys_from_hashes
-from kvtier.manager import TieredCache
 from kvtier.policies import make_policy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool

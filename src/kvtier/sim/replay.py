@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.cache.manager import TieredCache
 from kvtier.keys import BlockKey, Namespace, keys_from_hashes
-from kvtier.manager import TieredCache
 from kvtier.metrics import TierCounters
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvtier.cache.factory import build_cache
+from kvtier.cache.manager import TieredCache
 from kvtier.config import KVTierConfig
-from kvtier.factory import build_cache
 from kvtier.keys import Namespace
-from kvtier.manager import TieredCache
 from kvtier.sim.conversations import trace_requests
 from kvtier.sim.replay import Replayer, ReplayResult
 from kvtier.tiers.payload import HEADER_BYTES

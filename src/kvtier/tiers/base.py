@@ -10,19 +10,26 @@ Contract every tier keeps (the manager relies on it):
   and checksum); anything else is ``False`` (a miss), counted in ``counters``.
 * Every submitted job is reported by ``poll`` exactly once, failures included.
 * ``close`` waits for running jobs and releases threads and connections; later calls are no-ops.
+
+How a tier class is built from the config, the same for every kind (built-in or a plugin): its
+``Options`` record parses the tier's keys (``Options.parse(section)``, ``TierOptions``), and
+``create(name, namespace, pool, options)`` builds it (by default ``cls(name, namespace, pool,
+options)``: a constructor of these four is all a tier needs).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, ClassVar, Protocol
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.metrics import TierCounters
 from kvtier.pool import HostPool
+from kvtier.validation import Section
 
 
 class TierJobKind(Enum):
@@ -48,11 +55,29 @@ class JobResult:
     busy_s: float | None = None
     """Seconds the tier worked on the job, from its first block to its last (waiting in the
     tier's queue excluded); None: not measured. The manager learns the tier's read speed from it
-    (``kvtier.promotion.ReadCost``)."""
+    (``kvtier.cache.promotion.ReadCost``)."""
+
+
+class TierOptions(Protocol):
+    """A tier's options record: ``parse`` validates the tier's keys of its config section, with
+    field-named ``ConfigError`` s, and refuses unknown keys (``section.done()``)."""
+
+    @classmethod
+    def parse(cls, section: Section) -> Any: ...
 
 
 class Tier(ABC):
     """A secondary tier. Subclasses implement the abstract methods and keep the contract above."""
+
+    Options: ClassVar[type[TierOptions]]
+    """The tier's options record (a class attribute: ``Options = Options``)."""
+
+    @classmethod
+    def create(cls, name: str, namespace: Namespace, pool: HostPool, options: Any) -> Tier:
+        """The one call that builds a tier from its config (``cache.factory``), with
+        ``Options.parse``'s record: ``cls(name, namespace, pool, options)`` unless overridden."""
+        build: Callable[[str, Namespace, HostPool, Any], Tier] = cls  # type: ignore[assignment]
+        return build(name, namespace, pool, options)
 
     def __init__(self, name: str, namespace: Namespace, pool: HostPool) -> None:
         self.name = name

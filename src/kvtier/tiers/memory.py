@@ -84,17 +84,22 @@ class Options:
         return options
 
 
+MemoryOptions = Options
+"""``Options`` under a name the tier class's ``Options`` attribute does not hide."""
+
+
 class MemoryTier(BlockTier):
     """Blocks as ``bytes`` copies in a dict; see the module docstring. Validation, header and
     checksum, pins and counters are ``BlockTier``'s; this class keeps the dict, its capacity and
     the latency queue."""
 
     kind = "memory"
+    Options = Options
 
     def __init__(
-        self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
+        self, name: str, namespace: Namespace, pool: HostPool, options: MemoryOptions | None = None
     ) -> None:
-        self.options = options = options if options is not None else Options()
+        self.options = options = options if options is not None else MemoryOptions()
         self._policy = _policy(options, pool.slot_bytes)  # before the worker can start
         """None without a capacity (nothing to evict); guarded by ``_lock``."""
         super().__init__(name, namespace, pool)
@@ -277,7 +282,7 @@ class MemoryTier(BlockTier):
         return True
 
 
-def _policy(options: Options, slot_bytes: int) -> EvictionPolicy | None:
+def _policy(options: MemoryOptions, slot_bytes: int) -> EvictionPolicy | None:
     """The tier's eviction policy, sized in blocks by its tightest limit; None when unbounded."""
     by_bytes = None if options.capacity is None else options.capacity // slot_bytes
     blocks = [n for n in (options.capacity_blocks, by_bytes) if n is not None]

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier.config import KVTierConfig, load_config
+from kvtier.copy.options import CopyConfig
 from kvtier.engine.groups import CacheGroup
 from kvtier.errors import ConfigError
 from kvtier.events import EventKind
@@ -44,10 +45,13 @@ from kvtier.keys import Namespace
 log = logging.getLogger(__name__)
 
 
-def _load_config(vllm_config: Any) -> KVTierConfig:
+def _load_config(vllm_config: Any) -> tuple[KVTierConfig, VllmSettings, CopyConfig]:
+    """The kvtier config, and the sections the core config keeps as given, each parsed here once:
+    ``vllm`` (this connector's) and ``copy`` (for the workers' copy backends)."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     extra.setdefault("model", str(vllm_config.model_config.model))
-    return load_config(extra)
+    config = load_config(extra)
+    return config, VllmSettings.parse(config.vllm), CopyConfig.parse_mapping(config.copy)
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -63,8 +67,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             warning := compat.warn_recovery(vllm_config, self.vllm_version)
         ):
             log.warning(warning)
-        config = _load_config(vllm_config)
-        self.settings = VllmSettings.parse(config.vllm)
+        config, self.settings, copy = _load_config(vllm_config)
+        blocks_per_slot = self.settings.planner.blocks_per_slot
         self.layout_request = compat.layout_request(
             self.settings.kv_cache_layout, self.vllm_version
         )
@@ -113,13 +117,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            from kvtier.copy.cuda import CudaCopyOptions
-
             self._worker = WorkerSide(
-                self.settings.blocks_per_slot,
+                blocks_per_slot,
                 get_tensor_model_parallel_rank(),
                 self.tp_size,
-                CudaCopyOptions.from_config(config),
+                copy,
+                config.pool.allow_pageable,
             )
 
     def _make_scheduler(
@@ -133,7 +136,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         layers = max(len(g.layers) for g in self.groups)
         if len(self.groups) > 1:
             engine_block_size = self.groups[0].block_tokens  # one size (_groups checked it)
-        slot_bytes = self.tp_size * layers * self.settings.blocks_per_slot * page_bytes
+        blocks_per_slot = self.settings.planner.blocks_per_slot
+        slot_bytes = self.tp_size * layers * blocks_per_slot * page_bytes
         page_order = compat.page_order(vllm_config, self.layout_request.layout, self.vllm_version)
         namespace = _namespace(
             vllm_config,
@@ -142,6 +146,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             layers,
             page_bytes,
             page_order,
+            blocks_per_slot,
             vllm_groups.tag(self.groups),
         )
         return SchedulerSide(
@@ -159,7 +164,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """The layout ``vllm.kv_cache_layout`` names, in this release's terms: by default
         block-outermost, where a block's pages of all layers are adjacent and move as one DMA
         copy on CUDA."""
-        layout = VllmSettings.parse(_load_config(vllm_config).vllm).kv_cache_layout
+        layout = _load_config(vllm_config)[1].kv_cache_layout
         return compat.layout_request(layout, compat.installed_version()).layout
 
     @property
@@ -383,6 +388,7 @@ def _namespace(
     layers: int,
     page_bytes: int,
     page_order: str | None,
+    blocks_per_slot: int,
     groups_tag: str = "",
 ) -> Namespace:
     """Everything that decides the bytes of a block: model, dtypes, geometry, attention packing.
@@ -405,7 +411,7 @@ def _namespace(
     return Namespace(
         model=config.model,
         dtype=dtype,
-        block_tokens=block_size * VllmSettings.parse(config.vllm).blocks_per_slot,
+        block_tokens=block_size * blocks_per_slot,
         layout=f"vllm/{packing}/engine-block-{block_size}",
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         extra=f"layers={layers};page_bytes={page_bytes};revision={model_config.revision}"

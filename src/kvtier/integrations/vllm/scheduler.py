@@ -16,7 +16,7 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.engine.groups import CacheGroup
 from kvtier.engine.hybrid import HybridPlanner
-from kvtier.engine.planner import PLAIN, KeyScope, PlannerSettings
+from kvtier.engine.planner import PLAIN, KeyScope
 from kvtier.integrations.vllm.groups import NULL_BLOCK
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.settings import VllmSettings
@@ -96,13 +96,9 @@ class SchedulerSide(HybridPlanner):
         tp_size: int,
         groups: Sequence[CacheGroup] = (),
     ) -> None:
-        planner = PlannerSettings(
-            blocks_per_slot=settings.blocks_per_slot,
-            store_generated=settings.store_generated,
-            async_loads=settings.async_loads,
-            stats_path=settings.stats_path,
+        super().__init__(
+            config, settings.planner, namespace, slot_bytes, engine_block_size, tp_size
         )
-        super().__init__(config, planner, namespace, slot_bytes, engine_block_size, tp_size)
         self.set_groups(groups, settings.window_boundary_blocks, NULL_BLOCK)
         self._tables = BlockTables()
 

@@ -1,11 +1,17 @@
-"""The ``vllm`` section of a kvtier config: options only the vLLM connector reads."""
+"""The ``vllm`` section of a kvtier config: options only the vLLM connector reads, parsed here from
+the mapping the core config keeps as given (``KVTierConfig.vllm``), once per connector.
+
+The planner's options (``blocks_per_slot``, ``store_generated``, ``async_loads``, ``stats_path``)
+are parsed into the engine-neutral ``PlannerSettings`` that the scheduler side is built with.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.engine.planner import PlannerSettings
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.compat import LAYOUT_NAMES
 from kvtier.validation import Section
@@ -18,15 +24,10 @@ BLOCK_OUTERMOST_LAYOUT = "BLNHC"
 
 @dataclass(frozen=True, slots=True)
 class VllmSettings:
-    blocks_per_slot: int = 1
-    """vLLM blocks per kvtier block (a kvtier block is ``blocks_per_slot * block_size`` tokens)."""
-    store_generated: bool = False
-    """Also store blocks filled by generated tokens (not only prompt tokens)."""
-    async_loads: bool = False
-    """Loads through vLLM's asynchronous path: a request waits for its blocks while the others
-    run, instead of the whole step waiting for the copy."""
-    stats_path: str | None = None
-    """Write the scheduler's kvtier stats as JSON to this file (each second and at shutdown)."""
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
+    """``blocks_per_slot`` (vLLM blocks per kvtier block), ``store_generated``, ``async_loads``
+    (loads through vLLM's asynchronous path: a request waits for its blocks while the others run)
+    and ``stats_path`` (the scheduler's stats as JSON, each second and at shutdown)."""
     trace_path: str | None = None
     """Append every request looked up to this Mooncake-format trace (``kvtier simulate --trace``
     replays it); block ids are salted digests of kvtier keys (the salt in ``<path>.salt``)."""
@@ -43,11 +44,14 @@ class VllmSettings:
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> VllmSettings:
         s = Section(data, "vllm")
-        settings = cls(
+        planner = PlannerSettings(
             blocks_per_slot=s.integer("blocks_per_slot", 1, minimum=1, maximum=1024),
             store_generated=s.boolean("store_generated", False),
             async_loads=s.boolean("async_loads", False),
             stats_path=s.optional_file_path("stats_path"),
+        )
+        settings = cls(
+            planner=planner,
             kv_cache_layout=s.string("kv_cache_layout", BLOCK_OUTERMOST_LAYOUT),
             trace_path=s.optional_file_path("trace_path"),
             window_boundary_blocks=s.integer("window_boundary_blocks", 0, minimum=0),

@@ -13,16 +13,17 @@ derives from it).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from kvtier.copy.base import CopyBackend
-from kvtier.engine.backends import cuda_layout, make_backend
+from kvtier.copy.base import BackendSetup, CopyBackend
+from kvtier.engine.backends import make_backend
 from kvtier.engine.copier import FAULT_ENV, Copier
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
 
-__all__ = ["FAULT_ENV", "WorkerSide", "cuda_layout", "make_backend"]
+__all__ = ["FAULT_ENV", "WorkerSide", "make_backend"]
 
 
 class WorkerSide(Copier):
@@ -30,13 +31,8 @@ class WorkerSide(Copier):
     engine-neutral ``kvtier.engine.backends.make_backend``, re-exported: vLLM's tensors need no
     translation)."""
 
-    def __init__(
-        self, blocks_per_slot: int, tp_rank: int, tp_size: int, copy_options: Any = None
-    ) -> None:
-        super().__init__(
-            blocks_per_slot, tp_rank, tp_size, copy_options, backend_factory=self._make_backend
-        )
-        self._groups: dict[int, list[Any]] = {}
+    _groups: Mapping[int, Sequence[Any]] = MappingProxyType({})
+    """A hybrid model's tensors per KV cache group (``register_groups``); none: one backend."""
 
     def register_groups(self, tensors: Mapping[int, Sequence[Any]]) -> None:
         """A hybrid model's KV tensors per KV cache group (vLLM's group index -> the group's
@@ -45,14 +41,14 @@ class WorkerSide(Copier):
         self._groups = {group: list(kv) for group, kv in tensors.items()}
         self.register([t for kv in self._groups.values() for t in kv])
 
-    def _make_backend(self, kv_caches: Sequence[Any], *rest: Any) -> CopyBackend:
+    def _new_backend(self, kv_caches: Sequence[Any], setup: BackendSetup) -> CopyBackend:
         # make_backend is looked up when the backend is built, so a replaced one (tests inject a
         # recording backend) is the one used.
         if not self._groups:
-            return make_backend(kv_caches, *rest)
+            return make_backend(kv_caches, setup)
         from kvtier.copy.grouped import GroupedCopyBackend
 
-        parts = {group: make_backend(kv, *rest) for group, kv in self._groups.items()}
+        parts = {group: make_backend(kv, setup) for group, kv in self._groups.items()}
         return GroupedCopyBackend(parts, self.blocks_per_slot)
 
     def take_meta(self) -> KVTierWorkerMetadata | None:

@@ -21,11 +21,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from kvtier import promotion as promo
-from kvtier.cache_records import LookupResult, OpenTierJob, StoreReservation, TierBinding
-from kvtier.cache_reports import CacheReports
-from kvtier.closing import close_tiers
-from kvtier.event_log import MAX_EVENTS, EventLog
+from kvtier.cache import promotion as promo
+from kvtier.cache.closing import close_tiers
+from kvtier.cache.event_log import MAX_EVENTS, EventLog
+from kvtier.cache.records import LookupResult, OpenTierJob, StoreReservation, TierBinding
+from kvtier.cache.reports import CacheReports
+from kvtier.cache.retry import FailedPromotions, RefusedWrites
+from kvtier.cache.tier_jobs import TierJobs
+from kvtier.cache.write_back import WriteBack
 from kvtier.events import POOL_TIER, EventKind
 from kvtier.keys import BlockKey
 from kvtier.metrics import CacheCounters
@@ -33,11 +36,8 @@ from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
-from kvtier.retry import FailedPromotions, RefusedWrites
-from kvtier.tier_jobs import TierJobs
 from kvtier.tiers import contract
 from kvtier.tiers.base import Tier, TierJobKind, WriteMode
-from kvtier.write_back import WriteBack
 
 __all__ = ["MAX_EVENTS", "LookupResult", "StoreReservation", "TierBinding", "TieredCache"]
 
@@ -105,8 +105,8 @@ class TieredCache(CacheReports):
 
         Not final while a promotion of the next keys from a secondary tier is in flight (this call
         starts one when a tier has them and reading is expected to beat computing,
-        ``kvtier.promotion``), while a tier cannot tell yet, or while one of the hit keys is being
-        loaded for another request (loading it twice would waste engine memory: ask again once
+        ``kvtier.cache.promotion``), while a tier cannot tell yet, or while one of the hit keys is
+        being loaded for another request (loading it twice would waste engine memory: ask again once
         that load finished and the engine's own prefix cache has it). ``owner`` (the request)
         keeps the blocks promoted for it pinned until its ``prepare_load`` or ``forget``, and
         stops its wait at a deadline; without one, promoted blocks are not held.

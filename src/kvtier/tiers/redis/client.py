@@ -36,9 +36,9 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError
-from kvtier.tiers import redis_deadline
-from kvtier.tiers.redis_options import Options, masked_url
-from kvtier.tiers.redis_wire import ProtocolError
+from kvtier.tiers.redis import deadline as redis_deadline
+from kvtier.tiers.redis.options import Options, masked_url
+from kvtier.tiers.redis.wire import ProtocolError
 
 log = logging.getLogger("kvtier.tiers.redis")
 

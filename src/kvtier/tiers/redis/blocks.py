@@ -22,14 +22,14 @@ from redis.exceptions import ResponseError
 
 from kvtier.keys import BlockKey
 from kvtier.pool import HostPool
-from kvtier.tiers import redis_wire
 from kvtier.tiers.block_tier import Got, Put, Views
 from kvtier.tiers.payload import HEADER_BYTES
-from kvtier.tiers.redis_client import BlockValue, Client
-from kvtier.tiers.redis_health import Count, Health
-from kvtier.tiers.redis_keys import KeySpace
-from kvtier.tiers.redis_options import Options
-from kvtier.tiers.redis_presence import Presence, clock, present_until
+from kvtier.tiers.redis import wire as redis_wire
+from kvtier.tiers.redis.client import BlockValue, Client
+from kvtier.tiers.redis.health import Count, Health
+from kvtier.tiers.redis.keys import KeySpace
+from kvtier.tiers.redis.options import Options
+from kvtier.tiers.redis.presence import Presence, clock, present_until
 
 log = logging.getLogger("kvtier.tiers.redis")
 

@@ -16,13 +16,13 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.copy.base import CopyJob, CopyResults
-from kvtier.copy.cuda_executor import Program
+from kvtier.copy.cuda.executor import Program
 
 
 @dataclass(slots=True)
 class Transfer:
     job: CopyJob
-    """As submitted; checked and turned into a ``cuda_plan.Plan`` when it is enqueued on the
+    """As submitted; checked and turned into a ``plan.Plan`` when it is enqueued on the
     device."""
     layerwise: bool
     after: int

@@ -1,4 +1,4 @@
-"""What the CUDA backend's copy strategies (``cuda_dma``, ``cuda_direct``, ``cuda_staged``) share:
+"""What the CUDA backend's copy strategies (``dma``, ``direct``, ``staged``) share:
 the interface the backend drives and the recorded steps several of them take.
 
 A strategy never makes a CUDA call: it records the calls of one transfer into the ``Recorder`` it
@@ -13,10 +13,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
 
-from kvtier.copy.cuda_executor import Recorder
-from kvtier.copy.cuda_plan import Plan
-from kvtier.copy.cuda_queue import Transfer
-from kvtier.copy.cuda_resources import EventPool, StagingRing, StreamPool
+from kvtier.copy.cuda.executor import Recorder
+from kvtier.copy.cuda.plan import Plan
+from kvtier.copy.cuda.queue import Transfer
+from kvtier.copy.cuda.resources import EventPool, StagingRing, StreamPool
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)

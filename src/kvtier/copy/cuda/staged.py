@@ -16,7 +16,7 @@ A staged transfer moves its blocks in chunks through the device staging buffers 
 At the end of a STORE ``main`` waits for every lane. Six ops per chunk, so 512 blocks in about ten
 chunks are some sixty ops, with a kernel parameter block and a copy list per chunk: computed in
 Python they took most of a staged submit (0.3-1 ms on the H100 leases' CPUs), so
-``kvx_plan_staged`` in ``cuda_executor.c`` writes them, in one pass over the blocks. Where that
+``kvx_plan_staged`` in ``executor.c`` writes them, in one pass over the blocks. Where that
 C file cannot be built the strategy is not available (``planner_missing``).
 
 Jobs of fewer than ``staged_min_blocks`` blocks and layer-wise jobs go the ``kernel`` strategy's
@@ -33,8 +33,8 @@ from itertools import accumulate
 import numpy as np
 
 from kvtier.copy.base import Direction
-from kvtier.copy.cuda_direct import KernelStrategy
-from kvtier.copy.cuda_executor import (
+from kvtier.copy.cuda.direct import KernelStrategy
+from kvtier.copy.cuda.executor import (
     ATTR_INDEX_ADDRESS,
     WORDS,
     ExecutorUnavailable,
@@ -42,19 +42,19 @@ from kvtier.copy.cuda_executor import (
     load_library,
     pointer_of,
 )
-from kvtier.copy.cuda_kernels import THREADS, WARPS
-from kvtier.copy.cuda_plan import (
+from kvtier.copy.cuda.kernels import THREADS, WARPS
+from kvtier.copy.cuda.options import CudaCopyOptions
+from kvtier.copy.cuda.plan import (
     KERNEL_CAPACITIES,
     PinnedPieces,
     Plan,
     param_bytes,
     pick_capacity,
 )
-from kvtier.copy.cuda_queue import Transfer
-from kvtier.copy.cuda_resources import EventPool, StagingRing, StreamPool
-from kvtier.copy.cuda_runtime import MemcpyAttributes
-from kvtier.copy.cuda_strategy import Strategy, hand_over, retire, take_lanes
-from kvtier.copy.options import CudaCopyOptions
+from kvtier.copy.cuda.queue import Transfer
+from kvtier.copy.cuda.resources import EventPool, StagingRing, StreamPool
+from kvtier.copy.cuda.runtime import MemcpyAttributes
+from kvtier.copy.cuda.strategy import Strategy, hand_over, retire, take_lanes
 
 STAGE_RAMP_GROWTH = 4
 """Each ramp chunk is this many times the one before: the kernel moves a chunk about ten times
@@ -112,7 +112,7 @@ PLAN_FIELDS = (
     *("ops", "params", "kernel_params", "copy_dsts", "copy_srcs", "copy_sizes"),
     *("pin_base", "pin_step"),
 )
-"""``StagedPlan`` of ``cuda_executor.c``: every field is 8 bytes, so it is passed as uint64
+"""``StagedPlan`` of ``executor.c``: every field is 8 bytes, so it is passed as uint64
 words in this order."""
 
 
@@ -198,7 +198,7 @@ def plan_staged(
 
 
 def planner_missing() -> str:
-    """Why the native planner (``cuda_executor.c``) cannot run ('' if it can)."""
+    """Why the native planner (``executor.c``) cannot run ('' if it can)."""
     try:
         load_library()
     except ExecutorUnavailable as exc:

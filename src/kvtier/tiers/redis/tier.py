@@ -23,16 +23,16 @@ What callers may rely on (besides the ``Tier`` contract):
   deleted and reported. Only keys under this tier's ``<key_prefix>:<namespace>:`` are ever
   deleted.
 * Connection errors and timeouts mark the tier unhealthy, and so do
-  ``redis_health.PROTOCOL_ERRORS_UNHEALTHY`` replies in a row that are no valid RESP (another
+  ``health.PROTOCOL_ERRORS_UNHEALTHY`` replies in a row that are no valid RESP (another
   program on the port, a broken or hostile server): ``lookup`` answers ``False`` at once, new
   jobs fail at once (counted in ``rejected`` for writes, ``errors`` for reads), and a
   background probe (``PING``, which must answer ``PONG``, with capped exponential backoff)
   marks it healthy again by itself. The presence cache is dropped then (the server may have
   restarted empty).
 * Every command on the network (a pipelined batch counts as one: connect, send, every reply)
-  has one total deadline of ``timeout_s``, enforced by ``redis_deadline``: a server that
+  has one total deadline of ``timeout_s``, enforced by ``deadline``: a server that
   trickles its replies fails the command at its deadline, and the job is reported. Nothing
-  read is allocated from a length the server sent (``redis_wire``). Nothing retries in a loop
+  read is allocated from a length the server sent (``wire``). Nothing retries in a loop
   but the probe. Wrong credentials, ACL denials and TLS failures at start raise ``ConfigError``
   (password masked); an unreachable server (or another program on the port) at start only
   starts the tier unhealthy.
@@ -48,10 +48,10 @@ pipelined round trip each, on ``io_threads`` threads that keep one connection ea
 ``thread_state``), reads ahead of writes; ``EXISTS`` checks and ``DEL`` of corrupt values run on
 the skeleton's aside thread, never behind block batches; the health gate is the server's health,
 and ``close`` cuts off commands still running at ``timeout_s``. The work is done by one module per
-concern: ``redis_options`` (options), ``redis_keys`` (key naming), ``redis_presence`` (the
-presence cache), ``redis_health`` (start, probe, health thread, failed commands),
-``redis_blocks`` (one pipelined round trip of a batch), ``redis_wire`` (the standalone data path
-and reply parser), ``redis_client`` (redis-py clients and error sorting) and ``redis_deadline``
+concern: ``options`` (options), ``keys`` (key naming), ``presence`` (the
+presence cache), ``health`` (start, probe, health thread, failed commands),
+``blocks`` (one pipelined round trip of a batch), ``wire`` (the standalone data path
+and reply parser), ``client`` (redis-py clients and error sorting) and ``deadline``
 (the total deadline per command).
 """
 
@@ -69,15 +69,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers import redis_wire
 from kvtier.tiers.block_tier import BlockTier, Got, Put, Views
-from kvtier.tiers.redis_blocks import BlockStore, Parts
-from kvtier.tiers.redis_client import Client, close_client, is_timeout
-from kvtier.tiers.redis_deadline import Watchdog
-from kvtier.tiers.redis_health import Health
-from kvtier.tiers.redis_keys import KeySpace
-from kvtier.tiers.redis_options import Options
-from kvtier.tiers.redis_presence import Presence, clock
+from kvtier.tiers.redis import wire as redis_wire
+from kvtier.tiers.redis.blocks import BlockStore, Parts
+from kvtier.tiers.redis.client import Client, close_client, is_timeout
+from kvtier.tiers.redis.deadline import Watchdog
+from kvtier.tiers.redis.health import Health
+from kvtier.tiers.redis.keys import KeySpace
+from kvtier.tiers.redis.options import Options
+from kvtier.tiers.redis.presence import Presence, clock
 
 __all__ = ["CLOSE_ABORT_S", "Options", "RedisTier"]
 
@@ -92,16 +92,21 @@ T = TypeVar("T")
 RoundTrip = Callable[[Client, redis_wire.Lane], T]
 
 
+RedisOptions = Options
+"""``Options`` under a name the tier class's ``Options`` attribute does not hide."""
+
+
 class RedisTier(BlockTier):
     """Blocks in Redis / Valkey; see the module docstring (options: ``Options`` here)."""
 
     kind = "redis"
+    Options = Options
     cut_off_grace_s = CLOSE_ABORT_S
 
     def __init__(
-        self, name: str, namespace: Namespace, pool: HostPool, options: Options | None = None
+        self, name: str, namespace: Namespace, pool: HostPool, options: RedisOptions | None = None
     ) -> None:
-        opts = options if options is not None else Options()
+        opts = options if options is not None else RedisOptions()
         super().__init__(
             name,
             namespace,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Container, Sequence
 
+from kvtier.cache.retry import Backoff
 from kvtier.keys import BlockKey
-from kvtier.retry import Backoff
 
 log = logging.getLogger(__name__)
 

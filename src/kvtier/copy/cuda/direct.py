@@ -1,4 +1,4 @@
-"""The ``kernel`` strategy: the gather/scatter kernel (``cuda_kernels``) reading and writing the
+"""The ``kernel`` strategy: the gather/scatter kernel (``kernels``) reading and writing the
 pinned pool directly through unified addressing, no staging.
 
 It leaves the copy engines free, but GPU-initiated PCIe transactions carry fewer bytes each
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.copy.cuda_executor import Recorder
-from kvtier.copy.cuda_kernels import THREADS, WARPS
-from kvtier.copy.cuda_plan import (
+from kvtier.copy.cuda.executor import Recorder
+from kvtier.copy.cuda.kernels import THREADS, WARPS
+from kvtier.copy.cuda.plan import (
     KERNEL_CAPACITIES,
     KVGeometry,
     Plan,
@@ -22,9 +22,9 @@ from kvtier.copy.cuda_plan import (
     pick_capacity,
     with_region_begins,
 )
-from kvtier.copy.cuda_queue import Transfer
-from kvtier.copy.cuda_resources import EventPool, PinnedPool
-from kvtier.copy.cuda_strategy import Strategy, layer_done
+from kvtier.copy.cuda.queue import Transfer
+from kvtier.copy.cuda.resources import EventPool, PinnedPool
+from kvtier.copy.cuda.strategy import Strategy, layer_done
 
 
 def kernel_unavailable(
@@ -56,7 +56,7 @@ class KernelStrategy(Strategy):
         events: EventPool,
     ) -> None:
         """``functions``: the compiled kernel per parameter capacity; ``region_table``: the
-        device address of the engine's region table (``cuda_plan.region_table``)."""
+        device address of the engine's region table (``plan.region_table``)."""
         self.geometry = geometry
         self.functions = functions
         self.region_table = region_table

@@ -7,14 +7,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvtier import invariants
-from kvtier.event_log import EventLog
+from kvtier.cache import invariants
+from kvtier.cache.event_log import EventLog
+from kvtier.cache.tier_jobs import TierJobs
 from kvtier.events import POOL_TIER, CacheEvent
 from kvtier.keys import BlockKey
 from kvtier.metrics import CacheCounters, CacheStats
 from kvtier.policies.base import EvictionPolicy
 from kvtier.pool import HostPool
-from kvtier.tier_jobs import TierJobs
 from kvtier.tiers.base import Tier
 
 
@@ -75,7 +75,7 @@ class CacheReports:
 
     def check_invariants(self, settled: bool = False) -> None:
         """Raise ``AssertionError`` naming the first broken slot or pin invariant (for tests and
-        soaks: it walks every slot). See ``kvtier.invariants.check``."""
+        soaks: it walks every slot). See ``kvtier.cache.invariants.check``."""
         state = invariants.CacheState(
             num_slots=self._pool.num_slots,
             visible=self._index,

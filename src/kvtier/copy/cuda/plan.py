@@ -30,7 +30,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -418,7 +418,7 @@ def pack_params(
 ) -> None:
     """Write one launch's ``Params<capacity>`` into ``buf`` (uint8, at least ``param_bytes``).
 
-    The layout matches the ``Params`` struct in ``cuda_kernels``: u64 region table address,
+    The layout matches the ``Params`` struct in ``kernels``: u64 region table address,
     i64 piece bytes, i32 region_begin, n_regions, n_blocks, to_host, then the two arrays.
     """
     n = len(engine_blocks)
@@ -472,3 +472,25 @@ def emulate_kernel(
             move(host, dev, piece)
         else:
             move(dev, host, piece)
+
+
+def cuda_layout(kv_caches: Sequence[Any]) -> KVLayout:
+    """Which layout an engine's per-layer CUDA tensors have (the backend checks their strides):
+    vLLM 0.32's ``[num_blocks, kv_heads, block_size, K + V]`` views, in whichever
+    ``KVCacheLayout`` order, and FlashInfer's older ``[num_blocks, 2, ...]`` are
+    ``LAYER_BLOCKS_FIRST``; FlashAttention's older ``[2, num_blocks, ...]`` is
+    ``LAYER_KV_FIRST``."""
+    shapes = {tuple(t.shape) for t in kv_caches}
+    if len(shapes) != 1:
+        raise ValueError(f"KV tensors of different shapes: {sorted(shapes)}")
+    shape = next(iter(shapes))
+    if len(shape) == 4:
+        return KVLayout.LAYER_BLOCKS_FIRST
+    if len(shape) == 5 and shape[0] == 2 and shape[1] != 2:
+        return KVLayout.LAYER_KV_FIRST
+    if len(shape) == 5 and shape[1] == 2 and shape[0] != 2:
+        return KVLayout.LAYER_BLOCKS_FIRST
+    raise ValueError(
+        f"unrecognised per-layer KV shape {shape} (want [blocks, heads, tokens, K+V], "
+        "[2, blocks, ...] or [blocks, 2, ...])"
+    )

@@ -252,7 +252,7 @@ void kvx_close(void *handle) {
 
 /* -- staged plans ------------------------------------------------------------------------------
  *
- * The ops of a staged transfer's chunks (see cuda_staged.py for the pipeline), with each chunk's
+ * The ops of a staged transfer's chunks (see staged.py for the pipeline), with each chunk's
  * kernel parameters and copy list, written in one pass: in Python the same took 40 numpy calls
  * and most of a staged submit. Pure arithmetic: no CUDA call, no allocation. */
 
@@ -320,7 +320,7 @@ int64_t kvx_plan_staged(const StagedPlan *p) {
         const uint64_t hand = p->events[k], freed = p->events[p->n_chunks + k];
         const uint64_t wait = k >= p->n_buffers ? p->events[p->n_chunks + k - p->n_buffers]
                                                 : p->buffer_free[buffer];
-        /* Params<capacity>: see cuda_kernels.py and cuda_plan.pack_params. */
+        /* Params<capacity>: see kernels.py and plan.pack_params. */
         uint8_t *row = p->params + k * p->param_bytes;
         int32_t header[4] = {0, (int32_t)p->n_regions, (int32_t)count, (int32_t)p->to_host};
         memcpy(row, &p->region_table, 8);

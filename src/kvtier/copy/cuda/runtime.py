@@ -189,7 +189,7 @@ class CudaRuntime:
     @property
     def batch_entry_point(self) -> Any:
         """The bound ``cudaMemcpyBatchAsync`` (None before CUDA 12.8): the native executor calls
-        it by address (``cuda.executor_functions``)."""
+        it by address (``executor.executor_functions``)."""
         return self._batch
 
     # -- errors ---------------------------------------------------------------------------------

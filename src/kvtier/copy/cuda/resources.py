@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvtier.copy.cuda_plan import ONE_PIECE, PinnedPieces
-from kvtier.copy.cuda_runtime import (
+from kvtier.copy.cuda.plan import ONE_PIECE, PinnedPieces
+from kvtier.copy.cuda.runtime import (
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     CUDA_SUCCESS,
     CudaError,

@@ -30,8 +30,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvtier.tiers import redis_deadline
 from kvtier.tiers.iovec import advance
+from kvtier.tiers.redis import deadline as redis_deadline
 
 _BUFFER = 64 * 1024
 _MAX_LINE = 64 * 1024

@@ -1,12 +1,12 @@
 """The CUDA copy backend: engine KV blocks on an NVIDIA GPU <-> the pinned shared host pool.
 
 ``submit`` notes what the copy must wait for on the GPU (the caller's current stream, or its
-``after=`` event) and queues the transfer (``cuda_queue``); while the device has room the transfer
-is planned at once: checked, and its CUDA calls recorded by its strategy (``cuda_dma``,
-``cuda_staged``, ``cuda_direct``: one chosen at registration, ``cuda_strategy``) into a program
-that the executor's native thread (``cuda_executor``) makes without the GIL. No CUDA call runs on
+``after=`` event) and queues the transfer (``queue``); while the device has room the transfer
+is planned at once: checked, and its CUDA calls recorded by its strategy (``dma``,
+``staged``, ``direct``: one chosen at registration, ``strategy``) into a program
+that the executor's native thread (``executor``) makes without the GIL. No CUDA call runs on
 the engine's thread and no number of outstanding transfers fills a CUDA queue. Streams, events,
-the pinned pool and the staging buffers (``cuda_resources``) are created at registration and go
+the pinned pool and the staging buffers (``resources``) are created at registration and go
 back to their pools when ``poll`` or ``wait`` sees a transfer finished, on every path: a transfer
 that failed while enqueueing stays in flight, marked failed, until what it enqueued drained, so a
 slot is never freed while a copy may still touch it.
@@ -24,7 +24,6 @@ the measurements behind them.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections import deque
@@ -33,28 +32,30 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.copy.base import CopyBackend, CopyJob, CopyResults
-from kvtier.copy.cuda_direct import KernelStrategy, kernel_unavailable
-from kvtier.copy.cuda_dma import DmaStrategy
-from kvtier.copy.cuda_executor import (
+from kvtier.copy.base import BackendSetup, CopyBackend, CopyJob, CopyResults
+from kvtier.copy.cuda.direct import KernelStrategy, kernel_unavailable
+from kvtier.copy.cuda.dma import DmaStrategy
+from kvtier.copy.cuda.executor import (
     Executor,
-    ExecutorFunctions,
     ExecutorUnavailable,
     Program,
     ProgramState,
     Recorder,
+    executor_functions,
 )
-from kvtier.copy.cuda_plan import (
+from kvtier.copy.cuda.options import DEFAULT_MAX_SMS, CudaCopyOptions
+from kvtier.copy.cuda.plan import (
     KVGeometry,
     KVLayout,
     Plan,
+    cuda_layout,
     describe_kv,
     merge_regions,
     plan_job,
     region_table,
 )
-from kvtier.copy.cuda_queue import Transfer, TransferQueue
-from kvtier.copy.cuda_resources import (
+from kvtier.copy.cuda.queue import Transfer, TransferQueue
+from kvtier.copy.cuda.resources import (
     EventPool,
     PinnedPool,
     ResourceStats,
@@ -64,16 +65,15 @@ from kvtier.copy.cuda_resources import (
     open_rings,
     ring_events,
 )
-from kvtier.copy.cuda_runtime import (
+from kvtier.copy.cuda.runtime import (
     CudaError,
     CudaRuntime,
     event_handle,
     memcpy_attributes,
     runtime,
 )
-from kvtier.copy.cuda_staged import StagedStrategy, planner_missing
-from kvtier.copy.cuda_strategy import Strategy, choose_strategy, retire
-from kvtier.copy.options import DEFAULT_MAX_SMS, CudaCopyOptions
+from kvtier.copy.cuda.staged import StagedStrategy, planner_missing
+from kvtier.copy.cuda.strategy import Strategy, choose_strategy, retire
 from kvtier.pool import HostPool
 
 __all__ = ["CudaCopyBackend", "CudaCopyOptions", "PinnedPool", "ResourceStats"]
@@ -81,33 +81,29 @@ __all__ = ["CudaCopyBackend", "CudaCopyOptions", "PinnedPool", "ResourceStats"]
 log = logging.getLogger(__name__)
 
 
-def executor_functions(rt: CudaRuntime) -> ExecutorFunctions:
-    """The runtime's entry points the native executor calls, as addresses."""
-
-    def address(fn: Any) -> int:
-        return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
-
-    batch = rt.batch_entry_point
-    return ExecutorFunctions(
-        address(rt.cudaSetDevice),
-        address(rt.cudaStreamWaitEvent),
-        address(rt.cudaEventRecord),
-        address(rt.cudaMemcpyAsync),
-        address(batch) if batch is not None else 0,
-        address(rt.cuLaunchKernel),
-        address(rt.cudaStreamSynchronize),
-    )
-
-
 class CudaCopyBackend(CopyBackend):
     """Copies between an engine's KV tensors on one CUDA device and pool slots.
 
-    ``kv_caches``: the engine's KV tensors in the given ``layout`` (see ``cuda_plan``). Each slot
+    ``kv_caches``: the engine's KV tensors in the given ``layout`` (see ``plan``). Each slot
     holds ``blocks_per_slot`` engine blocks; with tensor parallelism rank ``tp_rank`` owns part
     ``tp_rank`` of ``tp_size`` of each slot.
     """
 
     kind = "cuda"
+
+    @classmethod
+    def create(cls, kv_caches: Sequence[Any], setup: BackendSetup) -> CudaCopyBackend:
+        """The layout recognised from the tensors' shapes (``cuda_layout``), the options from the
+        config's ``copy`` section and ``pool.allow_pageable``."""
+        return cls(
+            kv_caches,
+            cuda_layout(kv_caches),
+            setup.pool,
+            CudaCopyOptions.from_copy(setup.copy, setup.allow_pageable),
+            blocks_per_slot=setup.blocks_per_slot,
+            tp_rank=setup.tp_rank,
+            tp_size=setup.tp_size,
+        )
 
     def __init__(
         self,
@@ -269,7 +265,7 @@ class CudaCopyBackend(CopyBackend):
         return ""
 
     def _compile_kernels(self) -> Any:
-        from kvtier.copy.cuda_kernels import CopyKernels
+        from kvtier.copy.cuda.kernels import CopyKernels
 
         return CopyKernels.compile()
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from kvtier.tiers import redis_wire
-from kvtier.tiers.redis_client import (
+from kvtier.tiers.redis import wire as redis_wire
+from kvtier.tiers.redis.client import (
     Client,
     build_client,
     close_client,
@@ -33,10 +33,10 @@ from kvtier.tiers.redis_client import (
     is_timeout,
     is_unreachable,
 )
-from kvtier.tiers.redis_deadline import Watchdog
-from kvtier.tiers.redis_keys import KeySpace
-from kvtier.tiers.redis_options import Options, masked_url
-from kvtier.tiers.redis_presence import Presence
+from kvtier.tiers.redis.deadline import Watchdog
+from kvtier.tiers.redis.keys import KeySpace
+from kvtier.tiers.redis.options import Options, masked_url
+from kvtier.tiers.redis.presence import Presence
 
 log = logging.getLogger("kvtier.tiers.redis")
 

@@ -7,14 +7,14 @@ in both directions. Loads and stores are cache-streaming (``__ldcs``/``__stcs``:
 touched once): measured on an H200, a staged STORE (gather into the staging buffer while the copy
 engine drains the other one) went from 96.0% to 98.0% of a contiguous copy (presumably the copy
 engine competes less with the kernel for L2). (A staged LOAD's 96% was not the kernel's doing:
-see ``cuda_resources.StagingRing``.)
+see ``resources.StagingRing``.)
 
 The host side is addressed through unified virtual addressing: the pool's
 mmap is registered with ``cudaHostRegisterMapped``, and on 64-bit Linux the device sees it at the
 same address (checked at registration).
 
 The per-launch block list travels by value in the kernel parameters (``Params<CAP>``, see
-``cuda_plan.pack_params``); the region table is a small device array written once at registration.
+``plan.pack_params``); the region table is a small device array written once at registration.
 So a launch needs no staging buffer and nothing to free afterwards.
 
 Compiled at first use with NVRTC through CuPy (``cupy.RawModule``), launched with ``cuLaunchKernel``
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.copy.cuda_plan import KERNEL_CAPACITIES
+from kvtier.copy.cuda.plan import KERNEL_CAPACITIES
 
 THREADS = 512
 WARPS = THREADS // 32

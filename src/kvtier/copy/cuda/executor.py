@@ -1,4 +1,4 @@
-"""The copy backend's native executor thread (``cuda_executor.c``) and the recorder that feeds it.
+"""The copy backend's native executor thread (``executor.c``) and the recorder that feeds it.
 
 The backend plans a transfer on the caller's thread and *records* its CUDA calls (stream waits,
 event records, copies, launches) into a ``Program`` instead of making them; the executor's thread,
@@ -7,7 +7,7 @@ between every two CUDA calls, and a busy engine thread hands the GIL over only e
 interval; each hand-over stalled the engine's thread by 0.1-0.6 ms on an H100 host (two thread
 wake-ups), and the Python thread got one CUDA call through per 5 ms.
 
-The same C file plans staged transfers (``kvx_plan_staged``, see ``cuda_staged``). It is compiled
+The same C file plans staged transfers (``kvx_plan_staged``, see ``staged``). It is compiled
 with the system C compiler on first use (like the copy kernel with NVRTC) into
 ``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``, created 0700), once per source version; a
 cached file is loaded only when nobody else could have written it (see ``load_library``).
@@ -35,11 +35,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvtier.copy.cuda_runtime import CudaError
+from kvtier.copy.cuda.runtime import CudaError, CudaRuntime
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cuda_executor.c")
+SOURCE = Path(__file__).with_name("executor.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 WORDS = 8
 """uint64 words per recorded op: the op code, then up to seven arguments."""
@@ -86,7 +86,7 @@ class Program:
     """One transfer's recorded CUDA calls, run by the executor or replayed on the caller's
     thread: the same ops, in the same order, with the same failure handling.
 
-    An op is ``WORDS`` uint64 words, the op code then its arguments, as ``cuda_executor.c``
+    An op is ``WORDS`` uint64 words, the op code then its arguments, as ``executor.c``
     reads them; pointers in them point into arrays ``keep`` holds."""
 
     parts: list[np.ndarray | array[int]] = field(default_factory=list)
@@ -443,3 +443,21 @@ class Executor:
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None:  # (not when __init__ failed)
             self.close()  # its thread may still be reading programs only this object holds
+
+
+def executor_functions(rt: CudaRuntime) -> ExecutorFunctions:
+    """The runtime's entry points the native executor calls, as addresses."""
+
+    def address(fn: Any) -> int:
+        return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+    batch = rt.batch_entry_point
+    return ExecutorFunctions(
+        address(rt.cudaSetDevice),
+        address(rt.cudaStreamWaitEvent),
+        address(rt.cudaEventRecord),
+        address(rt.cudaMemcpyAsync),
+        address(batch) if batch is not None else 0,
+        address(rt.cuLaunchKernel),
+        address(rt.cudaStreamSynchronize),
+    )

@@ -6,8 +6,8 @@ Layout: ``<path>/<namespace hex>/<first two hex digits of key>/<key hex>.kvb``. 
 
 ``FsTier`` is a ``BlockTier`` (``block_tier.py``: validation, header and checksum, corrupt ->
 drop, pins, counters, fan-out to I/O threads) whose storage is this module's ``exists`` / ``put``
-/ ``get`` / ``delete``; the file primitives are in ``fs_files.py``, the index and capacity
-accounting in ``fs_index.py``, the options in ``fs_options.py``.
+/ ``get`` / ``delete``; the file primitives are in ``files.py``, the index and capacity
+accounting in ``index.py``, the options in ``options.py``.
 
 What callers may rely on (besides the ``Tier`` contract):
 
@@ -17,7 +17,7 @@ What callers may rely on (besides the ``Tier`` contract):
   file is removed and the key reported through ``take_evicted``.
 * The bytes of the files this tier knows plus those reserved by in-flight writes never exceed
   ``capacity`` (headers included). Blocks are evicted to make room in the order of the
-  ``eviction`` policy (``lru`` by default; ``fs_index.py``); a block that an in-flight job reads
+  ``eviction`` policy (``lru`` by default; ``index.py``); a block that an in-flight job reads
   or writes is never evicted.
 * Disk full: the tier also stays below the space the filesystem really has. Its limit is
   ``min(capacity, used + free - min_free)``, with the free space re-read at most once a second and
@@ -45,7 +45,7 @@ from the directory at start (the newest files up to its capacity; older ones are
 enforced by each process over the files it knows, so give each process sharing a disk its share of
 it. A process deletes only its own files (those it wrote or found at start): a file a rescan found
 is forgotten when room is needed, never deleted, so a smaller share never eats a larger one
-(``fs_index.py``). A file this process cannot delete (another user's, a read-only directory) is
+(``index.py``). A file this process cannot delete (another user's, a read-only directory) is
 forgotten, no longer counted and not indexed again by ``rescan``.
 """
 
@@ -60,12 +60,12 @@ from concurrent.futures import Future
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.redaction import printable
-from kvtier.tiers import fs_files
 from kvtier.tiers.block_tier import BlockTier, Got, Put
 from kvtier.tiers.eviction import count_errors_in, tier_policy
-from kvtier.tiers.fs_files import FULL_ERRNOS, BlockFiles, Found, NotRegular
-from kvtier.tiers.fs_index import FsIndex, Victims
-from kvtier.tiers.fs_options import Options
+from kvtier.tiers.fs import files
+from kvtier.tiers.fs.files import FULL_ERRNOS, BlockFiles, Found, NotRegular
+from kvtier.tiers.fs.index import FsIndex, Victims
+from kvtier.tiers.fs.options import Options
 from kvtier.tiers.payload import HEADER_BYTES
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,17 @@ MAX_VICTIM_ROUNDS = 8
 __all__ = ["FsTier", "Options"]
 
 
+FsOptions = Options
+"""``Options`` under a name the tier class's ``Options`` attribute does not hide."""
+
+
 class FsTier(BlockTier):
     """Blocks as files on a local or shared filesystem; see the module docstring."""
 
     kind = "fs"
+    Options = Options
 
-    def __init__(self, name: str, namespace: Namespace, pool: HostPool, options: Options) -> None:
+    def __init__(self, name: str, namespace: Namespace, pool: HostPool, options: FsOptions) -> None:
         file_bytes = HEADER_BYTES + pool.slot_bytes
         policy = tier_policy(
             options.eviction, options.capacity // file_bytes, f"{options.config_path}.eviction"
@@ -110,7 +115,7 @@ class FsTier(BlockTier):
         self._free_at = -FREE_SPACE_REFRESH_S
         self._root_fd = -1
         try:
-            self._root_fd = fs_files.open_root(
+            self._root_fd = files.open_root(
                 options.path,
                 self.root,
                 options.dir_mode,
@@ -150,7 +155,7 @@ class FsTier(BlockTier):
             # Size first: a truncated or grown file is rejected without reading it.
             if os.fstat(fd).st_size != self._file_bytes:
                 return Got.DAMAGED
-            return Got.FOUND if fs_files.read_exact(fd, [header, payload]) else Got.DAMAGED
+            return Got.FOUND if files.read_exact(fd, [header, payload]) else Got.DAMAGED
         except OSError:
             return Got.FAILED
         finally:
@@ -328,7 +333,7 @@ class FsTier(BlockTier):
                 "fs tier %s: cannot remove %s; files this process cannot delete are left alone "
                 "and not counted",
                 self.name,
-                printable(os.path.join(self.root, *fs_files.names(key))),
+                printable(os.path.join(self.root, *files.names(key))),
             )
 
     def _refresh_limit(self, force: bool = False) -> None:

@@ -6,14 +6,14 @@ import contextlib
 import math
 from typing import Any
 
+from kvtier.cache.manager import TierBinding, TieredCache
+from kvtier.cache.promotion import PromotionSettings
 from kvtier.config import KVTierConfig, TierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
-from kvtier.manager import TierBinding, TieredCache
 from kvtier.policies import make_policy
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.pool import HostPool, ShmDirError, slot_stride
-from kvtier.promotion import PromotionSettings
 from kvtier.registry import describe
 from kvtier.tiers import Tier, contract, tier_class
 from kvtier.validation import format_size
@@ -43,10 +43,10 @@ def build_tier(tier_config: TierConfig, namespace: Namespace, pool: HostPool, fi
     is a ``ConfigError`` for ``field``."""
     cls = tier_class(tier_config.kind, field)
     if cls.__module__.startswith("kvtier."):
-        tier: Tier = cls(tier_config.name, namespace, pool, tier_config.options)
+        tier: Tier = cls.create(tier_config.name, namespace, pool, tier_config.options)
         return tier
     try:
-        tier = cls(tier_config.name, namespace, pool, tier_config.options)
+        tier = cls.create(tier_config.name, namespace, pool, tier_config.options)
     except (KeyboardInterrupt, ConfigError):
         raise
     except BaseException as exc:  # SystemExit included: a plugin does not end kvtier

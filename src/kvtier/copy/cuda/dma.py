@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.copy.cuda_executor import Recorder
-from kvtier.copy.cuda_plan import (
+from kvtier.copy.cuda.executor import Recorder
+from kvtier.copy.cuda.plan import (
     CopyList,
     KVGeometry,
     PinnedPieces,
@@ -21,10 +21,10 @@ from kvtier.copy.cuda_plan import (
     copy_list,
     merge_regions,
 )
-from kvtier.copy.cuda_queue import Transfer
-from kvtier.copy.cuda_resources import EventPool, StreamPool
-from kvtier.copy.cuda_runtime import MemcpyAttributes
-from kvtier.copy.cuda_strategy import Strategy, hand_over, layer_done, take_lanes
+from kvtier.copy.cuda.queue import Transfer
+from kvtier.copy.cuda.resources import EventPool, StreamPool
+from kvtier.copy.cuda.runtime import MemcpyAttributes
+from kvtier.copy.cuda.strategy import Strategy, hand_over, layer_done, take_lanes
 
 
 class DmaStrategy(Strategy):

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
 from kvtier.tiers.eviction import victims_for
-from kvtier.tiers.fs_files import Found
+from kvtier.tiers.fs.files import Found
 
 MAX_UNDELETABLE = 65536
 """Keys remembered as undeletable (so rescans do not index them again); oldest forgotten first."""

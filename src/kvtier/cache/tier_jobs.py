@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvtier.cache_records import OpenTierJob
+from kvtier.cache.records import OpenTierJob
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import Tier, TierJob, TierJobKind
 
