@@ -53,6 +53,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("cli.py", "main", "os.open"): "/dev/null, by its fixed name, over a stdout closed early",
     ("engine/planner.py", "Planner.after_alloc", ".open"): "JobLedger.open: a copy job",
     ("engine/planner.py", "Planner._store_order", ".open"): "JobLedger.open: a copy job",
+    ("engine/hybrid.py", "HybridPlanner._store_order", ".open"): "JobLedger.open: a copy job",
     ("sim/sweep.py", "write_json", ".write_text"): (
         "an output file the user named (--sweep-json), written where asked like --sweep-png"
     ),
