@@ -5,7 +5,7 @@ pins and eviction are the shared ones (``SharedIndex``), and this object keeps o
 engine's own: its pins per key (the index keeps one bit per engine), its reservations, and the
 index calls that must be retried because the lock could not be had in time (an unpin or a
 publication waits for the next step; it never blocks the engine). No secondary tier sits behind a
-shared pool yet (``factory`` refuses the combination).
+shared pool yet (``factory.build_shared_cache`` refuses the combination).
 """
 
 from __future__ import annotations
