@@ -11,12 +11,12 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from support import require
+from support.health import wait_until_healthy
 from support.ports import free_port
 
 pytestmark = [
@@ -66,17 +66,7 @@ def test_the_documented_cpu_server_commands_run(tmp_path: Path) -> None:
         )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-5000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-5000:]
-            time.sleep(1)
+        wait_until_healthy(proc, base, log_path)
         body = {
             "model": "./tiny-llama",
             "prompt": list(range(3, 3 + 70)),  # two full 32-token blocks and a few more

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from support import require
+from support.health import wait_until_healthy
 from support.ports import free_port
 
 pytestmark = [
@@ -109,17 +110,7 @@ def server(tmp_path: Path) -> Iterator[dict[str, Any]]:
         )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-5000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-5000:]
-            time.sleep(1)
+        wait_until_healthy(proc, base, log_path)
         yield {"base": base, "stats_path": stats_path, "log": log_path, "proc": proc}
     finally:
         proc.terminate()
