@@ -124,6 +124,52 @@ def test_admission_filter_stores_on_nth_offer(ns, make_pool):
     assert cache.stats().cache.store_skipped_admission == 2
 
 
+class ScriptedAdmitLRU(LRUPolicy):
+    """LRU whose ``admit_store`` answers ``answer`` and records what it was asked."""
+
+    def __init__(self, answer: int) -> None:
+        super().__init__()
+        self.answer = answer
+        self.asked: list[tuple[int, int]] = []
+
+    def admit_store(self, n: int, free: int) -> int:
+        self.asked.append((n, free))
+        return self.answer
+
+
+def test_policy_admits_only_stores_that_need_more_than_the_free_slots(ns, make_pool):
+    policy = ScriptedAdmitLRU(1)
+    cache = TieredCache(make_pool(4), policy)
+    a = keys_for(ns, 3, seed=1)
+    assert store(cache, a) == a  # fits in the free slots: not asked
+    assert policy.asked == []
+    b = keys_for(ns, 3, seed=2)
+    assert cache.prepare_store(b).keys == b[:1]  # needs 3, 1 free: the policy admits 1
+    assert policy.asked == [(3, 1)]
+    assert cache.stats().cache.store_skipped_admission == 2
+    policy.answer = -5  # refusing everything, however it says so
+    assert cache.prepare_store(keys_for(ns, 2, seed=3)).keys == []
+    assert cache.stats().cache.store_skipped_admission == 4
+    policy.answer = 99  # more than asked: all of them, evicting
+    c = keys_for(ns, 2, seed=4)
+    assert store(cache, c) == c
+    assert cache.stats().cache.store_skipped_admission == 4
+
+
+def test_policy_is_asked_about_what_the_admission_filter_let_through(ns, make_pool):
+    policy = ScriptedAdmitLRU(0)
+    cache = TieredCache(make_pool(2), policy, admission=AdmissionFilter(2))
+    full = keys_for(ns, 2, seed=1)
+    cache.prepare_store(full)
+    assert store(cache, full) == full  # the second offer fills the pool (1 offer refused)
+    keys = keys_for(ns, 3, seed=2)
+    assert cache.prepare_store(keys[:1]).keys == []  # first offer: the filter's refusal
+    assert cache.prepare_store(keys).keys == []  # 1 of 3 seen twice, 0 free: policy refuses
+    assert policy.asked == [(1, 0)]
+    assert cache.stats().cache.store_skipped_admission == 2 + 1 + 3
+    assert cache.lookup(full).hits == 2
+
+
 def test_promotion_from_secondary_tier(ns, make_pool):
     pool = make_pool(8)
     tier = ScriptedTier("slow", ns, pool)

@@ -293,7 +293,7 @@ def test_engine_timing_on_the_bundled_trace_stays_above_lru() -> None:
         )
     # Without lag the engine replay is the simulate replay.
     assert engine_hit_ratio(requests, "hinted", 1000, EngineTiming()) == pytest.approx(
-        0.0906, abs=5e-5
+        0.0948, abs=5e-5
     )
 
 

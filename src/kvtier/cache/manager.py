@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvtier.cache import promotion as promo
+from kvtier.cache.admitting import admit_new
 from kvtier.cache.closing import close_tiers
 from kvtier.cache.event_log import MAX_EVENTS, EventLog
 from kvtier.cache.records import LookupResult, OpenTierJob, StoreReservation, TierBinding
@@ -210,9 +211,10 @@ class TieredCache(CacheReports):
         """Reserve slots for the keys not yet present or in flight.
 
         Keys already visible are touched instead. With an admission filter, a key is reserved only
-        on its ``min_seen``-th offer. When the pool cannot free enough unpinned slots, the leading
-        keys get the slots there are. Every returned key must later be passed to
-        ``complete_store``.
+        on its ``min_seen``-th offer; keys beyond the free slots only as far as the policy's
+        ``admit_store`` allows (``cache/admitting.py``). When the pool cannot free enough unpinned
+        slots, the leading keys get the slots there are. Every returned key must later be passed
+        to ``complete_store``.
         """
         index, inflight = self._index, self._inflight
         access = self._policy.access
@@ -228,11 +230,7 @@ class TieredCache(CacheReports):
             return StoreReservation([], [])
         if len(todo) > 1 and len(set(todo)) != len(todo):
             todo = list(dict.fromkeys(todo))
-        if self._admission is not None:
-            admit = self._admission.admit
-            admitted = [key for key in todo if admit(key)]
-            counters.store_skipped_admission += len(todo) - len(admitted)
-            todo = admitted
+        todo = admit_new(todo, self._admission, self._policy, self._pool.num_free, counters)
         slots = self._reserve(len(todo))
         if len(slots) < len(todo):
             counters.store_skipped_full += len(todo) - len(slots)

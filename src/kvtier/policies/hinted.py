@@ -47,7 +47,7 @@ from collections.abc import Container, Sequence
 from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
-from kvtier.policies.pressure import PressureGauge
+from kvtier.policies.pressure import GATE_HOLD, PressureGauge
 from kvtier.policies.reuse_rates import POSITIONS, ReuseRates, block_class, first_class
 from kvtier.policies.segments import GHOST_FACTOR, remember_evicted
 from kvtier.policies.segments import take as _take
@@ -153,8 +153,15 @@ class HintedPolicy(EvictionPolicy):
     def admit_store(self, n: int, free: int) -> int:
         """How many of ``n`` new blocks to store when the pool has ``free`` free slots: all of
         them, except under pressure, where only as many as fit in the free slots, the dead
-        blocks and the expired ones (the rest would displace conversations that come back)."""
+        blocks and the expired ones (the rest would displace conversations that come back).
+        Only while the pool serves less than the stable shadow predicts (by ``GATE_HOLD``): on
+        the bundled trace with hints 4 requests late at 300 blocks, refusing when the pool
+        already served as much fell below LRU (0.02548 against 0.02554; with the bound 0.02571).
+        """
         if not self.pressure or n <= free + len(self._dead):
+            return n
+        gauge = self.gauge
+        if gauge.served * GATE_HOLD >= gauge.stable_served:
             return n
         room = free + len(self._dead)
         expiry = self.gauge.expiry()

@@ -1,0 +1,32 @@
+"""Which new keys of a store get a pool slot: the admission filter's, then the policy's say."""
+
+from __future__ import annotations
+
+from kvtier.keys import BlockKey
+from kvtier.metrics import CacheCounters
+from kvtier.policies.admission import AdmissionFilter
+from kvtier.policies.base import EvictionPolicy
+
+
+def admit_new(
+    todo: list[BlockKey],
+    admission: AdmissionFilter | None,
+    policy: EvictionPolicy,
+    free: int,
+    counters: CacheCounters,
+) -> list[BlockKey]:
+    """The leading keys of ``todo`` (neither present nor in flight) to reserve slots for, with
+    ``free`` free slots in the pool: those the filter admits (at their ``min_seen``-th offer),
+    then, where they need more than the free slots, as many as the policy's ``admit_store``
+    allows. Both refusals are counted in ``store_skipped_admission``."""
+    admitted = todo
+    if admission is not None:
+        admitted = [key for key in admitted if admission.admit(key)]
+    if len(admitted) > free:
+        # The policy may refuse what would evict blocks it keeps (``hinted`` under pressure): in
+        # an engine the requests in flight store about as much as the pool holds before any of
+        # them is hinted, and stores that evict whatever comes next left nothing kept (issue 24).
+        n = policy.admit_store(len(admitted), free)
+        admitted = admitted[: max(0, n)]
+    counters.store_skipped_admission += len(todo) - len(admitted)
+    return admitted
