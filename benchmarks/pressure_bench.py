@@ -10,9 +10,9 @@ a host pool of 2 / 3 / 4 / 8 GiB (``Replayer``, no GPU cache in front: the pool 
 output tokens in each request's hint.
 
 Policies: ``lru``; ``hinted`` as it was before the pressure mode (its source at ``--before``, read
-with git); ``hinted`` now (the default); ``hinted`` with the admission hook a pool may call
-(``admit_store``, emulated here by a policy that makes room only for what it admits, which is the
-same in a replay with no stores in flight); and the offline optimum (``kvtier.sim.optimal``).
+with git); ``hinted`` now with every store admitted (its ``admit_store`` answering all, as before
+the pool asked it); ``hinted`` now (the default: under pressure the pool stores only what its
+``admit_store`` admits); and the offline optimum (``kvtier.sim.optimal``).
 Then the bundled trace with ``--bundled-concurrency`` conversations in flight, exactly what
 ``kvtier simulate --concurrency N --pool-blocks B --policy P`` replays. Prints tables and writes
 JSON.
@@ -28,13 +28,13 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvtier.cache.manager import TieredCache
 from kvtier.demo import build_workload
-from kvtier.keys import BlockKey, Namespace
+from kvtier.keys import Namespace
 from kvtier.policies import EvictionPolicy, HintedPolicy, LRUPolicy
 from kvtier.pool import HostPool
 from kvtier.sim.conversations import trace_requests
@@ -55,14 +55,12 @@ BEFORE = "266712f"
 PolicyFactory = Callable[[int], EvictionPolicy]
 
 
-class AdmittingHinted(HintedPolicy):
-    """``hinted`` as a pool that asks ``admit_store`` sees it: room is made only for what the
-    policy admits (the rest of a store is skipped). A replay has no stores in flight, so the free
-    slots are the capacity less the blocks held."""
+class AdmittingAll(HintedPolicy):
+    """``hinted`` with every store admitted: the pool evicts for all of a store, as before
+    ``TieredCache.prepare_store`` asked the policy's ``admit_store`` (what the refusals add)."""
 
-    def evict(self, n: int, pinned: Container[BlockKey]) -> list[BlockKey]:
-        free = self.capacity - len(self)
-        return super().evict(max(0, self.admit_store(n + free, free) - free), pinned)
+    def admit_store(self, n: int, free: int) -> int:
+        return n
 
 
 def hinted_before(rev: str) -> PolicyFactory | None:
@@ -193,8 +191,8 @@ def main() -> None:
     before = hinted_before(args.before)
     if before is not None:
         policies["hinted (before)"] = before
+    policies["hinted, all stores"] = AdmittingAll
     policies["hinted"] = HintedPolicy
-    policies["hinted + admit_store"] = AdmittingHinted
     rows: list[Row] = []
     for concurrency, count in zip(args.concurrency, args.requests, strict=True):
         requests = benchmark_sequence(
