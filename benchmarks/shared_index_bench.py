@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.cache.factory import build_cache
+from kvtier.cache.shared import SharedTieredCache
 from kvtier.config import load_config
 from kvtier.keys import Namespace, chain_keys
 from kvtier.shared_pool import table
-from kvtier.shared_pool.cache import SharedTieredCache
 
 NAMESPACE = Namespace(model="bench", dtype="float16", block_tokens=16)
 SLOT_BYTES = 256

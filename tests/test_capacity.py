@@ -67,6 +67,7 @@ def test_check_config_prints_the_warnings(
         yaml.safe_dump(
             {
                 "pool": {"size": "1MiB"},
+                "block": {"bytes": "1MiB"},  # one block: no warning that simulate refuses it
                 "tiers": [{"kind": "fs", "path": str(tmp_path), "capacity": "1000TiB"}],
             }
         )
@@ -117,13 +118,58 @@ def test_check_config_simulate_agrees_with_simulate_on_a_pool_under_one_block(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("pool: {size: 10}\n")
+    path.write_text("pool: {size: 1000}\n")
     assert main(["check-config", "--simulate", str(path)]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert "pool.size=10: at least one block of 64.0 MiB" in err
+    assert "pool.size=1000: at least one block of 64.0 MiB" in err
     assert main(["simulate", "--config", str(path), "--limit", "1", "--no-progress"]) == 2
-    assert "pool.size=10: at least one block of 64.0 MiB" in capsys.readouterr().err
+    assert "pool.size=1000: at least one block of 64.0 MiB" in capsys.readouterr().err
+
+
+UNDER_ONE_SLOT = (
+    "invalid config pool.size=10: at least 256 bytes (one block's slot: a block takes a multiple "
+    "of 256 bytes, so a smaller pool holds none)"
+)
+
+
+@pytest.mark.parametrize("simulate", [False, True])
+def test_check_config_and_simulate_both_refuse_a_pool_under_one_slot(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, simulate: bool
+) -> None:
+    """Before: plain ``check-config`` said ``valid`` for ``pool.size: 10``; simulate refused it."""
+    path = tmp_path / "c.yaml"
+    path.write_text("pool: {size: 10}\n")
+    flags = ["--simulate"] if simulate else []
+    assert main(["check-config", *flags, str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"kvtier: error: {UNDER_ONE_SLOT}\n"
+    assert main(["simulate", "--config", str(path), "--limit", "1", "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"kvtier: error: {UNDER_ONE_SLOT}\n"
+
+
+def test_plain_check_config_warns_of_a_pool_under_one_block_of_block_bytes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An engine sizes its blocks from the model, so the plain check does not refuse a pool
+    under one block of ``block.bytes``; it says that simulate will (and it does)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"pool: {{size: 1KiB, shm_dir: {tmp_path}}}\nblock: {{bytes: 2KiB}}\n")
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{path}: valid"
+    warnings = [line for line in out if line.startswith("warning")]
+    assert warnings == [
+        "warning: pool.size 1KiB holds no block of block.bytes (2KiB): kvtier simulate and "
+        "check-config --simulate refuse it; an engine's blocks are its model's size (vLLM: "
+        "block_size x vllm.blocks_per_slot tokens), and it refuses a pool under one block at start"
+    ]
+    assert main(["simulate", "--config", str(path), "--limit", "1", "--no-progress"]) == 2
+    assert "pool.size=1024: at least one block of 2.0 KiB" in capsys.readouterr().err
+
+    path.write_text(f"pool: {{size: 2KiB, shm_dir: {tmp_path}}}\nblock: {{bytes: 2KiB}}\n")
+    assert main(["check-config", str(path)]) == 0
+    assert "warning" not in capsys.readouterr().out  # one block: no warning
 
 
 def test_the_bundled_simulate_config_checks_clean_for_simulate(

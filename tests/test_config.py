@@ -704,3 +704,80 @@ def test_a_misspelt_secret_is_not_printed() -> None:
     error = error_of({"tiers": [{"kind": "redis", "url": "redis://h:6379", "pasword": "hunter2"}]})
     assert error.field == "tiers[0].pasword" and error.value == "hunter2"
     assert "hunter2" not in str(error)
+
+
+# -- a misspelt key is named as the unknown key, with the known key it is nearest -----------------
+
+MISSPELT: list[tuple[dict[str, Any], str, str]] = [
+    # (config, the unknown key's field, its suggestion); a required key, misspelt, was once
+    # reported as missing (``tiers[0].capacity=None: required``)
+    ({"tiers": [{"kind": "fs", "path": "/x", "capacty": "1GB"}]}, "tiers[0].capacty", "capacity"),
+    ({"tiers": [{"kind": "fs", "pth": "/x", "capacity": "1GB"}]}, "tiers[0].pth", "path"),
+    ({"tiers": [{"knd": "fs", "path": "/x", "capacity": "1GB"}]}, "tiers[0].knd", "kind"),
+    ({"tiers": [{"Kind": "memory"}]}, "tiers[0].Kind", "kind"),
+    # an optional key, misspelt: every section suggests its nearest known key
+    ({"evictoin": "lru"}, "evictoin", "eviction"),
+    ({"pol": {"size": "1GiB"}}, "pol", "pool"),
+    ({"pool": {"writeback_windw": 0.5}}, "pool.writeback_windw", "writeback_window"),
+    ({"block": {"token": 16}}, "block.token", "tokens"),
+    ({"admission": {"min_sen": 2}}, "admission.min_sen", "min_seen"),
+    (
+        {"tiers": [{"kind": "fs", "path": "/x", "capacity": 1, "fsink": True}]},
+        "tiers[0].fsink",
+        "fsync",
+    ),
+    ({"tiers": [{"kind": "memory", "latency": 5}]}, "tiers[0].latency", "latency_ms"),
+    ({"tiers": [{"kind": "redis", "pasword": "pw"}]}, "tiers[0].pasword", "password"),
+    ({"copy": {"strategie": "dma"}}, "copy.strategie", "strategy"),
+    ({"vllm": {"blocks_per_slt": 2}}, "vllm.blocks_per_slt", "blocks_per_slot"),
+]
+
+
+@pytest.mark.parametrize(("data", "field", "near"), MISSPELT, ids=[m[1] for m in MISSPELT])
+def test_a_misspelt_key_is_named_with_the_nearest_known_key(
+    data: dict[str, Any], field: str, near: str
+) -> None:
+    error = error_of(data)
+    assert error.field == field
+    assert error.allowed.startswith(f"not a known option here; did you mean {near}?")
+    assert str(error).startswith(f"invalid config {field}={HIDDEN_VALUE}: ")
+    assert "pw" not in str(error)  # a misspelt secret stays unprinted
+
+
+def test_an_unknown_key_like_no_known_one_gets_no_suggestion() -> None:
+    error = error_of({"pool": {"xyzzy": 1}})
+    assert error.field == "pool.xyzzy" and "did you mean" not in error.allowed
+    assert error.allowed.startswith("not a known option here; known: allow_pageable,")
+
+
+def test_a_missing_required_key_with_no_near_unknown_key_is_still_reported_missing() -> None:
+    # "size" is unknown to fs but not near "capacity": the missing capacity is the error.
+    error = error_of({"tiers": [{"kind": "fs", "path": "/x", "size": "1GB"}]})
+    assert (error.field, error.value) == ("tiers[0].capacity", None)
+    assert error.allowed.startswith("required")
+
+
+def test_a_known_key_near_a_missing_one_is_not_taken_for_its_misspelling() -> None:
+    # memory's capacity_blocks is a known key, 0.70 like "capacity": not a typo of it.
+    config = load_config({"tiers": [{"kind": "memory", "capacity_blocks": 4}]})
+    assert config.tiers[0].options.capacity_blocks == 4
+    section = Section({"capacity_blocks": 4}, "t")
+    with pytest.raises(ConfigError) as info:
+        section.size("capacity")
+    assert info.value.field == "t.capacity" and info.value.allowed.startswith("required")
+
+
+# -- pool.size: under one 256-byte slot the pool holds no block of any engine -------------------
+
+
+@pytest.mark.parametrize("size", [1, 10, 255, "255B", "0.2KB"])
+def test_a_pool_under_one_slot_is_refused_whatever_the_engine(size: object) -> None:
+    """Before: ``pool.size: 10`` was valid to ``check-config``, refused by simulate and by every
+    engine when the pool was built."""
+    error = error_of({"pool": {"size": size}})
+    assert (error.field, error.value) == ("pool.size", size)
+    assert error.allowed.startswith("at least 256 bytes (one block's slot")
+
+
+def test_a_pool_of_one_slot_is_valid() -> None:
+    assert load_config({"pool": {"size": 256}}).pool.size == 256

@@ -95,6 +95,7 @@ def _documented_errors() -> list[str]:
 DOCUMENTED_ERRORS: list[dict[str, Any]] = [
     {"tiers": [{"kind": "memory"}, {"kind": "fs", "path": "/tmp/kv", "capacity": "lots"}]},
     {"pool": {"sise": "1GiB"}},
+    {"tiers": [{"kind": "fs", "path": "/x", "capacty": "1GB"}]},
 ]
 """The configs whose errors docs/configuration.md quotes, in its order."""
 

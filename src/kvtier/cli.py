@@ -485,6 +485,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             f"simulate: a pool of {blocks} blocks of {written_size(config.block.bytes)} "
             "(none of pool.size allocated: each block holds --payload-bytes of real payload)"
         )
+    if not args.simulate and config.pool.size < config.block.bytes:
+        print(f"warning: {pool_block_warning(config)}")
     for warning in warnings:
         print(f"warning: {printable(warning)}")
     if any(w.startswith("pool.size ") for w in warnings):
@@ -493,6 +495,18 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             "check-config --simulate)"
         )
     return EXIT_OK
+
+
+def pool_block_warning(config: KVTierConfig) -> str:
+    """For a ``pool.size`` under one block of ``block.bytes``: an engine sizes its blocks from its
+    model (``block.bytes`` is not its block size), so the plain check cannot refuse it, only say
+    who will (``check-config --simulate`` refuses it, as ``kvtier simulate`` does)."""
+    return (
+        f"pool.size {written_size(config.pool.size)} holds no block of block.bytes "
+        f"({written_size(config.block.bytes)}): kvtier simulate and check-config --simulate "
+        "refuse it; an engine's blocks are its model's size (vLLM: block_size x "
+        "vllm.blocks_per_slot tokens), and it refuses a pool under one block at start"
+    )
 
 
 def owned_sections(config: KVTierConfig) -> CopyConfig:

@@ -28,7 +28,7 @@ import yaml
 
 from kvtier.errors import ConfigError
 from kvtier.policies import DEFAULT_EVICTION, parse_eviction
-from kvtier.pool import DEFAULT_SHM_DIR
+from kvtier.pool import DEFAULT_SHM_DIR, SLOT_ALIGN
 from kvtier.redaction import yaml_problem
 from kvtier.registry import is_plugin_path, parse_tier_options
 from kvtier.safe_files import read_text
@@ -227,7 +227,7 @@ def parse_config(data: Mapping[str, Any]) -> KVTierConfig:
 
 def _pool(s: Section) -> PoolConfig:
     pool = PoolConfig(
-        size=s.size("size", DEFAULT_POOL_SIZE, minimum=1),
+        size=_pool_size(s),
         shm_dir=s.file_path("shm_dir", DEFAULT_SHM_DIR),
         allow_pageable=s.boolean("allow_pageable", False),
         writeback_window=s.number("writeback_window", 0.25, minimum=0.0, maximum=1.0),
@@ -239,6 +239,26 @@ def _pool(s: Section) -> PoolConfig:
     )
     s.done()
     return pool
+
+
+MIN_POOL_SIZE = SLOT_ALIGN
+"""The smallest ``pool.size``: one slot. Every block takes a whole number of ``SLOT_ALIGN``-byte
+units in the pool (``kvtier.pool.slot_stride``), so a smaller pool holds no block of any engine,
+whatever its model; the block size itself is known only where the pool is built (the engine
+adapter's geometry, ``block.bytes`` for ``kvtier simulate``), which refuses a pool under one of
+its blocks."""
+
+
+def _pool_size(s: Section) -> int:
+    size = s.size("size", DEFAULT_POOL_SIZE)
+    if size < MIN_POOL_SIZE:
+        raise ConfigError(
+            s.field("size"),
+            s.data["size"],
+            f"at least {MIN_POOL_SIZE} bytes (one block's slot: a block takes a multiple of "
+            f"{SLOT_ALIGN} bytes, so a smaller pool holds none)",
+        )
+    return size
 
 
 SHARE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

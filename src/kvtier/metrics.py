@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.shared_pool.index import EngineShare
 
 
 @dataclass(slots=True)
@@ -74,6 +77,9 @@ class CacheStats:
     tiers: dict[str, TierCounters] = field(default_factory=dict)
     promoted: dict[str, int] = field(default_factory=dict)
     """Blocks promoted into the pool, by the secondary tier they came from."""
+    share: EngineShare | None = None
+    """Over a shared pool (``pool.share``): this engine's line in its table (hits on its own and
+    on others' blocks, evictions, blocks stored and held); None over a private pool."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -3,12 +3,13 @@ allowed (``ConfigError``), so a bad config never ends in a traceback from deep i
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Mapping
 from decimal import Decimal
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from kvtier.errors import ConfigError, shown
 
@@ -129,8 +130,15 @@ class Section:
         name = key if plain and isinstance(key, str) else shown(key)
         return f"{self.path}.{name}" if self.path else name
 
-    def _get(self, key: str, default: object) -> object:
+    def _get(self, key: str, default: object, *, required: bool = True) -> object:
+        """The value of ``key``. A required key that is absent while an unknown key of this
+        section is a near match of it (``capacty`` for ``capacity``) is reported as that unknown
+        key: the typo is the mistake, not the missing value."""
         self._read.add(key)
+        if required and default is None and key not in self.data:
+            typo = _near(key, [k for k in self.data if k not in self._read], MISSING_KEY_CUTOFF)
+            if typo is not None:
+                self._refuse_unknown(typo, f"did you mean {key}?")
         return self.data.get(key, default)
 
     def has(self, key: str) -> bool:
@@ -193,7 +201,7 @@ class Section:
         return raw
 
     def optional_string(self, key: str) -> str | None:
-        raw = self._get(key, None)
+        raw = self._get(key, None, required=False)
         if raw is None:
             return None
         if not isinstance(raw, str):
@@ -230,13 +238,37 @@ class Section:
         # Sorted as text: YAML keys may be integers, dates or null besides strings.
         unknown = sorted(set(self.data) - self._read, key=shown)
         if unknown:
-            # The value is not shown: a misspelt secret (``pasword: ...``) must not be printed.
-            raise ConfigError(
-                self._field(unknown[0]),
-                self.data[unknown[0]],
-                f"not a known option here; known: {', '.join(sorted(self._read))}",
-                show_value=False,
-            )
+            known = sorted(self._read)
+            match = _near(unknown[0], known, SUGGEST_CUTOFF)
+            hint = f"did you mean {match}? " if match is not None else ""
+            self._refuse_unknown(unknown[0], f"{hint}known: {', '.join(known)}")
+
+    def _refuse_unknown(self, key: Any, hint: str) -> NoReturn:
+        # The value is not shown: a misspelt secret (``pasword: ...``) must not be printed.
+        raise ConfigError(
+            self._field(key),
+            self.data[key],
+            f"not a known option here; {hint}",
+            show_value=False,
+        )
+
+
+SUGGEST_CUTOFF = 0.6
+"""``difflib`` similarity from which an unknown key's message suggests a known key (difflib's
+default: a hint only)."""
+MISSING_KEY_CUTOFF = 0.75
+"""Similarity from which an unknown key is taken for the misspelling of a required key that is
+missing (higher than ``SUGGEST_CUTOFF``: it decides which error is reported). ``capacty`` /
+``capacity`` is 0.93, ``pth`` / ``path`` 0.86; ``capacity_blocks`` / ``capacity`` 0.70."""
+
+
+def _near(key: object, candidates: list[Any], cutoff: float) -> str | None:
+    """The candidate most like ``key`` (case ignored; keys that are no strings never match)."""
+    if not isinstance(key, str):
+        return None
+    names = {c.lower(): c for c in candidates if isinstance(c, str)}
+    best = difflib.get_close_matches(key.lower(), list(names), n=1, cutoff=cutoff)
+    return names[best[0]] if best else None
 
 
 def _file_path(raw: str, field: str) -> str:

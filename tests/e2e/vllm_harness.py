@@ -45,6 +45,8 @@ import contextlib
 import gc
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -358,9 +360,17 @@ def run_in_fresh_process(
     be importable by the child (its module on ``sys.path``/``PYTHONPATH``),
     take JSON-serialisable arguments and return a JSON-serialisable value.
     """
-    import subprocess
-    import sys
+    return finish_fresh_process(start_fresh_process(func_path, *args, env=env), timeout)
 
+
+_RESULT = "@@RESULT@@"
+
+
+def start_fresh_process(
+    func_path: str, *args: Any, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``run_in_fresh_process`` without waiting: the child runs beside this process (two engines
+    at once); ``finish_fresh_process`` collects its result."""
     module, _, name = func_path.partition(":")
     if not module or not name:
         raise ValueError("func_path must look like 'package.module:function'")
@@ -368,26 +378,34 @@ def run_in_fresh_process(
         "import json, sys, importlib\n"
         "mod = importlib.import_module(sys.argv[1])\n"
         "res = getattr(mod, sys.argv[2])(*json.loads(sys.argv[3]))\n"
-        "sys.stdout.write('\\n@@RESULT@@' + json.dumps(res) + '\\n')\n"
+        f"sys.stdout.write('\\n{_RESULT}' + json.dumps(res) + '\\n')\n"
     )
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in [*sys.path, child_env.get("PYTHONPATH", "")] if p
     )
     child_env.update(env or {})
-    proc = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", code, module, name, json.dumps(list(args))],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env=child_env,
-        check=False,
     )
-    marker = "@@RESULT@@"
-    if proc.returncode != 0 or marker not in proc.stdout:
-        tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-3000:]).strip()
-        raise RuntimeError(f"{func_path} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(proc.stdout.rsplit(marker, 1)[1].strip().splitlines()[0])
+
+
+def finish_fresh_process(proc: subprocess.Popen[str], timeout: float = 600) -> Any:
+    """The result of a ``start_fresh_process`` child, once it exited (killed after ``timeout``
+    seconds); ``RuntimeError`` with its output's tail when it failed."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    if proc.returncode != 0 or _RESULT not in stdout:
+        tail = (stdout[-3000:] + "\n" + stderr[-3000:]).strip()
+        raise RuntimeError(f"{proc.args[3:5]} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(stdout.rsplit(_RESULT, 1)[1].strip().splitlines()[0])
 
 
 def first_divergence(a: Iterable[int], b: Iterable[int]) -> int | None:

@@ -102,3 +102,38 @@ def run_rounds(
     finally:
         h.shutdown_llm(llm)
     return {"outputs": outputs, "stats": read_stats(extra["vllm"]["stats_path"])}
+
+
+def shared_pool_config(stats_path: str | Path, shm_dir: str | Path, share: str) -> dict[str, Any]:
+    """``kvtier_config`` over the node's shared pool ``share``, its file in ``shm_dir``."""
+    extra = kvtier_config(stats_path)
+    extra["pool"].update(share=share, shm_dir=str(shm_dir))
+    return extra
+
+
+def serve_shared(
+    model_dir: str, extra: dict[str, Any], sets: list[str], hold_dir: str | None = None
+) -> dict[str, Any]:
+    """Child job: one engine (engine core in this process) over a shared pool generates each
+    prompt set in turn (vLLM's prefix cache reset between them). With ``hold_dir`` it then writes
+    ``<hold_dir>/ready`` (the outputs) and keeps the engine, and with it the pool, until
+    ``<hold_dir>/release`` exists (at most 300 s). Returns the outputs and the stats file as the
+    engine left it at shutdown."""
+    llm = h.build_llm(model_dir, kv_transfer_config=transfer_config(extra), multiprocessing=False)
+    outputs: list[list[list[int]]] = []
+    try:
+        for i, name in enumerate(sets):
+            if i:
+                h.reset_prefix_cache(llm)
+            outputs.append(h.generate_ids(llm, PROMPT_SETS[name], max_tokens=MAX_TOKENS[name]))
+        flush_stats(llm)
+        if hold_dir is not None:
+            hold = Path(hold_dir)
+            (hold / "ready.tmp").write_text(json.dumps(outputs))
+            (hold / "ready.tmp").rename(hold / "ready")
+            end = time.monotonic() + 300
+            while not (hold / "release").exists() and time.monotonic() < end:
+                time.sleep(0.2)
+    finally:
+        h.shutdown_llm(llm)
+    return {"outputs": outputs, "stats": read_stats(extra["vllm"]["stats_path"])}

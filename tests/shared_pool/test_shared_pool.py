@@ -61,6 +61,35 @@ def test_a_block_stored_by_one_engine_is_a_hit_for_the_other(two):
     a.check_invariants(settled=True)
 
 
+def test_stats_carry_the_engines_line_and_keep_it_after_close(tmp_path):
+    """The stats file (``vllm.stats_path``) is written from ``stats()`` once more after the cache
+    closed: it must still say what this engine did in the shared pool."""
+    pool_a, a = open_cache(str(tmp_path), 16)
+    pool_b, b = open_cache(str(tmp_path), 16)
+    serve(pool_a, a, prompt=1, blocks=3, served=Served())
+    serve(pool_b, b, prompt=1, blocks=5, served=Served())
+    before = b.stats().to_dict()["share"]
+    assert (before["hits_others"], before["hits_own"], before["stored"]) == (3, 0, 2)
+    b.close()
+    after = b.stats()
+    assert after.share is not None and after.share.hits_others == 3 and after.share.stored == 2
+    assert after.pool_used == 5  # as it was when B left (its index is unmapped then)
+    assert a.stats().share is not None and a.stats().share.stored == 3
+    pool_b.close()
+    a.close()
+    pool_a.close()
+
+
+def test_a_private_pool_has_no_share_line(tmp_path):
+    config = load_config({"pool": {"size": 4 * SLOT_BYTES, "shm_dir": str(tmp_path)}})
+    pool, cache = build_cache(config, NAMESPACE, SLOT_BYTES)
+    try:
+        assert cache.stats().share is None and cache.stats().to_dict()["share"] is None
+    finally:
+        cache.close()
+        pool.close()
+
+
 def test_a_block_being_written_is_no_hit_and_is_not_stored_twice(two):
     (_, a), (_, b) = two
     keys = prompt_keys(2, 3)

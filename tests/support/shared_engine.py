@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 
 from kvtier.cache.factory import build_cache
+from kvtier.cache.shared import SharedTieredCache
 from kvtier.config import load_config
 from kvtier.keys import BlockKey, Namespace, chain_keys
 from kvtier.pool import HostPool
-from kvtier.shared_pool.cache import SharedTieredCache
 
 SLOT_BYTES = 4096
 BLOCK_TOKENS = 4

@@ -1,4 +1,5 @@
-"""Build a host pool and a ``TieredCache`` from a validated ``KVTierConfig``."""
+"""Build a host pool and a ``TieredCache`` from a validated ``KVTierConfig``: the engine's own pool,
+or the node's shared pool of ``pool.share`` (``SharedTieredCache`` over ``kvtier.shared_pool``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.cache.promotion import PromotionSettings
+from kvtier.cache.shared import SharedTieredCache
 from kvtier.config import KVTierConfig, TierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
@@ -15,6 +17,7 @@ from kvtier.policies import make_policy
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.pool import HostPool, ShmDirError, slot_stride
 from kvtier.registry import describe
+from kvtier.shared_pool.segment import open_shared
 from kvtier.tiers import Tier, contract, tier_class
 from kvtier.validation import format_size
 
@@ -73,8 +76,6 @@ def build_cache(
     """
     num_slots = pool_slots(config, slot_bytes)
     if config.pool.share is not None:
-        from kvtier.shared_pool.factory import build_shared_cache  # imports this module
-
         return build_shared_cache(config, namespace, slot_bytes, num_slots)
     try:
         pool = HostPool.create(num_slots, slot_bytes, config.pool.shm_dir)
@@ -108,6 +109,42 @@ def build_cache(
         for tier in reversed(tiers):
             with contextlib.suppress(Exception):
                 tier.close()
+        pool.close()
+        raise
+    return pool, cache
+
+
+def build_shared_cache(
+    config: KVTierConfig, namespace: Namespace, slot_bytes: int, num_slots: int
+) -> tuple[HostPool, SharedTieredCache]:
+    """The shared pool of ``config.pool.share`` for ``namespace`` (created with ``num_slots``
+    slots when no engine made it yet) and this engine's cache over it. The caller owns both, as
+    with a private pool: ``cache.close()`` leaves the index, ``pool.close()`` the pool (the last
+    engine out removes the file)."""
+    share = config.pool.share
+    assert share is not None
+    if config.tiers:
+        # A tier's own index and capacity are per engine: behind a shared pool each engine would
+        # account the same blocks again. Sharing the tiers too is left for later.
+        raise ConfigError("pool.share", share, "a pool without secondary tiers (not shared yet)")
+    if config.admission.enabled:
+        raise ConfigError("pool.share", share, "a pool without admission.min_seen (per engine)")
+    try:
+        pool, index = open_shared(
+            share,
+            namespace.digest,
+            num_slots,
+            slot_bytes,
+            config.pool.shm_dir,
+            config.pool.share_lock_timeout_s,
+            config.pool.share_quota,
+        )
+    except ShmDirError as exc:
+        raise ConfigError("pool.shm_dir", config.pool.shm_dir, str(exc)) from exc
+    try:
+        cache = SharedTieredCache(pool, index, record_events=config.events)
+    except BaseException:
+        index.close()
         pool.close()
         raise
     return pool, cache

@@ -135,7 +135,7 @@ class HybridPlanner(Planner):
         start = num_computed // bt
         limit = min((request.num_tokens - 1) // bt, len(self._keys[req_id] or ()))
         if limit <= start:  # the engine holds all it may reuse: nothing to pin for it
-            self._hit_blocks[req_id] = start
+            self._hit_blocks[req_id] = (start, start)
             self.counters.engine_hit_blocks += limit
             self.cache.forget(req_id)
             return 0, False
@@ -190,7 +190,7 @@ class HybridPlanner(Planner):
         num_computed: int,
     ) -> tuple[int, bool]:
         req_id = request.request_id
-        self._hit_blocks[req_id] = end
+        self._hit_blocks[req_id] = (end, start)
         targets = [(g, b) for b in range(start, end) for g in self._full] + self._tail(end, start)
         load_keys = [keys[g][b] for g, b in targets]
         slots = self.cache.prepare_load(load_keys, req_id)
@@ -198,7 +198,7 @@ class HybridPlanner(Planner):
         if len(slots) < len(load_keys) or external <= 0 or not targets:
             # A group's block left the pool since the lookup: a miss, never a partial state.
             self.cache.release_load(load_keys[: len(slots)])
-            self._hit_blocks[req_id] = start
+            self._hit_blocks[req_id] = (start, start)
             return 0, False
         first = self._full[0] if self._full else targets[0][0]
         counted = [keys[first][b] for b in range(start, end)]

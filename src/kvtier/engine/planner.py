@@ -149,9 +149,9 @@ class Planner:
         """Recent prompts' keys: a request's first keys reuse an earlier prompt's."""
         self._plans: dict[str, _LoadPlan] = {}
         self._offered: dict[str, int] = {}
-        self._hit_blocks: dict[str, int] = {}
-        """Requests -> leading blocks cached at their lookup (the engine's own and kvtier's), for
-        the eviction policy's hint when they finish."""
+        self._hit_blocks: dict[str, tuple[int, int]] = {}
+        """Requests -> leading blocks cached at their lookup (the engine's own and kvtier's) and
+        the engine's own of them, for the eviction policy's hint when they finish."""
         self._requests: dict[str, EngineRequest] = {}
         self._async_loads: dict[int, str] = {}
         """Asynchronous load jobs -> their request."""
@@ -203,7 +203,7 @@ class Planner:
         if start >= limit:
             self.cache.forget(req_id)  # nothing to load: nothing to hold for it
             self.counters.engine_hit_blocks += limit
-            self._hit_blocks[req_id] = start
+            self._hit_blocks[req_id] = (start, start)
             return 0, False
         if req_id not in self._deferred_since:
             self.counters.requests_looked_up += 1
@@ -217,7 +217,7 @@ class Planner:
             return None, False
         self._end_wait(req_id)
         self.counters.engine_hit_blocks += start
-        self._hit_blocks[req_id] = start + result.hits
+        self._hit_blocks[req_id] = (start + result.hits, start)
         hit_keys = keys[start : start + result.hits]
         origins = self.cache.origins(hit_keys) if hit_keys else []
         for origin in origins:
@@ -424,12 +424,15 @@ class Planner:
         blocks, the leading ones cached at its lookup and the tokens it generated."""
         req_id = request.request_id
         keys = self._keys.get(req_id)
-        hits = self._hit_blocks.pop(req_id, None)
-        if not keys or hits is None:
+        found = self._hit_blocks.pop(req_id, None)
+        if not keys or found is None:
             return  # never looked up (or not cacheable): nothing was stored for it
+        hits, engine = found
         prompt = keys[: getattr(request, "num_prompt_tokens", 0) // self.block_tokens]
         output = getattr(request, "num_output_tokens", None)
-        hint = RequestHint(min(hits, len(prompt)), output if isinstance(output, int) else None)
+        hint = RequestHint(
+            min(hits, len(prompt)), output if isinstance(output, int) else None, engine
+        )
         self.cache.hint_request(prompt, hint)
 
     # -- keys -----------------------------------------------------------------------------------

@@ -172,7 +172,10 @@ class HintedPolicy(EvictionPolicy):
         if not keys:
             return
         gauge = self.gauge
-        gauge.request(keys[0], len(keys), min(hint.hit_blocks, len(keys)))
+        # What the pool found, not the engine's own cache in front of it (vLLM's GPU prefix
+        # cache): counted in, its hits held the stable mode off in the engine for most of a
+        # run that the stable mode would have served (docs/policies.md).
+        gauge.request(keys[0], len(keys), min(hint.served_blocks, len(keys)))
         if gauge.on != self.pressure:
             self._switch(gauge.on)
         if self.pressure:

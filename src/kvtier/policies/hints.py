@@ -45,7 +45,19 @@ class RequestHint:
     output_tokens: int | None = None
     """Tokens the request generated; known once it finished, ``None`` before (and for a value
     that is no count)."""
+    engine_blocks: int = 0
+    """Of ``hit_blocks``, the leading ones the engine's own prefix cache held (vLLM's GPU
+    cache: never asked of kvtier); the rest of the hit run is what kvtier served. 0 where the
+    pool is the only cache (a replay); a value that is no count becomes 0, one above
+    ``hit_blocks`` becomes ``hit_blocks``."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "hit_blocks", count_or_none(self.hit_blocks) or 0)
+        hits = count_or_none(self.hit_blocks) or 0
+        object.__setattr__(self, "hit_blocks", hits)
         object.__setattr__(self, "output_tokens", count_or_none(self.output_tokens))
+        object.__setattr__(self, "engine_blocks", min(count_or_none(self.engine_blocks) or 0, hits))
+
+    @property
+    def served_blocks(self) -> int:
+        """Leading blocks kvtier served (the hit run less what the engine held itself)."""
+        return self.hit_blocks - self.engine_blocks

@@ -5,7 +5,7 @@ pins and eviction are the shared ones (``SharedIndex``), and this object keeps o
 engine's own: its pins per key (the index keeps one bit per engine), its reservations, and the
 index calls that must be retried because the lock could not be had in time (an unpin or a
 publication waits for the next step; it never blocks the engine). No secondary tier sits behind a
-shared pool yet (``factory`` refuses the combination).
+shared pool yet (``factory.build_shared_cache`` refuses the combination).
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ class SharedTieredCache(TieredCache):
         """Keys this engine pinned -> their slot (while ``_pins`` counts them)."""
         self._unpin_later: list[int] = []
         self._publish_later: tuple[list[int], list[bool]] = ([], [])
+        self._last_share: EngineShare | None = None
+        self._last_used = 0
+        """This engine's line and the pool's used slots as they were when it left the index:
+        ``stats`` after ``close`` (the planner writes its stats file once more then)."""
 
     # -- lookups and loads ----------------------------------------------------------------------
 
@@ -145,25 +149,27 @@ class SharedTieredCache(TieredCache):
         """Leave the shared index: this engine's pins and unfinished stores are released."""
         if self._closed:
             return
-        self._closed = True
         self.step()
+        self._last_share, self._last_used = self.engine_share(), self.index.used_slots()
+        self._closed = True
         self.index.close()
 
     def stats(self) -> CacheStats:
         self._counters.events_dropped = self._events.dropped
-        share = self.engine_share()
+        share = self.engine_share() or self._last_share
         if share is not None:
             self._counters.pool_evictions = share.evictions
         return CacheStats(
             cache=replace(self._counters),
             pool_slots=self._pool.num_slots,
-            pool_used=self.index.used_slots(),
+            pool_used=self._last_used if self._closed else self.index.used_slots(),
             pool_pinned=len(self._pins),
+            share=share,
         )
 
     def engine_share(self) -> EngineShare | None:
         """This engine's counters in the shared pool (hits on its own and on others' blocks,
-        evictions it caused); None once closed."""
+        evictions it caused); None once closed (``stats`` then keeps the last)."""
         if self._closed:
             return None
         me = self.index.me
