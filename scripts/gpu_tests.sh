@@ -15,7 +15,7 @@ fi
   python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 } | tee "$out/machine.txt"
 if [[ $# -eq 0 ]]; then
-    set -- tests/copy/test_cuda_backend.py tests/copy/test_cuda_worker.py tests/e2e/test_vllm_gpu_e2e.py
+    set -- tests/copy/cuda/test_cuda_backend.py tests/copy/cuda/test_cuda_worker.py tests/e2e/test_vllm_gpu_e2e.py
 fi
 python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" "$@" 2>&1 | tee "$out/pytest.log"
 exit "${PIPESTATUS[0]}"

@@ -47,6 +47,12 @@ def make_pool() -> Iterator[Callable[..., HostPool]]:
 
 
 @pytest.fixture
+def ns() -> Namespace:
+    """Blocks of 4 tokens: short prompts span several blocks."""
+    return Namespace(model="test-model", dtype="float16", block_tokens=4)
+
+
+@pytest.fixture
 def namespace() -> Namespace:
     return Namespace(model="test-model", dtype="float16", block_tokens=16)
 

@@ -14,9 +14,11 @@ import pytest
 from support import require
 
 ROOT = Path(__file__).resolve().parents[1]
-REDIS_TEST = "tests/redis/test_redis_managers.py::test_engine_goes_on_without_a_dead_redis"
-CC_TEST = "tests/copy/test_cuda_executor_cache.py::test_a_fresh_cache_dir_is_private_and_reused"
-VLLM_TESTS = "tests/integrations/test_vllm_scheduler.py"
+REDIS_TEST = "tests/tiers/redis/test_redis_managers.py::test_engine_goes_on_without_a_dead_redis"
+CC_TEST = (
+    "tests/copy/cuda/test_cuda_executor_cache.py::test_a_fresh_cache_dir_is_private_and_reused"
+)
+VLLM_TESTS = "tests/integrations/vllm/test_vllm_scheduler.py"
 EXIT_TESTS_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, EXIT_NO_TESTS = 1, 2, 4, 5
 
 

@@ -5,7 +5,7 @@ version, tenant) and on the tokens (or an engine's content hash) of the block an
 it, so it is identical across processes, restarts and machines and never collides between
 namespaces. Python's ``hash()`` is never used: it is salted per process.
 
-Every key kvtier derives is derived here (``tests/core/test_keys.py`` pins them): blocks already
+Every key kvtier derives is derived here (``tests/test_keys.py`` pins them): blocks already
 stored on disk or in Redis must be found by the next release.
 """
 

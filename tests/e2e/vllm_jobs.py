@@ -40,7 +40,7 @@ def kvtier_config(
 ) -> dict[str, Any]:
     return {
         # These tests check that blocks move between tiers and engines; whether a promotion beats
-        # computing on a busy 2-core machine is a timing question (tests/core/test_promotion.py).
+        # computing on a busy 2-core machine is a timing question (tests/cache/test_promotion.py).
         "pool": {"size": pool_size, "promotion_costs": False},
         "tiers": tiers or [],
         "vllm": {"stats_path": str(stats_path), **vllm},

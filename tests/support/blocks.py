@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import hashlib
 
-from kvtier.keys import BlockKey
+from kvtier.keys import BlockKey, Namespace, chain_keys
 from kvtier.pool import HostPool
 
 POISON = 0xA5
+
+
+def keys_for(ns: Namespace, n_blocks: int, seed: int = 0) -> list[BlockKey]:
+    """The chained keys of one prompt of ``n_blocks`` blocks; another ``seed``, another prompt."""
+    base = seed * 100_000
+    return chain_keys(ns, list(range(base, base + n_blocks * ns.block_tokens)))
 
 
 def make_key(i: int, salt: str = "") -> BlockKey:

@@ -11,9 +11,9 @@ import tracemalloc
 from collections.abc import Sequence
 
 import pytest
+from support.blocks import keys_for
+from support.scripted_tier import ScriptedTier
 
-from core.conftest import keys_for
-from core.scripted_tier import ScriptedTier
 from kvtier.cache.manager import MAX_EVENTS, TierBinding, TieredCache
 from kvtier.keys import BlockKey, Namespace
 from kvtier.policies import LRUPolicy

@@ -23,7 +23,7 @@ from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.fs.tier import FsTier, Options
 from kvtier.validation import Section
-from tiers.fs_helpers import FILE_BYTES, MakeTier, block_file, block_files, disk_bytes
+from tiers.fs.helpers import FILE_BYTES, MakeTier, block_file, block_files, disk_bytes
 
 # -- FIFOs and other non-regular files (finding 3) -----------------------------------------------
 

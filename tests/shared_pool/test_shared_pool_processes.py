@@ -22,8 +22,14 @@ TESTS = Path(__file__).resolve().parents[1]
 SLOTS = 48
 
 
+def _env() -> dict[str, str]:
+    """The environment of an engine process: ``support`` importable, and kvtier from where this
+    process imports it (a checkout's ``src`` on ``PYTHONPATH`` wins over an installed copy)."""
+    return {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
 def _engine(shm_dir: Path, seconds: float, seed: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = _env()
     args = [str(shm_dir), str(SLOTS), str(seconds), seed]
     proc = subprocess.Popen(
         [sys.executable, "-m", "support.shared_engine", *args],
@@ -56,7 +62,7 @@ def test_a_second_process_hits_what_the_first_stored_with_identical_bytes(tmp_pa
         "print(s.hit_blocks, s.stored_blocks, s.wrong, cache.engine_share().hits_others)\n"
         "cache.close(); pool.close()\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = _env()
     out = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
         timeout=120, check=True,

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.blocks import keys_for
 
-from core.conftest import keys_for
 from kvtier.cache.manager import TieredCache
 from kvtier.keys import Namespace
 from kvtier.policies import HintedPolicy

@@ -177,7 +177,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="ghost_factor"):
         HintedPolicy(4, ghost_factor=-1.0)
     assert RequestHint(-1) == RequestHint(0)  # no count: nothing known to be cached
-    assert RequestHint(0, -5).output_tokens is None  # tests/core/test_hint_values.py
+    assert RequestHint(0, -5).output_tokens is None  # tests/policies/test_hint_values.py
     assert isinstance(make_policy("hinted", 4), HintedPolicy)
     assert DEFAULT_EVICTION == "hinted"
 

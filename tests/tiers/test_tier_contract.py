@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
+from support.blocks import keys_for
+from support.scripted_tier import ScriptedTier
 
-from core.conftest import keys_for
-from core.scripted_tier import ScriptedTier
 from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.keys import BlockKey, Namespace
 from kvtier.policies import LRUPolicy

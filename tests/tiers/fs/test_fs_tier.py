@@ -263,7 +263,7 @@ def test_restart_over_capacity_keeps_the_newest(make_tier: MakeTier) -> None:
     assert second.lookup(keys) == [False] * 4 + [True] * 2
     assert second.used_bytes == 2 * FILE_BYTES <= second.capacity
     # The older files are left alone, uncounted: they may be another running process's
-    # (tests/tiers/test_fs_shared.py). Nothing it never indexed is reported evicted.
+    # (tests/tiers/fs/test_fs_shared.py). Nothing it never indexed is reported evicted.
     assert disk_bytes(second) == 6 * FILE_BYTES and second.take_evicted() == []
     assert Driver(second).load_exact(keys[5])
     assert Driver(second).store(make_key(99))  # room from its own counted files

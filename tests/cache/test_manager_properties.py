@@ -6,8 +6,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from support.blocks import payload_for
+from support.scripted_tier import ScriptedTier
 
-from core.scripted_tier import ScriptedTier
 from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.events import POOL_TIER, EventKind
 from kvtier.keys import Namespace, chain_keys

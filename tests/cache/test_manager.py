@@ -3,9 +3,9 @@ from __future__ import annotations
 from collections.abc import Container
 
 import pytest
+from support.blocks import keys_for
+from support.scripted_tier import ScriptedTier
 
-from core.conftest import keys_for
-from core.scripted_tier import ScriptedTier
 from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.events import EventKind
 from kvtier.policies import LRUPolicy

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from support.blocks import keys_for
+from support.scripted_tier import ScriptedTier
 
-from core.conftest import keys_for
-from core.scripted_tier import ScriptedTier
 from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.cache.promotion import ComputeRate, PromotionRules, PromotionSettings, ReadCost
 from kvtier.keys import BlockKey, Namespace

@@ -17,8 +17,8 @@ require.importorskip("vllm", "vllm")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from integrations import test_vllm_tp  # noqa: E402
-from integrations.test_vllm_tp import (  # noqa: E402
+from integrations.vllm import test_vllm_tp  # noqa: E402
+from integrations.vllm.test_vllm_tp import (  # noqa: E402
     A_BLOCKS,
     B_BLOCKS,
     BLOCK_TOKENS,

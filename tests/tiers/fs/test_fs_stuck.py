@@ -17,7 +17,7 @@ from support.drivers import Driver
 
 from kvtier.tiers.base import TierJobKind
 from kvtier.tiers.fs import files as fs_files
-from tiers.fs_helpers import MakeTier
+from tiers.fs.helpers import MakeTier
 
 TIMEOUT_S = 0.3
 

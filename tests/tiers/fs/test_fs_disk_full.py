@@ -17,7 +17,7 @@ from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.fs import tier as fs_module
 from kvtier.tiers.fs.tier import FsTier, Options
-from tiers.fs_helpers import FILE_BYTES, block_files, disk_bytes
+from tiers.fs.helpers import FILE_BYTES, block_files, disk_bytes
 
 MountSmall = Callable[[int], Path]
 

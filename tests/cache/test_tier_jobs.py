@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import logging
 
-from core.conftest import keys_for
-from core.scripted_tier import ScriptedTier
+from support.blocks import keys_for
+from support.scripted_tier import ScriptedTier
+
 from kvtier.cache.tier_jobs import TierJobs
 from kvtier.tiers.base import TierJobKind
 

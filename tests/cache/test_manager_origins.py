@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from core.conftest import keys_for
-from core.scripted_tier import ScriptedTier
+from support.blocks import keys_for
+from support.scripted_tier import ScriptedTier
+
 from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.policies import LRUPolicy
 from kvtier.tiers.base import WriteMode
