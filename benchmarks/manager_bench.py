@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench_common import cpu_name
+
 from kvtier.cache.manager import TieredCache
 from kvtier.keys import Namespace, chain_keys
 from kvtier.policies import RequestHint, make_policy
@@ -33,14 +35,7 @@ class Figure:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return f"{platform.node()} ({cpu}, {os.cpu_count()} cores, Python {platform.python_version()})"
 
 

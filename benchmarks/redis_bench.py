@@ -40,6 +40,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import redis
+from bench_common import cpu_name
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
@@ -91,12 +92,7 @@ class Report:
 
 
 def machine_info(redis_version: str) -> dict[str, object]:
-    cpu = platform.processor() or "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = cpu_name()
     try:
         import hiredis  # noqa: F401
 

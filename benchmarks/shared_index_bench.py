@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from bench_common import cpu_name
 
 from kvtier.cache.factory import build_cache
 from kvtier.cache.shared import SharedTieredCache
@@ -44,14 +45,7 @@ class Figure:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return f"{cpu}, {mp.cpu_count()} cores, Python {platform.python_version()}"
 
 
