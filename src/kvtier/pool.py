@@ -202,13 +202,20 @@ class HostPool:
             # Views handed out (numpy arrays, tensors) keep the mapping alive until collected.
             self._buffer.release()
             self._mmap.close()
+        removed = self._owner
         if self._owner:
             Path(self.handle.path).unlink(missing_ok=True)
         elif self.last_out_unlinks:
-            unlink_if_last(self._fd, self.handle.path)
+            removed = unlink_if_last(self._fd, self.handle.path)
         os.close(self._fd)
         if self._reaper is not None:
-            self._reaper.stop()
+            # Others still hold the file: the reaper stays and removes it after the last of
+            # them, which may be a user in this very process (vLLM's worker attaches the pool its
+            # scheduler opened) or one that never closes (killed, or its close failed).
+            if removed:
+                self._reaper.stop()
+            else:
+                self._reaper.leave()
 
     def __enter__(self) -> HostPool:
         return self

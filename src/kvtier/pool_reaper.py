@@ -14,8 +14,10 @@ the name must exist while the pool is in use. Why a separate process: nothing in
 process runs after ``SIGKILL``. It is started in its own session, so the terminal's Ctrl-C (which
 reaches the engine's whole process group) does not stop it; it runs stdlib code only (``-I -S``:
 no site packages, no environment), holds no mapping, and is never on the data path: it only
-waits in ``flock``. A clean ``close`` removes the file itself and stops its reaper. If the reaper
-is killed, the sweep at the next pool creation (``pool.cleanup_stale_pools``) remains the fallback.
+waits in ``flock``. A clean ``close`` that removes the file stops its reaper; one that leaves
+other users (another engine, or this engine's worker) leaves it running until the file is gone.
+If the reaper is killed, the sweep at the next pool creation (``pool.cleanup_stale_pools``)
+remains the fallback.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ class Reaper:
     @property
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
+
+    def leave(self) -> None:
+        """Let the reaper run on without this handle: it exits once the file is gone."""
+        self._process = None
 
     def stop(self) -> None:
         """End the reaper (after a clean close did its work) and collect it."""

@@ -25,6 +25,7 @@ from kvtier.cache.factory import build_cache
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, PoolError
 from kvtier.keys import Namespace
+from kvtier.pool import HostPool
 from kvtier.shared_pool import locks, table
 from kvtier.shared_pool.layout import H_DIRTY, H_REPAIRS, MAX_ENGINES, WRITING
 from kvtier.shared_pool.segment import TRAILER_BYTES, open_shared, segment_name
@@ -242,6 +243,23 @@ def test_an_engine_that_leaves_releases_its_pins_and_reservations(tmp_path):
     a.close()
     pool_a.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_file_goes_when_the_engines_worker_closes_after_its_scheduler(tmp_path):
+    """vLLM's engine core holds the shared pool twice: the scheduler side opens it and the worker
+    side attaches it by name (another open file, another lock). On an H100 (vLLM 0.25.1) the
+    scheduler closed first; before, it then stopped its reaper although its own worker still held
+    the file, and the file stayed after both engines were gone."""
+    pool, cache = open_cache(str(tmp_path), 8)
+    worker = HostPool.attach(pool.handle)
+    cache.close()
+    pool.close()  # not the last user: its worker still holds the file
+    assert os.path.exists(pool.handle.path)
+    worker.close()
+    deadline = time.monotonic() + 10.0
+    while list(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert list(tmp_path.iterdir()) == []  # the reaper removed it once the worker let go
 
 
 def test_config_errors_name_the_field(tmp_path):
