@@ -7,7 +7,8 @@ engine; the engine keeps its own count per slot and sets or clears its bit at th
 the last unpin. Eviction takes the least recently used visible slots with no pin bit, of a random
 sample.
 
-Lookups and touches read without any lock. Everything that changes the index holds the index lock
+The lock, the engines' table and the lock-free lookups are ``base.LockedIndex``'s. Lookups and
+touches read without any lock. Everything that changes the index holds the index lock
 (``locks.Mutex``, never longer than ``lock_timeout_s`` to get: a miss otherwise), runs in tens of
 microseconds per block and never does I/O or a copy under it. The lock holder marks the index
 dirty while it changes it; a holder killed inside leaves the mark, and the next holder rebuilds
@@ -24,18 +25,16 @@ never a wait.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.errors import PoolError
 from kvtier.keys import BlockKey
-from kvtier.shared_pool import checks, locks, table
+from kvtier.shared_pool import checks, table
+from kvtier.shared_pool.base import REAP_INTERVAL_S, REGISTER_TIMEOUT_S, LockedIndex
 from kvtier.shared_pool.layout import (
     E_EVICTIONS,
     E_HITS_OTHERS,
@@ -45,19 +44,16 @@ from kvtier.shared_pool.layout import (
     E_REGISTERED,
     E_STORED,
     FREE,
-    H_DIRTY,
     H_FREE_TOP,
-    H_REPAIRS,
-    MAX_ENGINES,
     VISIBLE,
     WRITING,
     IndexArrays,
 )
 
-REAP_INTERVAL_S = 0.25
+__all__ = ["REAP_INTERVAL_S", "EngineShare", "SharedIndex"]
+
 EVICT_SAMPLE = 16
 """Slots sampled per block to evict (approximate LRU, as in Redis)."""
-REGISTER_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +74,7 @@ class EngineShare:
     """Slots holding blocks this engine stored (or is writing) now."""
 
 
-class SharedIndex:
+class SharedIndex(LockedIndex):
     """One engine's handle on a shared index (``segment.open_shared`` builds it)."""
 
     def __init__(
@@ -90,82 +86,9 @@ class SharedIndex:
         quota_slots: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._fd = fd
-        self._mapping = mapping
-        self.a = arrays
-        self.num_slots = arrays.layout.num_slots
-        self.lock_timeout_s = lock_timeout_s
-        self._mutex = locks.Mutex(fd)
-        self._clock = clock
         self._pin_counts: dict[int, int] = {}
-        self._last_reap = 0.0
         self._rng = np.random.default_rng()
-        self.lock_timeouts = 0
-        """Index operations given up because another engine held the lock too long."""
-        self.me = -1
-        self._register(quota_slots)
-
-    # -- lock ------------------------------------------------------------------------------------
-
-    def _enter(self, timeout_s: float | None = None) -> bool:
-        if not self._mutex.acquire(self.lock_timeout_s if timeout_s is None else timeout_s):
-            self.lock_timeouts += 1
-            return False
-        h = self.a.header
-        if h[H_DIRTY]:
-            self._repair()
-        h[H_DIRTY] = 1
-        return True
-
-    def _leave(self) -> None:
-        self.a.header[H_DIRTY] = 0
-        self._mutex.release()
-
-    def _repair(self) -> None:
-        """Rebuild what a holder killed inside the lock may have left half changed."""
-        a = self.a
-        a.header[H_REPAIRS] += 1
-        a.state[(a.state != FREE) & (a.state != WRITING) & (a.state != VISIBLE)] = FREE
-        table.rebuild(a)
-        free = np.flatnonzero(a.state == FREE)[::-1].astype(np.int32)
-        a.free[: len(free)] = free
-        a.header[H_FREE_TOP] = len(free)
-
-    # -- engines ---------------------------------------------------------------------------------
-
-    def _register(self, quota_slots: int) -> None:
-        if not self._enter(REGISTER_TIMEOUT_S):
-            raise PoolError("the shared pool's index stayed locked by another engine for 5 s")
-        try:
-            for e in range(MAX_ENGINES):
-                if locks.try_lock(self._fd, locks.ENGINE_LOCK_BASE + e):
-                    self._reclaim(e)  # what a dead engine with this number left
-                    row = self.a.engines[e]
-                    row[:] = 0
-                    row[E_REGISTERED], row[E_PID], row[E_QUOTA] = 1, os.getpid(), quota_slots
-                    self.me = e
-                    return
-        finally:
-            self._leave()
-        raise PoolError(f"a shared pool serves at most {MAX_ENGINES} engines")
-
-    def _alive(self, e: int) -> bool:
-        return e == self.me or locks.held_by_another(self._fd, locks.ENGINE_LOCK_BASE + e)
-
-    def reap_dead(self) -> int:
-        """Release what engines that died left (pins, reservations); returns how many."""
-        self._last_reap = self._clock()
-        registered = np.flatnonzero(self.a.engines[:, E_REGISTERED]).tolist()
-        dead = [e for e in registered if not self._alive(e)]
-        if not dead or not self._enter():
-            return 0
-        try:
-            gone = [e for e in dead if self.a.engines[e, E_REGISTERED] and not self._alive(e)]
-            for e in gone:
-                self._reclaim(e)
-            return len(gone)
-        finally:
-            self._leave()
+        super().__init__(fd, mapping, arrays, lock_timeout_s, quota_slots, clock)
 
     def _reclaim(self, e: int) -> None:
         a = self.a
@@ -175,28 +98,6 @@ class SharedIndex:
             self._free_slot(slot)
         a.writer[mine] = -1
         a.engines[e, E_REGISTERED] = 0
-
-    def maintain(self) -> None:
-        """Once per engine step: reap dead engines now and then."""
-        if self._clock() - self._last_reap >= REAP_INTERVAL_S:
-            self.reap_dead()
-
-    # -- lock-free reads -------------------------------------------------------------------------
-
-    def leading_hits(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading ``keys`` are visible now (no lock; a pin confirms)."""
-        if not keys:
-            return 0
-        return table.leading(table.visible(self.a, table.keys_array(keys)))
-
-    def count_visible(self, k: np.ndarray) -> int:
-        """How many keys of ``k`` (``table.keys_array``) are visible: the batch lookup."""
-        return int(np.count_nonzero(table.visible(self.a, k) >= 0))
-
-    def touch(self, keys: Sequence[BlockKey]) -> None:
-        if keys:
-            slots = table.visible(self.a, table.keys_array(keys))
-            self.a.last_use[slots[slots >= 0]] = self._clock()
 
     # -- pins ------------------------------------------------------------------------------------
 
@@ -312,16 +213,6 @@ class SharedIndex:
                 return np.asarray(own)
         return candidates
 
-    def _free_slot(self, slot: int) -> None:
-        """Unindex a slot and put it on the free stack (under the lock)."""
-        a = self.a
-        table.remove_slot_key(a, slot)
-        a.state[slot] = FREE
-        a.writer[slot] = -1
-        top = int(a.header[H_FREE_TOP])
-        a.free[top] = slot
-        a.header[H_FREE_TOP] = top + 1
-
     def publish(self, slots: Sequence[int], oks: Sequence[bool]) -> bool:
         """Make the reserved slots whose bytes are written visible to every engine, free the
         others; False (nothing done) when the lock could not be had: try again later."""
@@ -348,9 +239,6 @@ class SharedIndex:
         return True
 
     # -- reports ---------------------------------------------------------------------------------
-
-    def used_slots(self) -> int:
-        return self.num_slots - int(self.a.header[H_FREE_TOP])
 
     def engine_shares(self) -> list[EngineShare]:
         a = self.a
@@ -379,27 +267,13 @@ class SharedIndex:
         if not self._enter(REGISTER_TIMEOUT_S):
             raise AssertionError("shared index: its lock stayed held for 5 s")
         try:
-            alive = [e for e in np.flatnonzero(self.a.engines[:, E_REGISTERED]) if self._alive(e)]
-            checks.check(self.a, [int(e) for e in alive], settled)
+            checks.check(self.a, self.alive_engines(), settled)
         finally:
             self._leave()
 
     # -- lifetime --------------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, release: bool = True) -> None:
         """Leave the pool: this engine's pins and unfinished reservations are released."""
-        if self.me < 0:
-            return
-        if self._enter(REGISTER_TIMEOUT_S):
-            try:
-                self._reclaim(self.me)
-            finally:
-                self._leave()
-        # Without the lock the others reap it once its engine lock is gone, just below.
-        locks.unlock(self._fd, locks.ENGINE_LOCK_BASE + self.me)
-        self.me = -1
+        super().close(release)
         self._pin_counts.clear()
-        del self.a
-        with contextlib.suppress(BufferError):
-            self._mapping.close()  # a view still alive keeps the mapping until collected
-        os.close(self._fd)

@@ -136,14 +136,14 @@ def remove_slot_key(a: IndexArrays, slot: int) -> None:
         remove_at(a, pos)
 
 
-def rebuild(a: IndexArrays) -> None:
-    """Refill the table from the slots' own keys (their state is the truth): after a holder died
-    inside the lock. A key held by two slots keeps the first; the
+def rebuild(a: IndexArrays, live: Sequence[int] = (VISIBLE, WRITING)) -> None:
+    """Refill the table from the keys of the slots in a ``live`` state (their state is the
+    truth): after a holder died inside the lock. A key held by two slots keeps the first; the
     other slot is freed unless it is pinned (then it stays out of the table until unpinned)."""
     a.table_slots[:] = EMPTY
     a.header[H_LIVE] = 0
     a.header[H_TOMBS] = 0
-    for slot in np.flatnonzero((a.state == VISIBLE) | (a.state == WRITING)).tolist():
+    for slot in np.flatnonzero(np.isin(a.state, live)).tolist():
         k0, k1 = int(a.slot_keys[slot, 0]), int(a.slot_keys[slot, 1])
         if find_one(a, k0, k1)[0] >= 0:
             if int(a.pins[slot]) == 0:
