@@ -74,7 +74,12 @@ class LockedIndex(ABC):
         self.lock_timeouts = 0
         """Index operations given up because another engine held the lock too long."""
         self.me = -1
+        self._setup()
         self._register(quota_slots)
+
+    @abstractmethod
+    def _setup(self) -> None:
+        """This engine's own state that a subclass needs before it registers."""
 
     # -- lock ------------------------------------------------------------------------------------
 

@@ -25,9 +25,7 @@ never a wait.
 
 from __future__ import annotations
 
-import mmap
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +45,6 @@ from kvtier.shared_pool.layout import (
     H_FREE_TOP,
     VISIBLE,
     WRITING,
-    IndexArrays,
 )
 
 __all__ = ["REAP_INTERVAL_S", "EngineShare", "SharedIndex"]
@@ -77,18 +74,9 @@ class EngineShare:
 class SharedIndex(LockedIndex):
     """One engine's handle on a shared index (``segment.open_shared`` builds it)."""
 
-    def __init__(
-        self,
-        fd: int,
-        mapping: mmap.mmap,
-        arrays: IndexArrays,
-        lock_timeout_s: float,
-        quota_slots: int = 0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def _setup(self) -> None:
         self._pin_counts: dict[int, int] = {}
         self._rng = np.random.default_rng()
-        super().__init__(fd, mapping, arrays, lock_timeout_s, quota_slots, clock)
 
     def _reclaim(self, e: int) -> None:
         a = self.a
