@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -19,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vllm_bench_kv import KVPool, gemma3_pool, nemotron_h_pool
 
 from kvtier.demo import FIRST_TOKEN, MODELS, ModelSize, Workload, build_workload, write_model
 
@@ -104,20 +107,27 @@ NEMOTRON_H_8B: dict[str, Any] = {
 }
 """Nemotron-H-8B's shape (an SSM hybrid): 52 layers, Mamba-2 and MLP layers with 4 attention
 layers among them."""
-HYBRID_MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
+HYBRID_MODELS: dict[str, tuple[str, dict[str, Any], KVPool]] = {
     "gemma3": (
         "Gemma-3-12B text architecture (sliding window 1024, 5:1), dummy weights, bf16",
         GEMMA3_12B,
-        48,
+        gemma3_pool(GEMMA3_12B),
     ),
     "nemotronh": (
         "Nemotron-H-8B architecture (Mamba-2 hybrid, 4 attention layers), dummy weights, bf16",
         NEMOTRON_H_8B,
-        4,
+        nemotron_h_pool(NEMOTRON_H_8B),
     ),
 }
-"""``--model`` choices of hybrid models: (name, config.json, layers whose KV a token adds,
-for the GPU KV cache's size)."""
+"""``--model`` choices of hybrid models: (name, config.json, vLLM's KV block pool for it:
+``vllm_bench_kv``)."""
+HYBRID_KV_REQUESTS = 2.5
+"""A hybrid model's GPU KV cache by default: this many of the workload's longest requests at the
+peak vLLM reserves for one (its start-up check), about what ``--gpu-kv-gib 2`` is for
+Llama-3.1-8B (2.47 of its longest requests, 6,612 tokens at 128 KiB each)."""
+VLLM_BATCHED_TOKENS = 16384
+"""vLLM's ``max_num_batched_tokens`` for ``LLM`` on a GPU of 70 GiB or more (0.25.1, 0.32): the
+longest prefill chunk, which a sliding-window group holds whole."""
 SCHEDULER_HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -142,11 +152,18 @@ class ModelSpec:
     path: Path
     vocab: int
     kv_bytes_per_token: int
+    """KV bytes a token adds (a hybrid model: its full-attention layers' only)."""
     gpu: bool
+    pool: KVPool | None = None
+    """A hybrid model's KV block pool as vLLM's hybrid KV cache manager builds it (None: one
+    full-attention group, ``kv_bytes_per_token`` per token)."""
 
     @property
     def block_tokens(self) -> int:
-        """vLLM's block size: its default on CUDA, 32 on CPU (its attention needs it)."""
+        """vLLM's block size: its default on CUDA, 32 on CPU (its attention needs it); a hybrid
+        model's is its pool's (1,152 tokens for Nemotron-H-8B)."""
+        if self.pool is not None:
+            return self.pool.block_tokens
         return 16 if self.gpu else 32
 
 
@@ -161,10 +178,10 @@ def make_model(kind: str, workdir: Path) -> ModelSpec:
             "Llama-3.1-8B architecture, dummy weights, bf16", path, 128256, per_token, True
         )
     if kind in HYBRID_MODELS:
-        name, config, kv_layers = HYBRID_MODELS[kind]
+        name, config, pool = HYBRID_MODELS[kind]
         (path / "config.json").write_text(json.dumps(config, indent=1))
-        per_token = kv_layers * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
-        return ModelSpec(name, path, int(config["vocab_size"]), per_token, True)
+        per_token = pool.full_groups * pool.block_bytes // pool.block_tokens
+        return ModelSpec(name, path, int(config["vocab_size"]), per_token, True, pool)
     size: ModelSize = MODELS["tiny"]
     write_model(path, size)
     per_token = size.num_hidden_layers * 2 * size.num_key_value_heads * size.head_dim * 4
@@ -261,13 +278,44 @@ class Settings:
     max_model_len: int
     gpu_kv_gib: float | None
     workdir: Path
+    gpu_kv_requests: float | None = None
+
+
+def engine_max_len(settings: Settings, model: ModelSpec, longest: int) -> int:
+    """The engine's ``max_model_len``: ``--max-model-len``; a hybrid model's is lowered to the
+    workload's longest request in whole blocks (vLLM checks at start that the GPU KV cache holds
+    one request of ``max_model_len``, which at 16,384 tokens takes more than the pool the
+    benchmark means to give it: Nemotron-H-8B 1.85 GiB, Gemma-3-12B 6 GiB)."""
+    if model.pool is None:
+        return settings.max_model_len
+    return min(settings.max_model_len, model.pool.round_tokens(longest + settings.max_tokens))
 
 
 def kv_bytes(settings: Settings, model: ModelSpec, concurrency: int, longest: int) -> int:
-    """``--gpu-kv-gib``, else ``concurrency`` longest requests."""
-    if settings.gpu_kv_gib:
-        return int(settings.gpu_kv_gib * (1 << 30))
-    return concurrency * (longest + settings.max_tokens) * model.kv_bytes_per_token
+    """``--gpu-kv-gib``; else ``--gpu-kv-requests`` longest requests, by default ``concurrency``
+    of them (a hybrid model: ``HYBRID_KV_REQUESTS``, each at the peak vLLM reserves for one, in
+    whole blocks). A hybrid model's size must hold one request of the engine's ``max_model_len``
+    (``ValueError`` otherwise: vLLM would refuse to start)."""
+    gib = int(settings.gpu_kv_gib * (1 << 30)) if settings.gpu_kv_gib else None
+    pool = model.pool
+    if pool is None:
+        if gib is not None:
+            return gib
+        requests = settings.gpu_kv_requests or concurrency
+        return int(requests * (longest + settings.max_tokens) * model.kv_bytes_per_token)
+    max_len = engine_max_len(settings, model, longest)
+    need = pool.request_blocks(max_len, VLLM_BATCHED_TOKENS)
+    if gib is not None:
+        if gib < need * pool.block_bytes:
+            raise ValueError(
+                f"--gpu-kv-gib {settings.gpu_kv_gib:g} holds {gib // pool.block_bytes} blocks of "
+                f"{pool.block_bytes / (1 << 20):g} MiB; vLLM needs {need} for one request of "
+                f"{max_len} tokens ({need * pool.block_bytes / (1 << 30):.3f} GiB)"
+            )
+        return gib
+    requests = settings.gpu_kv_requests or HYBRID_KV_REQUESTS
+    blocks = max(need, math.ceil(requests * need))
+    return blocks * pool.block_bytes
 
 
 def build_point(
@@ -285,12 +333,13 @@ def build_point(
     if not lengths:
         raise ValueError(f"no conversation fits --max-model-len {settings.max_model_len}")
     gpu_kv = kv_bytes(settings, model, concurrency, lengths[-1])
+    max_len = engine_max_len(settings, model, lengths[-1])
     engine = {
         "model": model.name,
         "concurrency": concurrency,
         "max_tokens": settings.max_tokens,
         "gpu_kv_bytes": gpu_kv,
-        "max_model_len": settings.max_model_len,
+        "max_model_len": max_len,
     }
     summary = {
         "requests": len(lengths),
@@ -307,9 +356,13 @@ def build_point(
         "max_tokens": settings.max_tokens,
         "gpu_kv_gib": round(gpu_kv / (1 << 30), 3),
         "gpu_kv_bytes": gpu_kv,
-        "max_model_len": settings.max_model_len,
+        "max_model_len": max_len,
         "digest": workload_digest(engine, prompts.all()),
     }
+    if model.pool is not None:
+        summary["block_tokens"] = model.pool.block_tokens
+        summary["gpu_kv_blocks"] = gpu_kv // model.pool.block_bytes
+        summary["request_peak_blocks"] = model.pool.request_blocks(max_len, VLLM_BATCHED_TOKENS)
     return prompts, summary
 
 

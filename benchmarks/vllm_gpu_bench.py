@@ -30,8 +30,9 @@ weights, bfloat16, CUDA graphs on, vLLM's default attention backend, prefix cach
 tiny Llama for a CPU smoke run (``--model tiny``). Token-id prompts, no tokenizer. Hybrid models
 (issue 27), vLLM's hybrid KV cache manager on: ``--model gemma3`` (Gemma-3-12B's text
 architecture: 5 sliding-window layers of 1024 tokens to each full-attention one) and ``--model
-nemotronh`` (Nemotron-H-8B's shape: Mamba-2 layers with 4 attention layers); their kvtier rows
-add ``kvtier_bytes_per_token``, bytes stored per cached token for each kind of KV cache group.
+nemotronh`` (Nemotron-H-8B's shape: Mamba-2 layers with 4 attention layers, ``mamba_cache_mode``
+``all``, 1,152-token blocks); their kvtier rows add ``kvtier_bytes_per_token``, bytes stored per
+cached token for each kind of KV cache group.
 
 Workload: the demo's multi-turn conversations from the bundled trace (``kvtier.demo``: each
 turn re-sends the previous prompt and answer, then a new question), each demo token widened to
@@ -40,8 +41,17 @@ turn re-sends the previous prompt and answer, then a new question), each demo to
 previous turn finished, and a finished conversation's place goes to the next one. A conversation
 with a prompt longer than ``--max-model-len`` less the output is left out (counted in the
 workload's ``dropped_conversations``). Every request generates ``--max-tokens`` tokens (greedy,
-EOS ignored). vLLM's GPU KV cache holds the concurrent requests and little more
-(``--gpu-kv-gib``), so a conversation is evicted from it between its turns.
+EOS ignored). vLLM's GPU KV cache is small (``--gpu-kv-gib``, 2 in the grid; without it
+``--gpu-kv-requests`` of the longest requests, by default ``--concurrency`` of them), so a
+conversation is evicted from it between its turns and the host tier serves it.
+
+A hybrid model's GPU KV cache is sized in the blocks vLLM's hybrid KV cache manager allocates
+(``vllm_bench_kv``: groups of equal layers, one page size, Mamba states padded to it): by default
+2.5 of the workload's longest requests at the peak vLLM reserves for one (``--gpu-kv-requests``;
+about what 2 GiB is for Llama-3.1-8B), and the engine's ``max_model_len`` is the longest request
+in whole blocks (vLLM checks at start that one request of ``max_model_len`` fits). Counted in
+the workload: ``block_tokens``, ``gpu_kv_blocks`` and ``request_peak_blocks``; reusable tokens are
+counted in that block size. A ``--gpu-kv-gib`` below one such request is refused at once.
 
 Measured on the host per request (kept in the JSON as ``per_request``): its submission id
 ``c<conversation>.t<turn>`` (the same request in every configuration), TTFT (``add_request`` to
@@ -405,7 +415,7 @@ class VllmPointRunner:
             host_gib=point.host_gib,
             fs_gib=fs_gib,
             kv_bytes=int(summary["gpu_kv_bytes"]),
-            max_model_len=self.settings.max_model_len,
+            max_model_len=int(summary["max_model_len"]),
             workdir=self.workdir,
         )
         prompts = self._prompts[point.concurrency]
@@ -459,7 +469,7 @@ def run_single(
             args.host_gib,
             safe_fs_gib(settings.workdir, args.fs_gib),
             int(summary["gpu_kv_bytes"]),
-            settings.max_model_len,
+            int(summary["max_model_len"]),
             settings.workdir,
         )
         row = run_safely(spec, model, prompts, settings.max_tokens)
@@ -510,6 +520,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="default 32 (grid: 64)")
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--gpu-kv-gib", type=float, default=None, help="default: see the docstring")
+    p.add_argument(
+        "--gpu-kv-requests",
+        type=float,
+        default=None,
+        help="GPU KV cache in longest requests (without --gpu-kv-gib; see the docstring)",
+    )
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "kvtier-gpu-bench"))
     p.add_argument("--json", default=None, help=f"default {SINGLE_JSON} (grid: {GRID_JSON})")
     p.add_argument("--commit", default=None, help="default: git rev-parse HEAD")
@@ -555,18 +571,22 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(configs) - set(eng.CONFIGS))
         if unknown:
             p.error(f"unknown configs {unknown}; choose from {', '.join(eng.CONFIGS)}")
+        workdir = Path(args.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        model = eng.make_model(args.model, workdir)
+        # The grid's 2 GiB is Llama-3.1-8B's; a hybrid model's default is sized from its pool.
+        grid_gib = 2.0 if args.grid and model.pool is None else None
         settings = eng.Settings(
             turns=args.turns or (5 if args.grid else 4),
             context_blocks=args.context_blocks,
             widen=args.widen,
             max_tokens=args.max_tokens or (64 if args.grid else 32),
             max_model_len=args.max_model_len,
-            gpu_kv_gib=args.gpu_kv_gib or (2.0 if args.grid else None),
-            workdir=Path(args.workdir),
+            gpu_kv_gib=args.gpu_kv_gib or grid_gib,
+            workdir=workdir,
+            gpu_kv_requests=args.gpu_kv_requests,
         )
-        settings.workdir.mkdir(parents=True, exist_ok=True)
         prepare_env()
-        model = eng.make_model(args.model, settings.workdir)
         run = run_grid_mode if args.grid else run_single
         return run(args, settings, model, configs)
     except (grid.GridError, OSError, ValueError) as exc:

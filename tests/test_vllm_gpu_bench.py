@@ -5,6 +5,7 @@ skipped, the time budget, the request pairing, the acceptance verdicts, the JSON
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from collections.abc import Iterator
@@ -658,3 +659,40 @@ def test_hybrid_models_and_their_bytes_per_cached_token(
         },
     }
     assert bench.group_bytes_per_token(stats) == {"window": 10.0, "full": 20.0}
+
+
+def test_hybrid_gpu_kv_is_sized_in_the_blocks_vllm_allocates(
+    eng: ModuleType, tmp_path: Path
+) -> None:
+    gemma, nemotron = eng.make_model("gemma3", tmp_path), eng.make_model("nemotronh", tmp_path)
+    # Gemma-3-12B: 8 full + 40 sliding layers -> 6 groups of 8 layers, 16-token blocks of 1 MiB.
+    assert (gemma.pool.groups, gemma.pool.group_layers, gemma.block_tokens) == (6, 8, 16)
+    assert gemma.pool.block_bytes == 1 << 20
+    # Nemotron-H-8B: 4 attention + 24 Mamba-2 layers -> 7 groups of 4; a Mamba-2 state (4,255,744
+    # bytes) takes 1,152 attention tokens (a multiple of its 128-token chunk), as vLLM logged.
+    assert (nemotron.pool.groups, nemotron.pool.group_layers, nemotron.block_tokens) == (7, 4, 1152)
+    need_16k = nemotron.pool.request_bytes(16384, eng.VLLM_BATCHED_TOKENS)
+    assert round(need_16k / (1 << 30), 2) == 1.85  # vLLM 0.25.1's start-up error on the H100
+
+    settings = eng.Settings(4, 40, 4, 32, 16384, None, tmp_path)
+    _prompts, summary = eng.build_point(settings, gemma, 16, 160)
+    longest = summary["prompt_tokens_max"] + 32
+    assert summary["max_model_len"] == -(-longest // 16) * 16  # lowered to the workload
+    # 2.5 requests at vLLM's peak for one (not 38.7 GiB: all 48 layers counted as full).
+    assert summary["gpu_kv_blocks"] == math.ceil(2.5 * summary["request_peak_blocks"])
+    assert summary["gpu_kv_gib"] < 7
+    _prompts, summary = eng.build_point(settings, nemotron, 16, 160)
+    assert summary["max_model_len"] == 6912 and summary["block_tokens"] == 1152
+    assert summary["request_peak_blocks"] == 7 * 6
+    assert summary["gpu_kv_blocks"] * nemotron.pool.block_bytes == summary["gpu_kv_bytes"]
+    # Reusable tokens count whole 1,152-token blocks.
+    assert summary["reusable_prompt_tokens"] % 1152 == 0
+    # A size vLLM would refuse at start is refused before the engine starts.
+    small = eng.Settings(4, 40, 4, 32, 16384, 0.5, tmp_path)
+    with pytest.raises(ValueError, match="vLLM needs 42"):
+        eng.build_point(small, nemotron, 16, 160)
+    # One full-attention group: sized as before.
+    llama = eng.make_model("llama8b", tmp_path)
+    _prompts, summary = eng.build_point(settings, llama, 16, 160)
+    assert summary["max_model_len"] == 16384 and "block_tokens" not in summary
+    assert summary["gpu_kv_bytes"] == 16 * longest * llama.kv_bytes_per_token
