@@ -33,7 +33,7 @@ from kvtier.copy.options import CopyConfig
 from kvtier.engine.groups import CacheGroup
 from kvtier.errors import ConfigError
 from kvtier.events import EventKind
-from kvtier.integrations.vllm import compat
+from kvtier.integrations.vllm import compat, hybrid_hits
 from kvtier.integrations.vllm import groups as vllm_groups
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -106,6 +106,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             # One tensor per block for all layers is a single group's layout (0.25.1).
             self.layout_request = compat.LayoutRequest(self.layout_request.layout, False)
         if role == KVConnectorRole.SCHEDULER:
+            # 0.25.1 resumes a hybrid Mamba model where its longest group's hit ends.
+            hybrid_hits.install_for(kv_cache_config)
             self._scheduler = self._make_scheduler(vllm_config, config, engine_block_size)
             self._hit_source = compat.hit_source_map(config.tiers)
             if self.settings.trace_path is not None:
@@ -301,10 +303,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
-        if len(self.groups) > 1:
-            self._worker.register_groups(
-                {g.index: [kv_caches[name] for name in g.layers] for g in self.groups}
-            )
+        states = any(isinstance(t, list | tuple) for t in kv_caches.values())  # Mamba, 0.25.1
+        if len(self.groups) > 1 or states:
+            self._worker.register_groups(vllm_groups.group_tensors(self.groups, kv_caches))
         else:
             self._worker.register(list(kv_caches.values()))
 

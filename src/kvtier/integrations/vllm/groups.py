@@ -4,15 +4,36 @@ vLLM's hybrid KV cache manager gives each kind of layer (full attention, sliding
 one or more groups of equal size, each with its own block table; the groups' pages are the same
 size, and the groups share one pool of block ids (a block id belongs to one group at a time).
 Block id 0 is vLLM's null block: a sliding-window group's table holds it where a position left
-the window.
+the window, a Mamba group's everywhere but where it keeps a state.
+
+Mamba groups (``MambaSpec``: Mamba-1/2, linear attention, short convolutions, gated delta nets)
+are served in ``mamba_cache_mode`` ``all`` only, the mode vLLM picks with prefix caching for
+models that support it (0.25.1 and 0.32 alike): block ``b`` of the group's table holds the state
+after the tokens of blocks ``0..b`` (written by the step that computes the block's last token;
+the block of the last computed token holds the running state), a running request keeps only
+the block of its last computed token (``get_num_skipped_tokens`` is ``num_computed - 1``: the
+blocks before it are freed, listed in no scheduler output), and a request resumed at a boundary
+of ``n`` blocks gets the null block at positions ``0..n-2`` and a fresh block at ``n - 1``
+(``allocate_external_computed_blocks``), which the kernels read as the initial state. In
+``align`` mode the states move between blocks, in ``none`` mode one block holds the running
+state; with speculative blocks the positions shift: such groups are ``OTHER`` (not served).
+
+A Mamba layer's KV cache, as vLLM 0.25.1 hands it to connectors, is a list of state views (conv
+and SSM state), each ``[num_blocks, ...]`` with a block stride of one page, into one buffer;
+``state_pages`` gives the copy backends that buffer as whole pages (``[num_blocks, 1, 1,
+page_bytes]`` bytes, padding included). vLLM 0.32 hands over such a byte view already
+(``[num_blocks, 1, 1, state bytes]``, block stride one page).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.engine.groups import CacheGroup, GroupKind
+
+log = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 """The id of vLLM's null block (``BlockPool.null_block``: the first block, never handed out)."""
@@ -29,7 +50,17 @@ def _kind(group: Any) -> GroupKind:
     if name in _WINDOW_SPECS:
         return GroupKind.WINDOW
     if "Mamba" in name:
-        return GroupKind.STATE
+        mode = getattr(spec, "mamba_cache_mode", None)
+        speculative = int(getattr(spec, "num_speculative_blocks", 0) or 0)
+        if mode == "all" and not speculative:
+            return GroupKind.STATE
+        log.warning(
+            "a Mamba group in mamba_cache_mode %r with %d speculative blocks: kvtier serves "
+            "'all' without speculative blocks only",
+            mode,
+            speculative,
+        )
+        return GroupKind.OTHER
     if name in _FULL_SPECS and not getattr(spec, "sliding_window", None):
         return GroupKind.FULL
     return GroupKind.OTHER
@@ -72,3 +103,65 @@ def tag(groups: Sequence[CacheGroup]) -> str:
     if len(groups) <= 1:
         return ""
     return "groups=" + ",".join(g.tag for g in groups)
+
+
+def state_pages(states: Sequence[Any], page_bytes: int) -> Any:
+    """A Mamba layer's state views (``[num_blocks, ...]`` each, block stride one page, into one
+    buffer) as that buffer's whole pages: a ``[num_blocks, 1, 1, page_bytes]`` byte tensor over
+    the same memory (the layout kvtier's CPU and CUDA backends copy page by page). ``ValueError``
+    where the views are not pages of one buffer."""
+    import torch
+
+    first = states[0]
+    num_blocks = int(first.shape[0])
+    storage = first.untyped_storage()
+    base = min(int(t.storage_offset()) * t.element_size() for t in states)
+    for t in states:
+        offset = int(t.storage_offset()) * t.element_size() - base
+        span = offset + _extent_bytes(t)
+        if (
+            t.untyped_storage().data_ptr() != storage.data_ptr()
+            or int(t.shape[0]) != num_blocks
+            or int(t.stride(0)) * t.element_size() != page_bytes
+            or span > page_bytes
+        ):
+            raise ValueError(
+                f"Mamba state views {[tuple(x.shape) for x in states]} are not pages of "
+                f"{page_bytes} bytes in one buffer"
+            )
+    if base + num_blocks * page_bytes > storage.nbytes():
+        raise ValueError(f"{num_blocks} pages of {page_bytes} bytes overrun the state buffer")
+    out = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return out.set_(storage, base, (num_blocks, 1, 1, page_bytes), (page_bytes,) * 3 + (1,))
+
+
+def _extent_bytes(t: Any) -> int:
+    """Bytes from a view's first element of one block to just past its last."""
+    last = sum(
+        (size - 1) * stride for size, stride in zip(t.shape[1:], t.stride()[1:], strict=True)
+    )
+    return int((last + 1) * t.element_size())
+
+
+def group_tensors(
+    groups: Sequence[CacheGroup], kv_caches: Mapping[str, Any]
+) -> dict[int, list[Any]]:
+    """Each group's layers' KV tensors, in layer order, for the copy backends: attention layers
+    as vLLM hands them over, Mamba layers as their pages (``state_pages``; 0.32 hands over such
+    a ``[B, 1, 1, C]`` byte view already). A group kvtier never copies (not ``STATE``) whose
+    state views are not pages is left out rather than failing the engine's start."""
+    out: dict[int, list[Any]] = {}
+    for g in groups:
+        tensors = [kv_caches[name] for name in g.layers]
+        try:
+            tensors = [
+                state_pages(list(t), g.page_bytes) if isinstance(t, list | tuple) else t
+                for t in tensors
+            ]
+        except ValueError:
+            if g.kind is GroupKind.STATE:
+                raise
+            log.warning("KV cache group %d (%s) gets no copy backend", g.index, g.kind.value)
+            continue
+        out[g.index] = tensors
+    return out
