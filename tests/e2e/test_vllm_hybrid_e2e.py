@@ -33,7 +33,7 @@ LONG = (
     if require.vllm_missing() is None
     else []
 )
-"""31 whole blocks each: the window tails stored are before blocks 16, 30 and 31."""
+"""31 whole blocks each: the window tails stored are before blocks 16 and 31."""
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,9 @@ def test_hybrid_manager_stays_on_and_outputs_match(
     assert full["hit_blocks"] == 2 * 31 and window["hit_blocks"] == 2 * 2
     assert stats["connector"]["hit_tokens"] == 2 * 31 * BLOCK
     assert stats["connector"]["load_blocks_failed"] == 0
-    # Stored: 31 full blocks a prompt, the window's blocks only before blocks 16, 30 and 31.
-    assert full["stored_blocks"] == 2 * 31 and window["stored_blocks"] == 2 * 5
+    # Stored: 31 full blocks a prompt, the window's blocks only before blocks 16 and 31 (1000
+    # tokens end past block 31: no lookup of this prompt stops at 30).
+    assert full["stored_blocks"] == 2 * 31 and window["stored_blocks"] == 2 * 4
     assert stats["pool_pinned"] == 0 and stats["jobs_in_flight"] == 0
 
 
@@ -113,8 +114,8 @@ def test_window_group_stores_less_than_full_attention(gemma2: Path, tmp_path: Pa
     all_full = cached_tokens // BLOCK * 4 * layer_block_bytes
     hybrid = window["stored_bytes"] + full["stored_bytes"]
     ratio = hybrid / all_full
-    # 2 x 31 full blocks + 2 x 5 window blocks of 2 layers, against 2 x 31 blocks of 4 layers.
-    assert ratio == pytest.approx((62 + 10) / 124)
+    # 2 x 31 full blocks + 2 x 4 window blocks of 2 layers, against 2 x 31 blocks of 4 layers.
+    assert ratio == pytest.approx((62 + 8) / 124)
     # What the window needs: half the layers keep 2 blocks before each resumable boundary.
     assert ratio < 0.6
 
@@ -123,7 +124,7 @@ def test_shared_prefix_resumes_at_a_stored_window_boundary(
     gemma2: Path, reference: dict[str, Any], shared_prompts: list[list[int]], tmp_path: Path
 ) -> None:
     """Two prompts share 21 whole blocks with a stored one; the window group has blocks only
-    before blocks 16, 30 and 31 there, so the hit is 16 blocks: every group's state at that
+    before blocks 16 and 31 there, so the hit is 16 blocks: every group's state at that
     boundary, never the 21 blocks the full-attention group alone has."""
     llm = _engine(gemma2, tmp_path / "stats.json")
     try:

@@ -8,7 +8,9 @@ from kvtier.engine.groups import (
     CacheGroup,
     GroupKind,
     auto_boundary_blocks,
+    held_tokens,
     servable,
+    tail_blocks,
     window_blocks,
     window_tail,
 )
@@ -41,6 +43,23 @@ def test_window_tails_cover_the_end_the_block_before_and_every_nth_boundary() ->
     assert window_tail(0, 0, 3, 16) == []
 
 
+def test_the_block_before_the_end_only_where_the_tokens_end_on_the_boundary() -> None:
+    # Tokens beyond the last whole block: no lookup of this prefix stops one block short.
+    assert window_tail(0, 31, 2, 16, whole_prompt=False) == [14, 15, 29, 30]
+    # A state group (one block): the state at the end, and at 16; the one before the end only
+    # for a prompt of whole blocks, looked up one block short.
+    assert window_tail(0, 31, 1, 16, whole_prompt=False) == [15, 30]
+    assert window_tail(0, 31, 1, 16) == [15, 29, 30]
+
+
+def test_a_state_group_needs_the_block_ending_at_the_boundary() -> None:
+    state, window = _group(0, GroupKind.STATE), _group(1, GroupKind.WINDOW, 64)
+    assert tail_blocks(state, 16) == 1 and tail_blocks(window, 16) == 4
+    # vLLM keeps a running request's state of its last computed token (the block holding it);
+    # a window's last window - 1 tokens.
+    assert held_tokens(state) == 1 and held_tokens(window) == 63
+
+
 def test_tags_name_kind_and_geometry_so_groups_never_alias() -> None:
     a, b = _group(0, GroupKind.WINDOW, 64), _group(2, GroupKind.WINDOW, 64)
     assert a.tag != b.tag  # same geometry, other layers and block table
@@ -55,7 +74,9 @@ def test_tags_name_kind_and_geometry_so_groups_never_alias() -> None:
     [
         ((GroupKind.WINDOW, GroupKind.FULL), None),
         ((GroupKind.FULL, GroupKind.FULL, GroupKind.WINDOW), None),
-        ((GroupKind.STATE, GroupKind.FULL), "group 0 is state"),
+        ((GroupKind.STATE, GroupKind.FULL), None),
+        ((GroupKind.STATE, GroupKind.WINDOW, GroupKind.FULL), None),
+        ((GroupKind.STATE,), "no full-attention group"),
         ((GroupKind.FULL, GroupKind.OTHER), "group 1 is other"),
         ((GroupKind.WINDOW,), "no full-attention group"),
     ],

@@ -210,19 +210,29 @@ def test_a_group_without_its_blocks_is_a_miss_never_a_partial_load(tmp_path: Pat
         engine.close()
 
 
-def test_a_model_with_a_state_group_is_never_served(tmp_path: Path) -> None:
+def test_a_model_with_a_group_kvtier_cannot_store_is_never_served(tmp_path: Path) -> None:
     engine = Engine(tmp_path)
     try:
-        mamba = CacheGroup(0, GroupKind.STATE, ("m0",), PAGE, BS)
-        engine.planner.set_groups([mamba, FULL], 0, NULL)
+        chunked = CacheGroup(0, GroupKind.OTHER, ("c0",), PAGE, BS)
+        engine.planner.set_groups([chunked, FULL], 0, NULL)
         prompt = list(range(100, 141))
         request = ToyRequest("a", prompt)
         assert engine.planner.matched_tokens(request, 0) == (0, False)
         engine.tables.tables["a"] = [engine.alloc(11), engine.alloc(11)]
         assert engine.step({"a": len(prompt)}).stores == []  # type: ignore[attr-defined]
-        assert engine.planner.stats()["groups_refused"].startswith("group 0 is state")
+        assert engine.planner.stats()["groups_refused"].startswith("group 0 is other")
     finally:
         engine.close()
+
+
+def test_a_window_group_makes_only_the_keys_it_needs(engine: Engine) -> None:
+    """A window group's lookups and stores touch the blocks before a boundary, so only those
+    get keys: hashing every block of every group was most of a hybrid lookup's time."""
+    prompt = list(range(100, 141))  # 10 blocks
+    first = engine.prefill("a", prompt)
+    made = engine.planner._group_keys["a"]
+    assert sorted(made[0]) == [2, 3, 6, 7, 8, 9] and sorted(made[1]) == list(range(10))
+    engine.planner.request_finished(first)
 
 
 def test_one_full_attention_group_is_the_plain_planner(tmp_path: Path) -> None:

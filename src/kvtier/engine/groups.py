@@ -9,9 +9,12 @@ at the longest boundary where every group has what it needs there:
 * ``WINDOW`` (sliding-window attention of ``window`` tokens): the blocks inside the window of the
   next token, the last ``window_blocks`` blocks before the boundary. Only those are stored, at
   the boundaries a later request can resume from (``window_tail``), not the whole history.
+* ``STATE`` (Mamba, linear attention, in an engine that keeps a state per block boundary: vLLM's
+  ``mamba_cache_mode`` ``all``): the state page of the block that ends at the boundary, a window
+  of one block. Stored at the same boundaries as a window group's.
 
-State groups (Mamba, linear attention) keep one recurrent state per request instead of pages
-per token; kvtier does not store them yet, so a model with one is never served (``servable``).
+A group kvtier cannot serve exactly (``OTHER``: any other attention kind, or a state group the
+engine keeps otherwise) makes the model unserved (``servable``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ class GroupKind(Enum):
     FULL = "full"
     WINDOW = "window"
     STATE = "state"
-    """Recurrent state (Mamba, linear attention): not stored by kvtier."""
+    """Recurrent state (Mamba, linear attention) kept per block boundary: block ``b`` holds the
+    state after the tokens of blocks ``0..b``."""
     OTHER = "other"
     """An attention kind kvtier does not know (chunked local, cross, ...): not stored."""
 
@@ -62,9 +66,25 @@ def servable(groups: Iterable[CacheGroup]) -> str | None:
     if not any(g.kind is GroupKind.FULL for g in groups):
         return "no full-attention group"
     for g in groups:
-        if g.kind in (GroupKind.STATE, GroupKind.OTHER):
+        if g.kind is GroupKind.OTHER:
             return f"group {g.index} is {g.kind.value} (layers {', '.join(g.layers[:2])}...)"
     return None
+
+
+def tail_blocks(group: CacheGroup, block_tokens: int) -> int:
+    """kvtier blocks of ``group`` a resume at a boundary needs before it, for a group that needs
+    only the last ones: a window's (``window_blocks``), or one for a state group."""
+    if group.kind is GroupKind.STATE:
+        return 1
+    return window_blocks(group.window, block_tokens)
+
+
+def held_tokens(group: CacheGroup) -> int:
+    """Tokens before the next one whose blocks the engine still holds for a running request of
+    a window or state group: a window's ``window - 1``; a state group's last computed token."""
+    if group.kind is GroupKind.STATE:
+        return 1
+    return group.window - 1
 
 
 def window_blocks(window: int, block_tokens: int) -> int:
@@ -80,12 +100,17 @@ def auto_boundary_blocks(need: int) -> int:
     return max(16, 4 * need)
 
 
-def window_tail(offered: int, full: int, need: int, every: int) -> list[int]:
-    """The window blocks to store when a request's stored prefix grows from ``offered`` to
-    ``full`` blocks: the ``need`` blocks before each boundary a later request can resume from.
-    Those are the new end and the block before it (a prompt of whole blocks is looked up one
-    block short of its end), and every ``every``-th block in between. Sorted, no repeats."""
-    ends = {full, full - 1} | set(range((offered // every + 1) * every, full, every))
+def window_tail(
+    offered: int, full: int, need: int, every: int, whole_prompt: bool = True
+) -> list[int]:
+    """The window (or state) blocks to store when a request's stored prefix grows from
+    ``offered`` to ``full`` blocks: the ``need`` blocks before each boundary a later request can
+    resume from. Those are the new end, the block before it where the request's tokens end at
+    ``full`` (``whole_prompt``: a prompt of whole blocks is looked up one block short of its
+    end), and every ``every``-th block in between. Sorted, no repeats."""
+    ends = {full} | set(range((offered // every + 1) * every, full, every))
+    if whole_prompt:
+        ends.add(full - 1)
     out: set[int] = set()
     for end in ends:
         if end > offered or end == full:

@@ -4,18 +4,20 @@ With one full-attention group (``groups`` empty or that one group) this is ``Pla
 same keys, lookups and orders. Otherwise each group's blocks have their own keys
 (``keys.group_keys``) and a request resumes at the longest boundary where every group has what
 it needs (``engine.groups``): a lookup first finds the leading blocks every full-attention group
-has, then asks for each window group's blocks before that boundary, stepping back to the block a
-window group lacks until all are there. The blocks are pinned together and loaded in one order
-whose slots name their group (``CopyOrder.groups``); a missing or changed block of any group
-makes the whole lookup a miss, never a partial state. A model with a group kvtier cannot store
-(``groups.servable``) is never served: every lookup misses and nothing is stored.
+has, then asks for the blocks each window group needs before that boundary and the state block
+each state group needs (the block ending there), stepping back to the block a group lacks until
+all are there. The blocks are pinned together and loaded in one order whose slots name their
+group (``CopyOrder.groups``); a missing or changed block of any group, or an allocation without
+a block for a state, makes the whole lookup a miss, never a partial state. A model with a group
+kvtier cannot store (``groups.servable``), or a state group under blocks of several engine
+blocks, is never served: every lookup misses and nothing is stored.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,8 +26,9 @@ from kvtier.engine.groups import (
     CacheGroup,
     GroupKind,
     auto_boundary_blocks,
+    held_tokens,
     servable,
-    window_blocks,
+    tail_blocks,
     window_tail,
 )
 from kvtier.engine.orders import SKIP, CopyOrder
@@ -64,12 +67,21 @@ class GroupCounters:
 
 
 @dataclass(frozen=True, slots=True)
-class _Window:
+class _Tail:
+    """A group whose resume needs only the blocks right before the boundary: a sliding window,
+    or a state group (one block: the state at the boundary)."""
+
     group: CacheGroup
     need: int
-    """kvtier blocks before a boundary the next token attends to."""
+    """kvtier blocks before a boundary a resume needs."""
     every: int
-    """Boundaries whose window is stored: every this many kvtier blocks (and each stored end)."""
+    """Boundaries whose blocks are stored: every this many kvtier blocks (and each stored end)."""
+    held: int
+    """Tokens before the next one whose blocks the engine still holds (``groups.held_tokens``)."""
+
+    @property
+    def state(self) -> bool:
+        return self.group.kind is GroupKind.STATE
 
 
 class HybridPlanner(Planner):
@@ -83,42 +95,55 @@ class HybridPlanner(Planner):
     def set_groups(
         self, groups: Sequence[CacheGroup], boundary_blocks: int, null_block: int | None
     ) -> None:
-        """The engine's KV cache groups (in its order), the spacing of the window groups' stored
-        boundaries (0: ``groups.auto_boundary_blocks``) and the engine's id for "no block" in
-        a window group's table. Call before the first request."""
+        """The engine's KV cache groups (in its order), the spacing of the window and state
+        groups' stored boundaries (0: ``groups.auto_boundary_blocks``) and the engine's id for "no
+        block" in a window or state group's table. Call before the first request."""
         one_full = len(groups) == 1 and groups[0].kind not in (GroupKind.WINDOW, GroupKind.STATE)
         self.groups = [] if one_full else list(groups)
         """Empty: one group, the ``Planner``'s behaviour."""
         self.refused = servable(self.groups) if self.groups else None
         """Why this model is not served (None: it is)."""
+        states = [g for g in self.groups if g.kind is GroupKind.STATE]
+        if self.refused is None and states and self.blocks_per_slot != 1:
+            # A state group's boundary is one engine block; a kvtier block of several would
+            # hold states the engine already freed.
+            self.refused = f"state group {states[0].index} with blocks_per_slot > 1"
         if self.refused is not None:
             log.warning("kvtier serves no request of this model: %s", self.refused)
         self._full = [g.index for g in self.groups if g.kind is GroupKind.FULL]
-        self._windows = [
-            self._window(g, boundary_blocks) for g in self.groups if g.kind is GroupKind.WINDOW
+        self._tails = [
+            self._tail_of(g, boundary_blocks)
+            for g in self.groups
+            if g.kind in (GroupKind.WINDOW, GroupKind.STATE)
         ]
         self._null = null_block
-        self._group_keys: dict[str, dict[int, list[BlockKey]]] = {}
-        self._window_offered: dict[str, set[tuple[int, int]]] = {}
+        self._tags = {g.index: g.tag for g in self.groups}
+        self._group_keys: dict[str, dict[int, dict[int, BlockKey]]] = {}
+        """Request -> group -> kvtier block -> key, made as lookups and stores need them."""
+        self._tail_offered: dict[str, set[tuple[int, int]]] = {}
         self.group_counters = {g.index: GroupCounters() for g in self.groups}
         self.alloc_tables: Sequence[Sequence[int]] = ()
         """The request's block ids per group, set by the adapter around ``after_alloc``."""
 
-    def _window(self, group: CacheGroup, boundary_blocks: int) -> _Window:
-        need = window_blocks(group.window, self.block_tokens)
-        return _Window(group, need, boundary_blocks or auto_boundary_blocks(need))
+    def _tail_of(self, group: CacheGroup, boundary_blocks: int) -> _Tail:
+        need = tail_blocks(group, self.block_tokens)
+        every = boundary_blocks or auto_boundary_blocks(need)
+        return _Tail(group, need, every, held_tokens(group))
 
-    def _keys_of(self, request: EngineRequest) -> dict[int, list[BlockKey]] | None:
-        """Per group, the keys of the request's full kvtier blocks so far."""
-        chain = self._request_keys(request)
-        if chain is None:
-            return None
-        out = self._group_keys.setdefault(request.request_id, {})
-        for g in self.groups:
-            keys = out.setdefault(g.index, [])
-            if len(keys) < len(chain):
-                keys.extend(group_keys(chain[len(keys) :], g.tag))
-        return out
+    def _group_keys_of(self, req_id: str, targets: Sequence[tuple[int, int]]) -> list[BlockKey]:
+        """The keys of the request's (group, kvtier block) ``targets``, each made once per request
+        from its chain keys (a window or state group needs only a few of its blocks' keys)."""
+        chain = self._keys.get(req_id) or []
+        made = self._group_keys.setdefault(req_id, {})
+        missing: dict[int, set[int]] = {}
+        for g, b in targets:
+            if b not in made.setdefault(g, {}):
+                missing.setdefault(g, set()).add(b)
+        for g, wanted in missing.items():
+            blocks = sorted(wanted)
+            keys = group_keys([chain[b] for b in blocks], self._tags[g])
+            made[g].update(zip(blocks, keys, strict=True))
+        return [made[g][b] for g, b in targets]
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -128,12 +153,12 @@ class HybridPlanner(Planner):
         req_id = request.request_id
         self._requests[req_id] = request
         self._release_plan(req_id)
-        keys = None if self.refused else self._keys_of(request)
-        if keys is None or req_id in self._load_failed:
+        chain = None if self.refused else self._request_keys(request)
+        if chain is None or req_id in self._load_failed:
             return 0, False
         bt = self.block_tokens
         start = num_computed // bt
-        limit = min((request.num_tokens - 1) // bt, len(self._keys[req_id] or ()))
+        limit = min((request.num_tokens - 1) // bt, len(chain))
         if limit <= start:  # the engine holds all it may reuse: nothing to pin for it
             self._hit_blocks[req_id] = (start, start)
             self.counters.engine_hit_blocks += limit
@@ -142,8 +167,8 @@ class HybridPlanner(Planner):
         first_ask = req_id not in self._deferred_since
         self.counters.requests_looked_up += first_ask
         if self.recorder is not None and first_ask:
-            self.recorder.record(request, self._keys[req_id] or [])
-        found = self._boundary(keys, start, limit, req_id)
+            self.recorder.record(request, chain)
+        found = self._boundary(start, limit, req_id)
         if found is None:  # asked again next step
             self._deferred = True
             self._deferred_since.setdefault(req_id, time.monotonic())
@@ -151,48 +176,42 @@ class HybridPlanner(Planner):
             return None, False
         self._end_wait(req_id)
         self.counters.engine_hit_blocks += start
-        return self._plan(request, keys, start, found, num_computed)
+        return self._plan(request, start, found, num_computed)
 
-    def _boundary(
-        self, keys: Mapping[int, list[BlockKey]], start: int, limit: int, req_id: str
-    ) -> int | None:
+    def _boundary(self, start: int, limit: int, req_id: str) -> int | None:
         """The longest boundary in (start, limit] where every group has its blocks (``start``:
         none), or None while a promotion or a shared load is in flight."""
         end = limit
         if self._full:
-            wanted = [keys[g][b] for b in range(start, limit) for g in self._full]
-            result = self.cache.lookup(wanted, req_id)
+            targets = [(g, b) for b in range(start, limit) for g in self._full]
+            result = self.cache.lookup(self._group_keys_of(req_id, targets), req_id)
             if not result.final:
                 return None
             end = start + result.hits // len(self._full)
         while end > start:
             tail = self._tail(end, start)
-            result = self.cache.lookup([keys[g][b] for g, b in tail], req_id)
+            result = self.cache.lookup(self._group_keys_of(req_id, tail), req_id)
             if not result.final:
                 return None
             if result.hits == len(tail):
                 return end
-            end = tail[result.hits][1]  # no boundary past a missing window block has its window
+            # No boundary past a missing block has it before it (a window's, or a state).
+            end = tail[result.hits][1]
         return start
 
     def _tail(self, end: int, start: int) -> list[tuple[int, int]]:
-        """(group, block) of each window group's blocks a resume at ``end`` loads."""
+        """(group, block) of each window and state group's blocks a resume at ``end`` loads."""
         return [
-            (w.group.index, b) for w in self._windows for b in range(max(start, end - w.need), end)
+            (t.group.index, b) for t in self._tails for b in range(max(start, end - t.need), end)
         ]
 
     def _plan(
-        self,
-        request: EngineRequest,
-        keys: Mapping[int, list[BlockKey]],
-        start: int,
-        end: int,
-        num_computed: int,
+        self, request: EngineRequest, start: int, end: int, num_computed: int
     ) -> tuple[int, bool]:
         req_id = request.request_id
         self._hit_blocks[req_id] = (end, start)
         targets = [(g, b) for b in range(start, end) for g in self._full] + self._tail(end, start)
-        load_keys = [keys[g][b] for g, b in targets]
+        load_keys = self._group_keys_of(req_id, targets)
         slots = self.cache.prepare_load(load_keys, req_id)
         external = end * self.block_tokens - num_computed
         if len(slots) < len(load_keys) or external <= 0 or not targets:
@@ -200,9 +219,12 @@ class HybridPlanner(Planner):
             self.cache.release_load(load_keys[: len(slots)])
             self._hit_blocks[req_id] = (start, start)
             return 0, False
-        first = self._full[0] if self._full else targets[0][0]
-        counted = [keys[first][b] for b in range(start, end)]
-        origins = self.cache.origins(counted) if self._full else [POOL_TIER] * len(counted)
+        if self._full:
+            first = self._full[0]
+            counted = self._group_keys_of(req_id, [(first, b) for b in range(start, end)])
+            origins = self.cache.origins(counted)
+        else:
+            origins = [POOL_TIER] * (end - start)
         for origin in origins:
             self.hits_by_tier[origin] = self.hits_by_tier.get(origin, 0) + 1
         for g, _ in targets:
@@ -224,6 +246,7 @@ class HybridPlanner(Planner):
         bps = self.blocks_per_slot
         computed = plan.num_computed // self.engine_block_size
         tables = self.alloc_tables
+        states = {t.group.index for t in self._tails if t.state}
         out: list[int] = []
         fits = True
         for group, position in zip(plan.groups, plan.positions, strict=True):
@@ -231,7 +254,8 @@ class HybridPlanner(Planner):
             for e in range(position * bps, (position + 1) * bps):
                 if e < computed:
                     out.append(SKIP)
-                elif e >= len(table):
+                elif e >= len(table) or (table[e] == self._null and group in states):
+                    # No block for it (a state group's must be there: the resume reads it).
                     out.append(SKIP)
                     fits = False
                 elif table[e] == self._null:
@@ -249,21 +273,22 @@ class HybridPlanner(Planner):
         if not self.groups:
             return super()._store_order(req_id, num_scheduled, tables)
         request = self._requests.get(req_id)
-        keys = None if request is None or self.refused else self._keys_of(request)
-        if request is None or keys is None:
+        chain = None if request is None or self.refused else self._request_keys(request)
+        if request is None or chain is None:
             return None
         done = request.num_computed_tokens + num_scheduled
         if not self.settings.store_generated:
             done = min(done, request.num_prompt_tokens)
-        full = min(done // self.block_tokens, len(self._keys[req_id] or ()))
+        full = min(done // self.block_tokens, len(chain))
         offered = self._offered.get(req_id, 0)
         if full <= offered:
             return None
         self._offered[req_id] = full
         targets = [(g, b) for b in range(offered, full) for g in self._full]
-        targets += self._window_stores(request, offered, full, tables)
-        where = {keys[g][b]: (g, b) for g, b in targets}
-        reservation = self.cache.prepare_store([keys[g][b] for g, b in targets])
+        targets += self._tail_stores(request, offered, full, tables)
+        keys = self._group_keys_of(req_id, targets)
+        where = dict(zip(keys, targets, strict=True))
+        reservation = self.cache.prepare_store(keys)
         if not reservation.keys:
             return None
         bps = self.blocks_per_slot
@@ -282,23 +307,25 @@ class HybridPlanner(Planner):
         self.counters.stores_ordered += 1
         return CopyOrder(job_id, reservation.slots, engine_blocks, groups=groups)
 
-    def _window_stores(
+    def _tail_stores(
         self, request: EngineRequest, offered: int, full: int, tables: BlockTableView
     ) -> list[tuple[int, int]]:
-        """Window blocks to store now: those before the boundaries a later request can resume
-        from (``groups.window_tail``) that the engine still holds. A block that left the window
-        before this step may already serve another request, so it is not read."""
+        """Window and state blocks to store now: those before the boundaries a later request can
+        resume from (``groups.window_tail``) that the engine still holds. A block the engine
+        freed before this step (out of the window, or a state it no longer needs) may already
+        serve another request, so it is not read."""
         req_id = request.request_id
-        seen = self._window_offered.setdefault(req_id, set())
+        seen = self._tail_offered.setdefault(req_id, set())
         bps = self.blocks_per_slot
+        bt = self.block_tokens
+        whole = full * bt in (request.num_prompt_tokens, request.num_tokens)
         out: list[tuple[int, int]] = []
-        for w in self._windows:
-            g = w.group.index
-            # The first engine block this step's first token attends to (the engine frees the
-            # blocks before it once they leave the window).
-            live = max(0, request.num_computed_tokens - w.group.window + 1) // w.group.block_tokens
+        for t in self._tails:
+            g = t.group.index
+            # The first engine block the engine still holds for this step's first token.
+            live = max(0, request.num_computed_tokens - t.held) // t.group.block_tokens
             table = self._group_table(tables, req_id, g)
-            for b in window_tail(offered, full, w.need, w.every):
+            for b in window_tail(offered, full, t.need, t.every, whole):
                 ids = table[b * bps : (b + 1) * bps]
                 if (g, b) in seen or b * bps < live or len(ids) < bps or self._null in ids:
                     continue
@@ -323,7 +350,7 @@ class HybridPlanner(Planner):
 
     def request_finished(self, request: EngineRequest) -> None:
         self._group_keys.pop(request.request_id, None)
-        self._window_offered.pop(request.request_id, None)
+        self._tail_offered.pop(request.request_id, None)
         super().request_finished(request)
 
     def _hint(self, request: EngineRequest) -> None:
