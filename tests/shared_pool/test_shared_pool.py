@@ -217,7 +217,7 @@ def test_check_invariants_names_what_is_broken(two):
     arrays.pins[slot] = 0
     arrays.state[slot] = WRITING
     arrays.writer[slot] = 41
-    with pytest.raises(AssertionError, match="written by a dead engine"):
+    with pytest.raises(AssertionError, match="held by a dead engine"):
         b.check_invariants()
     arrays.state[slot] = 2
     top = int(arrays.header[6])
@@ -272,7 +272,7 @@ def test_config_errors_name_the_field(tmp_path):
             "tiers": [{"kind": "memory", "capacity": "1MiB"}],
         }
     )
-    with pytest.raises(ConfigError, match="without secondary tiers"):
+    with pytest.raises(ConfigError, match="at most one secondary tier"):
         build_cache(with_tier, NAMESPACE, SLOT_BYTES)
     pool_section = {"size": "64KiB", "share": "s", "shm_dir": str(tmp_path)}
     admission = load_config({"pool": pool_section, "admission": {"min_seen": 2}})

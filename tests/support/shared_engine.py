@@ -21,6 +21,7 @@ from kvtier.cache.shared import SharedTieredCache
 from kvtier.config import load_config
 from kvtier.keys import BlockKey, Namespace, chain_keys
 from kvtier.pool import HostPool
+from kvtier.tiers.payload import HEADER_BYTES
 
 SLOT_BYTES = 4096
 BLOCK_TOKENS = 4
@@ -35,20 +36,31 @@ def prompt_keys(prompt: int, blocks: int, namespace: Namespace = NAMESPACE) -> l
     return chain_keys(namespace, [prompt * 1000 + t for t in range(blocks * BLOCK_TOKENS)])
 
 
+FILE_BYTES = HEADER_BYTES + SLOT_BYTES
+"""Bytes of a block's file in an fs tier."""
+
+
 def open_cache(
-    shm_dir: str, slots: int, share: str = "test", lock_timeout_s: float = 0.1
+    shm_dir: str,
+    slots: int,
+    share: str = "test",
+    lock_timeout_s: float = 0.1,
+    fs_path: str | None = None,
+    fs_files: int = 0,
 ) -> tuple[HostPool, SharedTieredCache]:
-    config = load_config(
-        {
-            "pool": {
-                "size": slots * SLOT_BYTES,
-                "shm_dir": shm_dir,
-                "share": share,
-                "share_lock_timeout_s": lock_timeout_s,
-            }
+    """This engine's cache over the shared pool; with ``fs_path``, an fs tier there behind it
+    (``fs_files`` block files of capacity), shared as well."""
+    raw: dict[str, object] = {
+        "pool": {
+            "size": slots * SLOT_BYTES,
+            "shm_dir": shm_dir,
+            "share": share,
+            "share_lock_timeout_s": lock_timeout_s,
         }
-    )
-    pool, cache = build_cache(config, NAMESPACE, SLOT_BYTES)
+    }
+    if fs_path is not None:
+        raw["tiers"] = [{"kind": "fs", "path": fs_path, "capacity": fs_files * FILE_BYTES}]
+    pool, cache = build_cache(load_config(raw), NAMESPACE, SLOT_BYTES)
     assert isinstance(cache, SharedTieredCache)
     return pool, cache
 
@@ -73,8 +85,14 @@ def serve(
     """One request: load what the pool holds (checking its bytes), store the rest."""
     began = time.monotonic()
     keys = prompt_keys(prompt, blocks)
-    hits = cache.lookup(keys).hits
-    slots = cache.prepare_load(keys[:hits])
+    owner = (prompt, served.requests)
+    result = cache.lookup(keys, owner)
+    while not result.final:  # blocks promoted from the tier: step until they landed
+        time.sleep(0.001)
+        cache.step()
+        result = cache.lookup(keys, owner)
+    hits = result.hits
+    slots = cache.prepare_load(keys[:hits], owner)
     for key, slot in zip(keys, slots, strict=False):
         if bytes(pool.view(slot)) != payload(key):
             served.wrong += 1
@@ -96,12 +114,14 @@ def serve(
 
 
 def main() -> None:
-    """``shared_engine SHM_DIR SLOTS SECONDS SEED [PROMPTS]``: serve random prompts, print a
-    line saying it is running, then a JSON record of what it served."""
+    """``shared_engine SHM_DIR SLOTS SECONDS SEED [PROMPTS [FS_PATH FS_FILES]]``: serve random
+    prompts, print a line saying it is running, then a JSON record of what it served."""
     shm_dir, slots, seconds, seed = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     prompts = int(sys.argv[5]) if len(sys.argv) > 5 else 24
+    fs_path = sys.argv[6] if len(sys.argv) > 6 else None
+    fs_files = int(sys.argv[7]) if len(sys.argv) > 7 else 0
     rng = random.Random(seed)
-    pool, cache = open_cache(shm_dir, slots)
+    pool, cache = open_cache(shm_dir, slots, fs_path=fs_path, fs_files=fs_files)
     print("running", flush=True)
     served = Served()
     end = time.monotonic() + seconds

@@ -13,12 +13,14 @@ from kvtier.cache.shared import SharedTieredCache
 from kvtier.config import KVTierConfig, TierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
-from kvtier.policies import make_policy
+from kvtier.policies import DEFAULT_TIER_EVICTION, make_policy
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.pool import HostPool, ShmDirError, slot_stride
 from kvtier.registry import describe
 from kvtier.shared_pool.segment import open_shared
 from kvtier.tiers import Tier, contract, tier_class
+from kvtier.tiers.base import WriteMode
+from kvtier.tiers.fs.shared import SharedFsTier, ShareSettings
 from kvtier.validation import format_size
 
 
@@ -123,10 +125,7 @@ def build_shared_cache(
     engine out removes the file)."""
     share = config.pool.share
     assert share is not None
-    if config.tiers:
-        # A tier's own index and capacity are per engine: behind a shared pool each engine would
-        # account the same blocks again. Sharing the tiers too is left for later.
-        raise ConfigError("pool.share", share, "a pool without secondary tiers (not shared yet)")
+    _check_shared_tiers(config, share)
     if config.admission.enabled:
         raise ConfigError("pool.share", share, "a pool without admission.min_seen (per engine)")
     try:
@@ -141,10 +140,47 @@ def build_shared_cache(
         )
     except ShmDirError as exc:
         raise ConfigError("pool.shm_dir", config.pool.shm_dir, str(exc)) from exc
+    tiers: list[Tier] = []
     try:
-        cache = SharedTieredCache(pool, index, record_events=config.events)
+        settings = ShareSettings(config.pool.shm_dir, config.pool.share_lock_timeout_s)
+        for tier_config in config.tiers:
+            tiers.append(
+                SharedFsTier(tier_config.name, namespace, pool, tier_config.options, settings)
+            )
+        cache = SharedTieredCache(
+            pool,
+            index,
+            record_events=config.events,
+            secondary=[TierBinding(tier, WriteMode.THROUGH) for tier in tiers],
+            job_timeout_s=config.job_timeout_s,
+            promotion=PromotionSettings(
+                config.pool.promotion_budget, config.pool.promotion_costs, namespace.block_tokens
+            ),
+        )
     except BaseException:
+        for tier in tiers:
+            tier.close()
         index.close()
         pool.close()
         raise
     return pool, cache
+
+
+def _check_shared_tiers(config: KVTierConfig, share: str) -> None:
+    """Behind a shared pool: at most one secondary tier, of kind ``fs``, written through, with
+    the shared index's eviction (``kvtier.tiers.fs.shared``). A tier of another kind keeps its
+    own index and capacity per engine: each engine would account the same blocks again."""
+    if not config.tiers:
+        return
+    allowed = "a pool with at most one secondary tier, of kind fs (others are not shared yet)"
+    if len(config.tiers) > 1 or config.tiers[0].kind != "fs":
+        raise ConfigError("pool.share", share, allowed)
+    tier = config.tiers[0]
+    if tier.write is not WriteMode.THROUGH:
+        raise ConfigError("tiers[0].write", tier.write.value, "through behind a shared pool")
+    if tier.options.eviction != DEFAULT_TIER_EVICTION:
+        raise ConfigError(
+            "tiers[0].eviction",
+            tier.options.eviction,
+            f"{DEFAULT_TIER_EVICTION} behind a shared pool",
+        )

@@ -115,11 +115,11 @@ class LockedIndex(ABC):
         try:
             for e in range(MAX_ENGINES):
                 if locks.try_lock(self._fd, locks.ENGINE_LOCK_BASE + e):
+                    self.me = e
                     self._reclaim(e)  # what a dead engine with this number left
                     row = self.a.engines[e]
                     row[:] = 0
                     row[E_REGISTERED], row[E_PID], row[E_QUOTA] = 1, os.getpid(), quota_slots
-                    self.me = e
                     return
         finally:
             self._leave()

@@ -9,17 +9,24 @@ from kvtier.shared_pool import layout as lay
 from kvtier.shared_pool.layout import IndexArrays
 
 
-def check(a: IndexArrays, alive: list[int], settled: bool) -> None:
+def check(
+    a: IndexArrays,
+    alive: list[int],
+    settled: bool,
+    live: tuple[int, ...] = (lay.WRITING, lay.VISIBLE),
+    owned: tuple[int, ...] = (lay.WRITING,),
+) -> None:
     """Raise ``AssertionError`` naming the first broken invariant.
 
     Every slot is free (on the free stack exactly once) or indexed (one table entry whose key is
     the slot's); pins are on visible slots only and only of live engines; a slot being written
     belongs to a live engine; no registered engine is dead (``alive``: the live registered ones).
     ``settled``: no engine loads or stores any more, so no pin and no reservation is left.
+    ``live``: the states that hold a key; ``owned``: those that belong to one engine (``writer``).
     """
     n = a.layout.num_slots
     state = a.state
-    known = np.isin(state, (lay.FREE, lay.WRITING, lay.VISIBLE))
+    known = np.isin(state, (lay.FREE, *live))
     _require(bool(known.all()), "a slot in no known state")
     top = int(a.header[lay.H_FREE_TOP])
     _require(0 <= top <= n, f"free stack height {top} of {n}")
@@ -45,8 +52,8 @@ def check(a: IndexArrays, alive: list[int], settled: bool) -> None:
         live_mask |= 1 << e
     stray = np.bitwise_or.reduce(a.pins) if len(a.pins) else np.uint64(0)
     _require(int(stray) & ~live_mask == 0, "a pin held by an engine that is gone")
-    writing = np.flatnonzero(state == lay.WRITING)
-    _require(bool(np.isin(a.writer[writing], alive).all()), "a slot written by a dead engine")
+    writing = np.flatnonzero(np.isin(state, owned))
+    _require(bool(np.isin(a.writer[writing], alive).all()), "a slot held by a dead engine")
     registered = set(np.flatnonzero(a.engines[:, lay.E_REGISTERED]).tolist())
     _require(registered == set(alive), "a dead engine is still registered")
     if settled:

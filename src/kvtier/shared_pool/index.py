@@ -201,24 +201,31 @@ class SharedIndex(LockedIndex):
                 return np.asarray(own)
         return candidates
 
-    def publish(self, slots: Sequence[int], oks: Sequence[bool]) -> bool:
+    def publish(
+        self, slots: Sequence[int], oks: Sequence[bool], pins: Sequence[bool] | None = None
+    ) -> bool:
         """Make the reserved slots whose bytes are written visible to every engine, free the
-        others; False (nothing done) when the lock could not be had: try again later."""
+        others; False (nothing done) when the lock could not be had: try again later. ``pins``:
+        pin those of the published slots at once (a copy to a tier reads them next)."""
         if not slots:
             return True
         if not self._enter():
             return False
-        a, me = self.a, self.me
+        a, me, counts = self.a, self.me, self._pin_counts
         stored = 0
         try:
             now = self._clock()
-            for slot, ok in zip(slots, oks, strict=True):
+            for i, (slot, ok) in enumerate(zip(slots, oks, strict=True)):
                 if a.state[slot] != WRITING or a.writer[slot] != me:
                     continue
                 if ok:
                     a.last_use[slot] = now
                     a.state[slot] = VISIBLE
                     stored += 1
+                    if pins is not None and pins[i]:
+                        if counts.get(slot, 0) == 0:
+                            a.pins[slot] |= np.uint64(1 << me)
+                        counts[slot] = counts.get(slot, 0) + 1
                 else:
                     self._free_slot(slot)
             a.engines[me, E_STORED] += stored

@@ -18,6 +18,7 @@ import mmap
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -80,8 +81,16 @@ def open_shared(
 
 
 def _attach(path: str, digest: bytes, slot_bytes: int) -> int | None:
-    """The open, share-locked file at ``path``; None when there is none (or it is being
-    removed: the caller tries again)."""
+    def check(fd: int, size: int) -> None:
+        _check_trailer(fd, size, path, digest, slot_bytes)
+
+    return attach_named(path, check)
+
+
+def attach_named(path: str, check: Callable[[int, int], None]) -> int | None:
+    """The open, share-locked file at ``path`` that ``check(fd, size)`` accepts (it raises
+    ``PoolError`` otherwise); None when there is none (or it is being removed: the caller tries
+    again)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -97,7 +106,7 @@ def _attach(path: str, digest: bytes, slot_bytes: int) -> int | None:
         except PoolError:
             os.close(fd)
             return None
-        _check_trailer(fd, st.st_size, path, digest, slot_bytes)
+        check(fd, st.st_size)
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -131,7 +140,22 @@ def _check_trailer(fd: int, size: int, path: str, digest: bytes, slot_bytes: int
 def _create(path: str, shm_dir: str, num_slots: int, slot_bytes: int, digest: bytes) -> int | None:
     """A new file, complete before it is named; None when another engine named one first."""
     at, layout, trailer_at = _geometry(num_slots, slot_bytes)
-    size = trailer_at + TRAILER_BYTES
+
+    def initialise(fd: int) -> None:
+        _initialise(fd, at, layout, trailer_at, slot_bytes, digest)
+
+    fd = create_named(path, shm_dir, trailer_at + TRAILER_BYTES, initialise)
+    if fd is not None:
+        log.info("created shared pool %s: %d slots of %d bytes", path, num_slots, slot_bytes)
+    return fd
+
+
+def create_named(
+    path: str, shm_dir: str, size: int, initialise: Callable[[int], None]
+) -> int | None:
+    """The open, share-locked file of ``size`` bytes that ``initialise`` filled, named ``path``
+    only once complete; None when another engine named one first (attach that one). Stale pool
+    files are swept first; the file's memory is claimed at once (``pool._reserve``)."""
     dir_fd = _open_dir(shm_dir)
     try:
         cleanup_stale_pools(shm_dir)
@@ -141,7 +165,7 @@ def _create(path: str, shm_dir: str, num_slots: int, slot_bytes: int, digest: by
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
             _reserve(fd, size, shm_dir)
-            _initialise(fd, at, layout, trailer_at, slot_bytes, digest)
+            initialise(fd)
             publish(fd)
         except FileExistsError:
             os.close(fd)
@@ -153,7 +177,6 @@ def _create(path: str, shm_dir: str, num_slots: int, slot_bytes: int, digest: by
             raise
     finally:
         os.close(dir_fd)
-    log.info("created shared pool %s: %d slots of %d bytes", path, num_slots, slot_bytes)
     return fd
 
 

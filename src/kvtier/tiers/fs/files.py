@@ -182,6 +182,31 @@ class BlockFiles:
         finally:
             os.close(shard)
 
+    def remove_stale_temps(self, key: BlockKey) -> None:
+        """Remove the key's temp files whose writer is dead (``_stale_tmp``): what a writer
+        killed mid-write left."""
+        shard_name, name = names(key)
+        prefix = name[: -len(BLOCK_SUFFIX)] + "."
+        try:
+            shard = os.open(shard_name, DIR_FLAGS, dir_fd=self.root_fd)
+        except OSError:
+            return
+        try:
+            with os.scandir(shard) as listing:
+                temps = [
+                    e for e in listing if e.name.startswith(prefix) and e.name.endswith(TMP_SUFFIX)
+                ]
+            now = time.time()
+            for entry in temps:
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if self._stale_tmp(entry.name, st.st_mtime, now):
+                        unlink(entry.name, shard)
+        except OSError:
+            return
+        finally:
+            os.close(shard)
+
     def scan(self) -> list[Found]:
         """(key, size, mtime) of every block file under the namespace directory; removes stale
         temp files on the way. Files that do not look like ours are left alone; links, FIFOs and

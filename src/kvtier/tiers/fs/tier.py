@@ -139,9 +139,8 @@ class FsTier(BlockTier):
             return [key in entries for key in keys]
 
     def get(self, key: BlockKey, header: memoryview, payload: memoryview) -> Got:
-        with self._lock:
-            if not self._index.touch(key):
-                return Got.MISSING  # dropped since the lookup
+        if not self._touch(key):
+            return Got.MISSING  # dropped since the lookup
         try:
             fd = self._files.open_block(key)
         except FileNotFoundError:
@@ -160,6 +159,11 @@ class FsTier(BlockTier):
             return Got.FAILED
         finally:
             os.close(fd)
+
+    def _touch(self, key: BlockKey) -> bool:
+        """A read of ``key`` starts: False when it is not held (any more)."""
+        with self._lock:
+            return self._index.touch(key)
 
     def put(self, key: BlockKey, header: bytes, payload: memoryview) -> Put:
         need = self._file_bytes
@@ -352,6 +356,10 @@ class FsTier(BlockTier):
         reserve = self.options.min_free
         if reserve is None:
             reserve = min(MIN_FREE_MAX, st.f_blocks * st.f_frsize // 100)
+        self._set_limit(free, reserve)
+
+    def _set_limit(self, free: int, reserve: int) -> None:
+        """The filesystem has ``free`` bytes and ``reserve`` of them must stay free."""
         with self._lock:
             self._index.set_limit(free, reserve)
 
