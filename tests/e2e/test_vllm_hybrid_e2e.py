@@ -4,7 +4,8 @@ cache manager with kvtier, real vLLM (CPU build), tiny Gemma-2-shaped model with
 Every case compares greedy outputs with vLLM alone (hybrid manager on, no connector) and reads
 kvtier's per-group stats. A Mamba hybrid cannot run on this build: Jamba stops in
 ``selective_scan_fwd`` (``torch.ops._C`` has no such op) and a Mamba-2 model (Nemotron-H shape) in
-``mamba_mixer2.conv_ssm_forward`` (IndexError), with or without kvtier; the GPU tests cover it.
+``mamba_mixer2.conv_ssm_forward`` (IndexError at its first forward), with or without kvtier; the
+GPU tests cover its outputs. Here a tiny Nemotron-H starts with kvtier, the hybrid manager on.
 """
 
 from __future__ import annotations
@@ -165,3 +166,25 @@ def test_window_blocks_evicted_from_the_pool_are_a_miss(gemma2: Path, tmp_path: 
         h.shutdown_llm(llm)
     assert stats["connector"]["load_blocks_failed"] == 0
     assert stats["pool_pinned"] == 0
+
+
+def test_a_mamba_hybrid_in_align_mode_starts_and_is_never_served(tmp_path: Path) -> None:
+    """vLLM 0.32 keeps a Mamba group's states in ``mamba_cache_mode`` ``align`` (its only mode
+    with prefix caching: 0.25.1's ``all`` is gone), where states move between blocks: kvtier
+    starts with the hybrid manager on, describes the groups and serves no request (misses)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    model = models.write_tiny_nemotron_h(tmp_path / "nemotron-h")
+    llm = _engine(model, tmp_path / "stats.json")
+    try:
+        config = llm.llm_engine.vllm_config
+        assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        assert config.cache_config.mamba_cache_mode == "align"
+        scheduler = _core(llm).scheduler.connector._scheduler
+        assert sorted(g.kind.value for g in scheduler.groups) == ["full", "other", "other"]
+        assert scheduler.refused is not None and "other" in scheduler.refused
+        # Every group's tensors are registered as vLLM hands them over (0.32: page views).
+        worker = get_kv_transfer_group()._worker
+        assert sorted(worker._groups) == sorted(g.index for g in scheduler.groups)
+    finally:
+        h.shutdown_llm(llm)

@@ -113,9 +113,14 @@ def test_a_mamba_layers_state_views_are_copied_as_whole_pages(tmp_path: Path) ->
         backend.close()
     finally:
         pool.close()
-    # vLLM 0.32 hands over the pages already: unchanged.
+    # vLLM 0.32 hands over the pages already: whole pages pass unchanged; a view of the state
+    # bytes alone (a block stride of one padded page) is widened to the page, contiguous.
     view = torch.zeros((blocks, 1, 1, PAGE), dtype=torch.int8)
     assert group_tensors([state], {"layer.0": view})[0][0] is view
+    content = view.as_strided((blocks, 1, 1, PAGE - 100), (PAGE, PAGE, PAGE, 1))
+    (widened,) = group_tensors([state], {"layer.0": content})[0]
+    assert widened.is_contiguous() and widened.shape[3] == PAGE
+    assert widened.data_ptr() == view.data_ptr()
 
 
 def test_state_views_that_are_not_pages_of_one_buffer_are_refused() -> None:

@@ -147,17 +147,17 @@ def group_tensors(
     groups: Sequence[CacheGroup], kv_caches: Mapping[str, Any]
 ) -> dict[int, list[Any]]:
     """Each group's layers' KV tensors, in layer order, for the copy backends: attention layers
-    as vLLM hands them over, Mamba layers as their pages (``state_pages``; 0.32 hands over such
-    a ``[B, 1, 1, C]`` byte view already). A group kvtier never copies (not ``STATE``) whose
-    state views are not pages is left out rather than failing the engine's start."""
+    as vLLM hands them over, Mamba layers as their whole pages (``state_pages`` of 0.25.1's
+    state views; ``whole_pages`` of 0.32's page views). A group kvtier never copies (not
+    ``STATE``) whose states are not pages is left out rather than failing the engine's start."""
     out: dict[int, list[Any]] = {}
     for g in groups:
         tensors = [kv_caches[name] for name in g.layers]
         try:
-            tensors = [
-                state_pages(list(t), g.page_bytes) if isinstance(t, list | tuple) else t
-                for t in tensors
-            ]
+            if isinstance(tensors[0], list | tuple):
+                tensors = [state_pages(list(t), g.page_bytes) for t in tensors]
+            elif g.kind is GroupKind.STATE:
+                tensors = [whole_pages(t, g.page_bytes) for t in tensors]
         except ValueError:
             if g.kind is GroupKind.STATE:
                 raise
@@ -165,3 +165,16 @@ def group_tensors(
             continue
         out[g.index] = tensors
     return out
+
+
+def whole_pages(view: Any, page_bytes: int) -> Any:
+    """vLLM 0.32's ``[B, 1, 1, state bytes]`` view of a Mamba layer's pages, widened to the
+    padded page (the bytes up to the next block's page are this layer's padding): contiguous
+    where the layer's pages are, as the CPU backend wants."""
+    shape, stride = tuple(view.shape), tuple(view.stride())
+    if len(shape) != 4 or shape[1:3] != (1, 1) or view.element_size() != 1:
+        raise ValueError(f"a Mamba page view of shape {shape} is not [B, 1, 1, bytes]")
+    end = int(view.storage_offset()) + (shape[0] - 1) * stride[0] + page_bytes
+    if shape[3] >= page_bytes or stride[0] < page_bytes or end > view.untyped_storage().nbytes():
+        return view
+    return view.as_strided((shape[0], 1, 1, page_bytes), (stride[0],) * 3 + (1,))
