@@ -32,9 +32,10 @@ class VllmSettings:
     """Append every request looked up to this Mooncake-format trace (``kvtier simulate --trace``
     replays it); block ids are salted digests of kvtier keys (the salt in ``<path>.salt``)."""
     window_boundary_blocks: int = 0
-    """Hybrid models: a sliding-window group's blocks are stored at the end of what a request
-    stored and every this many kvtier blocks (the boundaries a later request can resume from);
-    0: four windows, at least 16 (``kvtier.engine.groups.auto_boundary_blocks``)."""
+    """Hybrid models: a sliding-window group's blocks, and a Mamba group's state, are stored at
+    the end of what a request stored and every this many kvtier blocks (the boundaries a later
+    request can resume from); 0: four windows (a state: one block), at least 16
+    (``kvtier.engine.groups.auto_boundary_blocks``)."""
     kv_cache_layout: str = BLOCK_OUTERMOST_LAYOUT
     """The KV cache layout asked of vLLM (a 0.32 ``KVCacheLayout`` name, translated for older
     releases by ``compat.layout_request``), or ``engine`` to ask for none.
