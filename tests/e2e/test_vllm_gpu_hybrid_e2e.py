@@ -1,0 +1,130 @@
+"""End to end on an NVIDIA GPU: hybrid models through vLLM's hybrid KV cache manager with kvtier
+(vLLM's CUDA build, the CUDA copy backend), in vLLM's batch-invariant mode.
+
+* A tiny Gemma-2 (sliding-window and full-attention layers, ``hybrid_models.write_tiny_gemma2``).
+* A tiny Nemotron-H (Mamba-2 layers with attention and MLP layers,
+  ``hybrid_models.write_tiny_nemotron_h``), run where vLLM keeps its Mamba states in
+  ``mamba_cache_mode`` ``all`` (0.25.1 picks it with prefix caching; 0.32 has ``align`` only,
+  which kvtier does not serve: skipped there).
+
+Every round compares greedy outputs token for token with vLLM alone (no connector) running the
+same rounds: a round after a reset of vLLM's prefix cache is served by kvtier's loads, the same
+round in vLLM alone by its own prefix cache (same resume boundary, same state bytes). The hits,
+loads and stores per group come from kvtier's stats file. Skipped without a CUDA device or vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import require
+
+GPU_MISSING = require.vllm_missing() or require.cuda_missing()
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.gpu,
+    require.unless("gpu", GPU_MISSING),
+    pytest.mark.timeout(900),
+]
+GPU_ENV = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+if GPU_MISSING is None:
+    from e2e import hybrid_models as models
+    from e2e import vllm_harness as h
+    from e2e import vllm_jobs as jobs
+
+KV_CACHE_BYTES = 64 << 20
+LONG = [h.prompt_tokens(1000, seed=900 + i) for i in range(2)] if GPU_MISSING is None else []
+"""Two prompts that end inside a block (1000 tokens: 3 Nemotron-H blocks of 256 and 232 tokens,
+31 Gemma-2 blocks of 32 and 8)."""
+SHARED = [LONG[0][:900] + h.prompt_tokens(200, seed=950)] if GPU_MISSING is None else []
+"""Shares 3 Nemotron-H blocks (768 tokens) and 28 Gemma-2 blocks with the first long prompt."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_env() -> Iterator[None]:
+    with h.scoped_env(GPU_ENV):
+        yield
+
+
+def _engine(model: Path, stats: Path | None) -> Any:
+    config = None if stats is None else jobs.transfer_config(jobs.kvtier_config(stats))
+    return h.build_llm(
+        model,
+        kv_transfer_config=config,
+        multiprocessing=False,
+        gpu=True,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )
+
+
+def _rounds(model: Path, stats: Path | None) -> tuple[list[list[list[int]]], dict[str, Any]]:
+    """The long prompts cold, again after a prefix-cache reset (vLLM alone: again from its own
+    prefix cache), then the shared prompt after another reset (vLLM alone: from its cache)."""
+    llm = _engine(model, stats)
+    try:
+        config = llm.llm_engine.vllm_config
+        info = {
+            "mode": getattr(config.cache_config, "mamba_cache_mode", None),
+            "hybrid_off": config.scheduler_config.disable_hybrid_kv_cache_manager,
+        }
+        reset = stats is not None
+        out = [h.generate_ids(llm, LONG, max_tokens=16)]
+        if reset:
+            assert h.reset_prefix_cache(llm)
+        out.append(h.generate_ids(llm, LONG, max_tokens=16))
+        if reset:
+            assert h.reset_prefix_cache(llm)
+        out.append(h.generate_ids(llm, SHARED, max_tokens=16))
+        if stats is not None:
+            jobs.flush_stats(llm)
+    finally:
+        h.shutdown_llm(llm)
+    return out, info
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.write_tiny_gemma2(tmp_path_factory.mktemp("gpu-gemma2"))
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.write_tiny_nemotron_h(tmp_path_factory.mktemp("gpu-nemotron-h"))
+
+
+def test_sliding_window_model_identical_with_hits(gemma2: Path, tmp_path: Path) -> None:
+    reference, _ = _rounds(gemma2, None)
+    ours, info = _rounds(gemma2, tmp_path / "stats.json")
+    assert info["hybrid_off"] is False
+    assert ours == reference
+    stats = jobs.read_stats(tmp_path / "stats.json")
+    window, full = stats["groups"]["0"], stats["groups"]["1"]
+    assert (window["kind"], full["kind"]) == ("window", "full")
+    assert full["hit_blocks"] >= 2 * 31 and window["hit_blocks"] >= 2 * 2
+    assert stats["connector"]["load_blocks_failed"] == 0 and stats["pool_pinned"] == 0
+
+
+def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path) -> None:
+    reference, info = _rounds(nemotron_h, None)
+    if info["mode"] != "all":
+        pytest.skip(f"vLLM keeps Mamba states in mode {info['mode']!r} here (kvtier: 'all')")
+    ours, info = _rounds(nemotron_h, tmp_path / "stats.json")
+    assert info["hybrid_off"] is False
+    assert ours == reference
+    stats = jobs.read_stats(tmp_path / "stats.json")
+    assert stats["groups_refused"] is None
+    kinds = {g["kind"] for g in stats["groups"].values()}
+    assert kinds == {"full", "state"}
+    states = [g for g in stats["groups"].values() if g["kind"] == "state"]
+    full = next(g for g in stats["groups"].values() if g["kind"] == "full")
+    # Each long prompt resumes at 3 blocks: 3 full-attention blocks and one state per Mamba
+    # group; the shared prompt at 3 (the first prompt's stored end, 768 tokens) likewise.
+    assert full["hit_blocks"] == 3 * 3
+    assert all(g["hit_blocks"] == 3 for g in states)
+    # Stored: one state per Mamba group at each stored end (1000 tokens: not the block before).
+    assert all(g["stored_blocks"] == 2 + 1 for g in states)
+    assert stats["connector"]["load_blocks_failed"] == 0 and stats["pool_pinned"] == 0
