@@ -37,6 +37,7 @@ require.importorskip("vllm", "vllm")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
+from vllm.distributed.kv_events import BlockStored  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
@@ -97,9 +98,15 @@ class FakeBlocks:
 
 
 def vllm_config(
-    extra: dict[str, Any], *, pcp: int = 1, dcp: int = 1, backend: str | None = "mp"
+    extra: dict[str, Any],
+    *,
+    pcp: int = 1,
+    dcp: int = 1,
+    backend: str | None = "mp",
+    kv_events: bool = False,
 ) -> Any:
     return SimpleNamespace(
+        kv_events_config=SimpleNamespace(enable_kv_cache_events=kv_events),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
         model_config=SimpleNamespace(
             model="tiny-tp-test", dtype="float32", revision=None, get_head_size=lambda: HEAD_DIM
@@ -140,6 +147,7 @@ class Rig:
         pool_slots: int = POOL_SLOTS,
         tiers: list[dict[str, Any]] | None = None,
         vllm: dict[str, Any] | None = None,
+        kv_events: bool = False,
     ) -> None:
         extra = {
             # Pools of a few slots: promotions for the one waiting request may take them all.
@@ -157,7 +165,7 @@ class Rig:
         self.sent: dict[str, int] = {}
         self.requests: dict[str, Request] = {}
         self.scheduler = KVTierConnector(
-            vllm_config(extra), KVConnectorRole.SCHEDULER, kv_cache_config()
+            vllm_config(extra, kv_events=kv_events), KVConnectorRole.SCHEDULER, kv_cache_config()
         )
         self.workers: list[KVTierConnector] = []
         self.kv: list[list[Any]] = []
@@ -294,6 +302,18 @@ def store_prompt(rig: Rig, req_id: str = "A", blocks: list[int] = A_BLOCKS) -> K
     assert rig.admit(req_id, blocks) == 0
     meta, _ = rig.run({req_id: len(PROMPT)})
     return meta
+
+
+def test_events_are_recorded_only_when_vllm_publishes_them(make_rig: Any) -> None:
+    """vLLM takes the connector's events every step and drops them unless its KV events are on;
+    before, kvtier recorded one per stored block anyway (scheduler time for nothing)."""
+    quiet, loud = make_rig(), make_rig(kv_events=True)
+    for rig in (quiet, loud):
+        store_prompt(rig)
+        rig.run({})
+    assert list(quiet.scheduler.take_events()) == []
+    stored = [e for e in loud.scheduler.take_events() if isinstance(e, BlockStored)]
+    assert sum(len(e.block_hashes) for e in stored) == len(A_BLOCKS) // BPS
 
 
 def test_each_rank_writes_its_own_part_and_loads_it_back_bit_exact(make_rig: Any) -> None:

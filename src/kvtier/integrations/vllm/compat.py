@@ -141,6 +141,13 @@ class LayoutRequest:
     """Ask for one block-outermost tensor (0.25.1's ``prefer_cross_layer_blocks``)."""
 
 
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (``--kv-events-config``): without it, the events a
+    connector hands over are dropped."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(getattr(events, "enable_kv_cache_events", False))
+
+
 def layout_request(setting: str, version: tuple[int, ...]) -> LayoutRequest:
     if setting == "engine":
         return LayoutRequest(None, False)

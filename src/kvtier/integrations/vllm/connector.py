@@ -12,6 +12,7 @@ request instead).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -51,6 +52,10 @@ def _load_config(vllm_config: Any) -> tuple[KVTierConfig, VllmSettings, CopyConf
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     extra.setdefault("model", str(vllm_config.model_config.model))
     config = load_config(extra)
+    if config.events and not compat.kv_events_enabled(vllm_config):
+        # vLLM takes the connector's events every step and drops them unless its KV events are
+        # on: recording one per stored and evicted block would only cost scheduler time.
+        config = dataclasses.replace(config, events=False)
     return config, VllmSettings.parse(config.vllm), CopyConfig.parse_mapping(config.copy)
 
 
