@@ -150,3 +150,20 @@ def test_group_keys_are_frozen_and_never_alias() -> None:
 
 FROZEN_GROUP_KEYS = ["6555257b2b2e5f4d0674a4dda07436b6", "23a2963e45039d3fc2b81bda7f682bba"]
 """Blocks of hybrid models stored by this release must be found by the next one."""
+
+
+def test_a_generation_roots_a_new_chain_that_no_salt_can_spell():
+    """After a cache reset (``generation``) no earlier key is reached again; a user's cache salt,
+    free text, cannot name another generation's root."""
+    assert chain_root(BASE) is None
+    roots = {
+        chain_root(BASE, generation=1),
+        chain_root(BASE, generation=2),
+        chain_root(BASE, salt="s", generation=1),
+        chain_root(BASE, salt="s"),
+        chain_root(BASE, salt="\0gen=1"),
+        chain_root(BASE, adapter="gen=1\0lora="),
+        chain_root(BASE, salt="x", generation=1),
+        chain_root(BASE, salt="x\0gen=1"),
+    }
+    assert None not in roots and len(roots) == 8

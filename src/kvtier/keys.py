@@ -83,18 +83,25 @@ def _digest(data: bytes) -> bytes:
 
 
 def chain_root(
-    namespace: Namespace, adapter: str | None = None, salt: str | None = None
+    namespace: Namespace,
+    adapter: str | None = None,
+    salt: str | None = None,
+    generation: int = 0,
 ) -> BlockKey | None:
     """The root of a request's key chain when something besides its tokens changes its KV.
 
     ``adapter`` is the name of a LoRA adapter the request runs with (``""``: an adapter without a
-    name, still distinct from none); ``salt`` a per-request cache salt (an empty salt is none).
-    None when there is neither: the chain then starts at the namespace (``chain_keys`` with no
-    ``start_key``). Pass the result as the ``start_key`` of the request's first ``chain_keys``.
+    name, still distinct from none); ``salt`` a per-request cache salt (an empty salt is none);
+    ``generation`` the engine's cache resets so far (after a weight update). None when there is
+    none of them: the chain then starts at the namespace (``chain_keys`` with no ``start_key``).
+    Pass the result as the ``start_key`` of the request's first ``chain_keys``.
     """
-    if adapter is None and not salt:
+    if adapter is None and not salt and not generation:
         return None
     extra = f"lora={adapter or ''}\0salt={salt or ''}".encode()
+    if generation:
+        # In front: the salt is a user's text, and the generation must not be spelt by one.
+        extra = f"gen={generation}\0".encode() + extra
     return _digest(namespace.digest + extra)
 
 

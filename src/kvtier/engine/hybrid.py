@@ -154,7 +154,7 @@ class HybridPlanner(Planner):
         self._requests[req_id] = request
         self._release_plan(req_id)
         chain = None if self.refused else self._request_keys(request)
-        if chain is None or req_id in self._load_failed:
+        if chain is None or req_id in self._no_loads:
             return 0, False
         bt = self.block_tokens
         start = num_computed // bt

@@ -113,6 +113,8 @@ class PlannerCounters:
     stores_ordered: int = 0
     store_blocks_failed: int = 0
     stale_plans: int = 0
+    resets: int = 0
+    """Cache resets (``reset``: vLLM's ``reset_prefix_cache(reset_connector=True)``)."""
     engine_hit_blocks: int = 0
     """Blocks the engine's own prefix cache held at a lookup (not looked up in kvtier): with
     ``cache.hit_blocks`` over ``cache.lookup_blocks`` plus these, the engine's whole prefix hit
@@ -155,9 +157,12 @@ class Planner:
         self._requests: dict[str, EngineRequest] = {}
         self._async_loads: dict[int, str] = {}
         """Asynchronous load jobs -> their request."""
-        self._load_failed: set[str] = set()
-        """Requests whose asynchronous load failed: the engine asks again before recomputing,
-        and must get no hit then (the same load would fail again, and again)."""
+        self._no_loads: set[str] = set()
+        """Requests that get no hit any more: their asynchronous load failed (the engine asks
+        again before recomputing, and the same load would fail again), or the engine knew them
+        before a ``reset`` (a hit would be keyed in the old generation)."""
+        self.generation = 0
+        """Resets so far (``reset``): part of every new request's key root."""
         self._loads: list[CopyOrder] = []
         self._jobs = JobLedger(tp_size)
         self._stats_file = None if settings.stats_path is None else StatsFile(settings.stats_path)
@@ -195,7 +200,7 @@ class Planner:
         self._requests[req_id] = request
         self._release_plan(req_id)
         keys = self._request_keys(request)
-        if keys is None or req_id in self._load_failed:
+        if keys is None or req_id in self._no_loads:
             return 0, False
         bt = self.block_tokens
         limit = min((request.num_tokens - 1) // bt, len(keys))  # >= 1 token left to compute
@@ -402,7 +407,7 @@ class Planner:
                 if not job.ok:
                     self.counters.load_blocks_failed += len(job.keys)
                     if owner is not None and owner in self._requests:
-                        self._load_failed.add(owner)
+                        self._no_loads.add(owner)
 
     def request_finished(self, request: EngineRequest) -> None:
         req_id = request.request_id
@@ -417,7 +422,21 @@ class Planner:
         self._roots.pop(req_id, None)
         self._offered.pop(req_id, None)
         self._requests.pop(req_id, None)
-        self._load_failed.discard(req_id)
+        self._no_loads.discard(req_id)
+
+    def reset(self) -> None:
+        """Forget every block for this engine (vLLM's ``reset_cache``, after a weight update): new
+        requests key their blocks in a new generation, so nothing stored before is a hit for them;
+        requests known now get no hit again and keep their old keys, so what they store (KV that
+        may be the old weights') stays out of the new generation. Other engines sharing the pool
+        or a tier are not affected; the old blocks leave as the eviction policy evicts them."""
+        self.generation += 1
+        for req_id in list(self._plans):
+            self._release_plan(req_id)
+        self._no_loads.update(self._requests)
+        self._no_loads.update(self._keys)
+        self._prefixes = PrefixKeys(self.namespace)
+        self.counters.resets += 1
 
     def _hint(self, request: EngineRequest) -> None:
         """Tell the eviction policy what the engine knows of a finished request: its prompt's
@@ -453,7 +472,9 @@ class Planner:
                 self._keys[req_id] = None
                 return None
             self._keys[req_id] = []
-            self._roots[req_id] = chain_root(self.namespace, scope.adapter, scope.salt)
+            self._roots[req_id] = chain_root(
+                self.namespace, scope.adapter, scope.salt, self.generation
+            )
         keys = self._keys[req_id]
         if keys is None:
             return None

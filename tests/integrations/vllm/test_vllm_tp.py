@@ -316,6 +316,26 @@ def test_events_are_recorded_only_when_vllm_publishes_them(make_rig: Any) -> Non
     assert sum(len(e.block_hashes) for e in stored) == len(A_BLOCKS) // BPS
 
 
+def test_a_cache_reset_makes_every_earlier_block_a_miss_for_this_engine(make_rig: Any) -> None:
+    """vLLM's ``reset_prefix_cache(reset_connector=True)`` after a weight update: before,
+    kvtier had no ``reset_cache`` (vLLM counts that a success) and served the old weights' KV."""
+    rig = make_rig()
+    store_prompt(rig)
+    rig.finish("A")
+    rig.add("W", PROMPT)  # known before the reset: what it stores stays in the old generation
+    assert rig.scheduler.reset_cache() is True
+    rig.add("B", PROMPT)
+    assert rig.matched("B") == 0  # the same tokens: a miss now
+    assert rig.matched("W") == 0
+    assert rig.admit("B", B_BLOCKS) == 0
+    rig.run({"B": len(PROMPT)})  # B computes and stores under the new generation
+    rig.run({})
+    rig.finish("B")
+    rig.add("C", PROMPT)
+    assert rig.matched("C") == 3 * BLOCK_TOKENS  # the new generation's blocks are hits
+    assert rig.stats()["connector"]["resets"] == 1
+
+
 def test_each_rank_writes_its_own_part_and_loads_it_back_bit_exact(make_rig: Any) -> None:
     rig = make_rig()
     assert page_bytes(rig.kv[0][0], 0) != page_bytes(rig.kv[1][0], 0)  # ranks differ

@@ -227,6 +227,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         kvtier keeps no engine block past the request's end, whatever the groups."""
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (after a weight update): no block
+        stored before is a hit for this engine again (``Planner.reset``)."""
+        if self._scheduler is None:
+            return None
+        self._scheduler.reset()
+        return True
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         if self._scheduler is None:
             return ()
