@@ -105,19 +105,18 @@ def test_chaos_an_engine_killed_at_random_points_never_harms_the_other(tmp_path)
 
 def test_chaos_the_serving_engine_sees_no_wrong_payload_and_never_waits_long(tmp_path):
     rng = random.Random(7)
-    b = _engine(tmp_path, 8.0, "b")
-    kills = 0
-    while b.poll() is None and kills < 20:
-        a = _engine(tmp_path, 60.0, f"a{kills}")
+    b = _engine(tmp_path, 120.0, "b")
+    for kill in range(20):  # each engine start takes about a second on a loaded 2-core machine
+        a = _engine(tmp_path, 60.0, f"a{kill}")
         time.sleep(rng.uniform(0.02, 0.3))
         a.send_signal(signal.SIGKILL)
-        a.wait(timeout=10)
-        kills += 1
+        assert a.wait(timeout=10) == -signal.SIGKILL
+    assert b.poll() is None
+    b.send_signal(signal.SIGTERM)  # B ends its request and reports
     out, _ = b.communicate(timeout=120)
     assert b.returncode == 0
     record = json.loads(out.strip().splitlines()[-1])
     assert record["wrong"] == 0
     assert record["requests"] > 20 and record["hit_blocks"] > 0
     assert record["slowest_s"] < 2.0  # bounded: a dead or busy lock holder costs a miss
-    assert kills >= 10
     assert _wait_empty(tmp_path) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from kvtier.cache.shared import SharedTieredCache
 from kvtier.config import load_config
 from kvtier.keys import BlockKey, Namespace, chain_keys
 from kvtier.pool import HostPool
+from kvtier.tiers.fs import files
 from kvtier.tiers.payload import HEADER_BYTES
 
 SLOT_BYTES = 4096
@@ -113,19 +115,34 @@ def serve(
     served.slowest_s = max(served.slowest_s, time.monotonic() - began)
 
 
+_write_all = files.write_all
+
+
+def _slow_write_all(fd: int, buffers: list[memoryview]) -> None:
+    for buffer in buffers:
+        data = buffer.cast("B")
+        for at in range(0, data.nbytes, 1024):
+            _write_all(fd, [data[at : at + 1024]])
+            time.sleep(0.002)
+
+
 def main() -> None:
     """``shared_engine SHM_DIR SLOTS SECONDS SEED [PROMPTS [FS_PATH FS_FILES]]``: serve random
-    prompts, print a line saying it is running, then a JSON record of what it served."""
+    prompts, print a line saying it is running, then (after SECONDS, or at SIGTERM) a JSON
+    record of what it served."""
     shm_dir, slots, seconds, seed = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     prompts = int(sys.argv[5]) if len(sys.argv) > 5 else 24
     fs_path = sys.argv[6] if len(sys.argv) > 6 else None
     fs_files = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+    files.write_all = _slow_write_all  # block files written in chunks: a kill lands mid-write
     rng = random.Random(seed)
     pool, cache = open_cache(shm_dir, slots, fs_path=fs_path, fs_files=fs_files)
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))  # ends it early
     print("running", flush=True)
     served = Served()
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and not stop:
         serve(pool, cache, rng.randrange(prompts), rng.randint(1, 8), served, 0.0005)
     cache.close()
     pool.close()

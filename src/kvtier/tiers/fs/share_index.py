@@ -254,6 +254,12 @@ class FsShareIndex(LockedIndex):
 
     # -- reports and lifetime -------------------------------------------------------------------
 
+    def take_orphans(self) -> list[Victim]:
+        """The dead engines' entries taken over since the last call (to clean up)."""
+        with self._local:  # appended to inside the lock (``_reclaim``)
+            orphans, self.orphans = self.orphans, []
+        return orphans
+
     def holds_entries(self) -> bool:
         """Whether entries of this engine are being written or removed (or are orphans)."""
         a = self.a

@@ -167,9 +167,7 @@ class SharedFsTier(FsTier):
 
     def _clean_up(self) -> None:
         try:
-            index = self.share_index
-            with self._lock:
-                orphans, index.orphans = index.orphans, []
+            orphans = self.share_index.take_orphans()
             for _entry, key in orphans:
                 self._files.remove(key)  # whole or not: the dead writer's file is dropped
                 self._files.remove_stale_temps(key)
