@@ -274,6 +274,29 @@ def test_config_errors_name_the_field(tmp_path):
     )
     with pytest.raises(ConfigError, match="at most one secondary tier"):
         build_cache(with_tier, NAMESPACE, SLOT_BYTES)
+    fs = {"kind": "fs", "path": str(tmp_path / "fs"), "capacity": "1MiB"}
+    shared_tiers = {
+        "at most one secondary tier": [fs, {**fs, "name": "fs2", "path": str(tmp_path / "f")}],
+        r"tiers\[0\]\.write": [{**fs, "write": "on_evict"}],
+        r"tiers\[0\]\.eviction": [{**fs, "eviction": "arc"}],
+    }
+    for message, tiers in shared_tiers.items():
+        config = load_config(
+            {"pool": {"size": "64KiB", "share": "s", "shm_dir": str(tmp_path)}, "tiers": tiers}
+        )
+        with pytest.raises(ConfigError, match=message):
+            build_cache(config, NAMESPACE, SLOT_BYTES)
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"")
+    unusable = load_config(
+        {
+            "pool": {"size": "64KiB", "share": "s", "shm_dir": str(tmp_path)},
+            "tiers": [{"kind": "fs", "path": str(not_a_dir), "capacity": "1MiB"}],
+        }
+    )
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.path"):
+        build_cache(unusable, NAMESPACE, SLOT_BYTES)  # the pool it attached is left again
+    not_a_dir.unlink()
     pool_section = {"size": "64KiB", "share": "s", "shm_dir": str(tmp_path)}
     admission = load_config({"pool": pool_section, "admission": {"min_seen": 2}})
     with pytest.raises(ConfigError, match="admission"):
