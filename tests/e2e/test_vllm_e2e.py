@@ -79,6 +79,28 @@ def test_a_identical_outputs_with_hits(model_dir: Path, reference: Ref, tmp_path
     assert stats["pool_pinned"] == 0 and stats["jobs_in_flight"] == 0
 
 
+def test_a_connector_reset_makes_the_next_round_compute_again(
+    model_dir: Path, reference: Ref, tmp_path: Path
+) -> None:
+    """``reset_prefix_cache(reset_connector=True)``, as after a weight update: before, kvtier had
+    no ``reset_cache`` and the round after it loaded the blocks stored before."""
+    stats_path = tmp_path / "stats.json"
+    llm = _engine(model_dir, jobs.kvtier_config(stats_path))
+    try:
+        rounds = [_gen(llm, "basic")]
+        assert h.reset_prefix_cache(llm, reset_connector=True)
+        rounds.append(_gen(llm, "basic"))  # computed again, stored in the new generation
+        assert h.reset_prefix_cache(llm)
+        rounds.append(_gen(llm, "basic"))  # the new generation's blocks load
+    finally:
+        h.shutdown_llm(llm)
+    assert rounds == [reference["basic"]] * 3
+    stats = jobs.read_stats(stats_path)
+    assert stats["connector"]["resets"] == 1
+    stored, loaded = stats["cache"]["stored_blocks"], stats["cache"]["loaded_blocks"]
+    assert loaded >= 27 and stored >= 2 * loaded, stats["cache"]  # without the reset: 1x
+
+
 def test_b_warm_restart_multiprocess(
     model_dir: Path, reference: Ref, tmp_path: Path, fs_tier: dict[str, Any]
 ) -> None:
