@@ -71,7 +71,7 @@ def open_shared(
     ``num_slots`` slots when none exists) and this engine's handle on its index."""
     path = str(Path(shm_dir) / segment_name(share, digest, slot_bytes))
     for _ in range(ATTACH_TRIES):
-        fd = _attach(path, digest, slot_bytes)
+        fd = _attach_pool(path, digest, slot_bytes)
         if fd is None:
             fd = _create(path, shm_dir, num_slots, slot_bytes, digest)
         if fd is not None:
@@ -80,14 +80,14 @@ def open_shared(
     raise PoolError(f"cannot attach or create the shared pool {path!r}: it kept being removed")
 
 
-def _attach(path: str, digest: bytes, slot_bytes: int) -> int | None:
+def _attach_pool(path: str, digest: bytes, slot_bytes: int) -> int | None:
     def check(fd: int, size: int) -> None:
         _check_trailer(fd, size, path, digest, slot_bytes)
 
-    return attach_named(path, check)
+    return _attach(path, check)
 
 
-def attach_named(path: str, check: Callable[[int, int], None]) -> int | None:
+def _attach(path: str, check: Callable[[int, int], None]) -> int | None:
     """The open, share-locked file at ``path`` that ``check(fd, size)`` accepts (it raises
     ``PoolError`` otherwise); None when there is none (or it is being removed: the caller tries
     again)."""

@@ -233,3 +233,11 @@ def test_what_a_killed_writer_left_is_removed_and_uncounted(
     a.check_invariants(settled=True)
     assert Driver(a).store(keys[2])
     assert len(block_files(a)) <= files
+
+
+def test_an_engine_asking_another_capacity_keeps_the_first_ones(make_shared: MakeShared) -> None:
+    a = make_shared(files=4)
+    b = make_shared(files=8)  # attaches the index as it is, like a shared pool's size
+    for key in make_keys(6):
+        assert Driver(b).store(key)
+    assert len(block_files(a)) == 4 and b.limit == a.limit == 4 * FILE_BYTES

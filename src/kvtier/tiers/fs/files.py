@@ -167,8 +167,10 @@ class BlockFiles:
         finally:
             os.close(shard)
 
-    def remove(self, key: BlockKey) -> bool:
-        """Remove the key's file (never what a link there points to); True when it is gone."""
+    def remove(self, key: BlockKey, stale_temps: bool = False) -> bool:
+        """Remove the key's file (never what a link there points to); True when it is gone.
+        ``stale_temps``: its temp files whose writer is dead too (``_stale_tmp``: what a writer
+        killed mid-write left)."""
         shard_name, name = names(key)
         try:
             shard = os.open(shard_name, DIR_FLAGS, dir_fd=self.root_fd)
@@ -178,34 +180,23 @@ class BlockFiles:
             # Our shard directory was replaced (by a link or a file): nothing of ours is there.
             return exc.errno in (errno.ELOOP, errno.ENOTDIR)
         try:
+            if stale_temps:
+                self._remove_stale_temps(shard, name[: -len(BLOCK_SUFFIX)] + ".")
             return unlink(name, shard)
         finally:
             os.close(shard)
 
-    def remove_stale_temps(self, key: BlockKey) -> None:
-        """Remove the key's temp files whose writer is dead (``_stale_tmp``): what a writer
-        killed mid-write left."""
-        shard_name, name = names(key)
-        prefix = name[: -len(BLOCK_SUFFIX)] + "."
-        try:
-            shard = os.open(shard_name, DIR_FLAGS, dir_fd=self.root_fd)
-        except OSError:
-            return
-        try:
-            with os.scandir(shard) as listing:
-                temps = [
-                    e for e in listing if e.name.startswith(prefix) and e.name.endswith(TMP_SUFFIX)
-                ]
-            now = time.time()
-            for entry in temps:
-                with contextlib.suppress(OSError):
-                    st = entry.stat(follow_symlinks=False)
-                    if self._stale_tmp(entry.name, st.st_mtime, now):
-                        unlink(entry.name, shard)
-        except OSError:
-            return
-        finally:
-            os.close(shard)
+    def _remove_stale_temps(self, shard: int, prefix: str) -> None:
+        now = time.time()
+        temps: list[os.DirEntry[str]] = []
+        with contextlib.suppress(OSError), os.scandir(shard) as listing:
+            temps = [e for e in listing if e.name.startswith(prefix)]
+        for entry in temps:
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                stale = self._stale_tmp(entry.name, st.st_mtime, now)
+                if entry.name.endswith(TMP_SUFFIX) and stale:
+                    unlink(entry.name, shard)
 
     def scan(self) -> list[Found]:
         """(key, size, mtime) of every block file under the namespace directory; removes stale

@@ -43,8 +43,9 @@ from kvtier.shared_pool.base import REGISTER_TIMEOUT_S, LockedIndex
 from kvtier.shared_pool.layout import FREE, H_FREE_TOP, VISIBLE, WRITING
 
 DELETING = 3
-H_LIMIT, H_DEV, H_INO = 12, 13, 14
-"""Header words of the fs index: the entries allowed now, the directory's device and inode."""
+H_LIMIT, H_DEV, H_INO, H_BUDGET = 12, 13, 14, 15
+"""Header words of the fs index: the entries allowed now, the directory's device and inode, the
+budget in files (``capacity // file_bytes`` of the engine that created it)."""
 EVICT_SAMPLE = 16
 MAX_VICTIMS = 8
 """Victims one write marks at most (more than one only while the limit is shrinking)."""
@@ -124,7 +125,8 @@ class FsShareIndex(LockedIndex):
     def set_limit(self, entries: int) -> None:
         """The files allowed now (``min(capacity, what the filesystem has room for)``): one word,
         stored without the lock (any engine's latest measure will do)."""
-        self.a.header[H_LIMIT] = max(0, min(self.num_slots, entries))
+        h = self.a.header
+        h[H_LIMIT] = max(0, min(int(h[H_BUDGET]), entries))
 
     @property
     def limit(self) -> int:

@@ -40,9 +40,10 @@ from kvtier.shared_pool.layout import (
     IndexArrays,
     Layout,
 )
-from kvtier.shared_pool.segment import attach_named, create_named
+from kvtier.shared_pool.segment import _attach as attach_file
+from kvtier.shared_pool.segment import create_named
 from kvtier.tiers.fs.files import Found
-from kvtier.tiers.fs.share_index import H_DEV, H_INO, H_LIMIT, FsShareIndex
+from kvtier.tiers.fs.share_index import H_BUDGET, H_DEV, H_INO, H_LIMIT, FsShareIndex
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def _attach(path: str, directory: Directory) -> int | None:
     def check(fd: int, size: int) -> None:
         _check(fd, size, path, directory)
 
-    return attach_named(path, check)
+    return attach_file(path, check)
 
 
 def _check(fd: int, size: int, path: str, directory: Directory) -> None:
@@ -165,7 +166,8 @@ def _initialise(fd: int, layout: Layout, directory: Directory, kept: list[Found]
     a = IndexArrays(memoryview(mapping), layout)
     a.initialise(directory.file_bytes, directory.digest)
     h = a.header
-    h[H_DEV], h[H_INO], h[H_LIMIT] = directory.dev, directory.ino, directory.capacity
+    h[H_DEV], h[H_INO] = directory.dev, directory.ino
+    h[H_LIMIT] = h[H_BUDGET] = directory.capacity
     now, wall = time.monotonic(), time.time()
     for key, _size, mtime in kept:
         top = int(h[H_FREE_TOP])

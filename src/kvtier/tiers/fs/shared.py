@@ -169,8 +169,7 @@ class SharedFsTier(FsTier):
         try:
             orphans = self.share_index.take_orphans()
             for _entry, key in orphans:
-                self._files.remove(key)  # whole or not: the dead writer's file is dropped
-                self._files.remove_stale_temps(key)
+                self._files.remove(key, stale_temps=True)  # whole or not: dropped
             self._free_later([entry for entry, _ in orphans])
             self._settle()
         finally:
@@ -229,9 +228,8 @@ class SharedFsTier(FsTier):
         self._refresh_limit(force=True)
 
     def _set_limit(self, free: int, reserve: int) -> None:
-        index = self.share_index
-        fits = index.used_slots() + (free - reserve) // self._file_bytes
-        index.set_limit(min(self.capacity // self._file_bytes, fits))
+        index = self.share_index  # the budget is the one of the engine that made the index
+        index.set_limit(index.used_slots() + (free - reserve) // self._file_bytes)
 
     def _close_storage(self, abandoned: bool) -> None:
         # With a block abandoned on a stuck thread the index stays open (its entries this
