@@ -47,6 +47,9 @@ it. A process deletes only its own files (those it wrote or found at start): a f
 is forgotten when room is needed, never deleted, so a smaller share never eats a larger one
 (``index.py``). A file this process cannot delete (another user's, a read-only directory) is
 forgotten, no longer counted and not indexed again by ``rescan``.
+
+Behind a shared pool (``pool.share``) the engines of a node share the directory's index and
+budget instead: ``shared.SharedFsTier``.
 """
 
 from __future__ import annotations
