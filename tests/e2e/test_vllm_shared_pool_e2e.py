@@ -85,3 +85,43 @@ def test_engine_b_hits_what_engine_a_computed(
     assert hit_tokens >= (prefix_blocks + basic_blocks) * jobs.BLOCK_TOKENS, b["stats"]
     assert b["stats"]["pool_pinned"] == 0 and b["stats"]["jobs_in_flight"] == 0
     assert _wait_empty(shm_dir) == []  # no kvtier file once both engines exited
+
+
+def test_engine_b_hits_from_the_shared_fs_tier_what_the_pool_evicted(
+    model_dir: Path, reference: Ref, tmp_path: Path
+) -> None:
+    """Both engines name one fs tier behind the shared pool, and the pool holds 12 blocks: A's
+    prefix leaves the pool while A computes "basic", and B's hits on it come from the fs tier
+    (read into the shared pool), with outputs identical to vLLM alone. Each block is written to
+    the tier once, by the engine that stored it."""
+    shm_dir, hold, fs = tmp_path / "shm", tmp_path / "hold", tmp_path / "fs"
+    shm_dir.mkdir()
+    hold.mkdir()
+    extras = []
+    for name in ("a", "b"):
+        extra = jobs.shared_pool_config(tmp_path / f"{name}.json", shm_dir, "e2e-fs")
+        extra["pool"]["size"] = 12 * jobs.BLOCK_BYTES
+        extra["tiers"] = [{"kind": "fs", "path": str(fs), "capacity": "256MiB"}]
+        extras.append(extra)
+    job = "e2e.vllm_jobs:serve_shared"
+    a = h.start_fresh_process(job, str(model_dir), extras[0], A_SETS, str(hold))
+    try:
+        _wait_for(hold / "ready", a, 240)
+        names = sorted(p.name[: len("kvtier-pool-fs-")] for p in shm_dir.iterdir())
+        assert names == ["kvtier-pool-fs-", "kvtier-pool-sha"]  # the pool and the tier's index
+        b = h.run_in_fresh_process(job, str(model_dir), extras[1], B_SETS, timeout=240)
+    finally:
+        (hold / "release").touch()
+        result_a = h.finish_fresh_process(a, timeout=120)
+    assert result_a["outputs"] == [reference[name] for name in A_SETS]
+    assert b["outputs"] == [reference[name] for name in B_SETS]
+
+    prefix_blocks = len(jobs.SHARED_PREFIX) // jobs.BLOCK_TOKENS  # 8
+    fs_a, fs_b = result_a["stats"]["tiers"]["fs"], b["stats"]["tiers"]["fs"]
+    assert b["stats"]["promoted"]["fs"] >= prefix_blocks, b["stats"]
+    assert fs_b["read_blocks"] >= prefix_blocks and fs_b["corrupt"] == 0, fs_b
+    assert b["stats"]["cache"]["loaded_blocks"] >= prefix_blocks, b["stats"]["cache"]
+    files = [p for p in fs.rglob("*.kvb") if p.is_file()]
+    assert len(files) == fs_a["write_blocks"] + fs_b["write_blocks"]  # none written twice
+    assert not list(fs.rglob("*.tmp"))
+    assert _wait_empty(shm_dir) == []  # the pool's file and the tier index's: both gone
