@@ -211,7 +211,8 @@ class HostPool:
         if self._reaper is not None:
             # Others still hold the file: the reaper stays and removes it after the last of
             # them, which may be a user in this very process (vLLM's worker attaches the pool its
-            # scheduler opened) or one that never closes (killed, or its close failed).
+            # scheduler opened; a mapping CUDA still has registered keeps its lock past close)
+            # or one that never closes (killed, or its close failed).
             if removed:
                 self._reaper.stop()
             else:
