@@ -12,75 +12,34 @@ from support import require
 
 torch = require.importorskip("torch", "vllm")
 
+from support.toy_hybrid import BS, LAYERS, NULL, PAGE, ToyHybridEngine  # noqa: E402
+
 from engine.test_planner import ToyRequest  # noqa: E402
-from kvtier.config import load_config  # noqa: E402
 from kvtier.copy.base import CopyJob, Direction  # noqa: E402
 from kvtier.copy.cpu import CpuCopyBackend  # noqa: E402
 from kvtier.copy.grouped import GroupedCopyBackend  # noqa: E402
-from kvtier.engine.copier import Copier  # noqa: E402
 from kvtier.engine.groups import CacheGroup, GroupKind  # noqa: E402
-from kvtier.engine.hybrid import HybridPlanner  # noqa: E402
-from kvtier.engine.orders import SKIP, RankReport  # noqa: E402
-from kvtier.engine.planner import PlannerSettings  # noqa: E402
-from kvtier.keys import Namespace  # noqa: E402
+from kvtier.engine.orders import SKIP  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402
 
-LAYERS, BLOCKS, PAGE, BS = 2, 64, 32, 4
+BLOCKS = 64
 WINDOW = 9  # the next token attends to 8 tokens before it: 2 blocks
-NULL = 0
 WIN = CacheGroup(0, GroupKind.WINDOW, ("l0", "l2"), PAGE, BS, WINDOW)
 FULL = CacheGroup(1, GroupKind.FULL, ("l1", "l3"), PAGE, BS)
 
 
-class GroupTables:
-    def __init__(self) -> None:
-        self.tables: dict[str, list[list[int]]] = {}
-
-    def get(self, req_id: str) -> list[int]:
-        return self.group(req_id, 0)
-
-    def group(self, req_id: str, group: int) -> list[int]:
-        return self.tables.get(req_id, [[], []])[group]
-
-
-class Engine:
-    """Planner, one rank's copier over per-group KV tensors, and a block allocator."""
+class Engine(ToyHybridEngine):
+    """The toy engine with a sliding-window group and a full-attention group."""
 
     def __init__(self, tmp_path: Path, boundary_blocks: int = 4, pool_blocks: int = 64) -> None:
-        pool = pool_blocks * LAYERS * PAGE
-        config = load_config({"model": "toy", "pool": {"size": pool, "shm_dir": str(tmp_path)}})
-        ns = Namespace(model="toy", dtype="uint8", block_tokens=BS, extra="hybrid")
-        self.planner = HybridPlanner(config, PlannerSettings(), ns, LAYERS * PAGE, BS, 1)
-        self.planner.set_groups([WIN, FULL], boundary_blocks, NULL)
-        gen = torch.Generator().manual_seed(5)
-        self.kv = {
-            g: [
-                torch.randint(0, 255, (BLOCKS, PAGE), dtype=torch.uint8, generator=gen)
-                for _ in range(LAYERS)
-            ]
-            for g in (0, 1)
-        }
-
-        def grouped(kv, setup):  # type: ignore[no-untyped-def]
-            parts = {g: CpuCopyBackend.create(self.kv[g], setup) for g in (0, 1)}
-            return GroupedCopyBackend(parts, setup.blocks_per_slot)
-
-        self.copier = Copier(1, 0, 1, backend_factory=grouped)
-        self.copier.register([t for g in (0, 1) for t in self.kv[g]])
-        self.tables = GroupTables()
-        self.next_block = 1  # block 0 is the null block
-
-    def alloc(self, n: int) -> list[int]:
-        out = list(range(self.next_block, self.next_block + n))
-        self.next_block += n
-        return out
-
-    def step(self, scheduled: dict[str, int]) -> object:
-        orders = self.planner.plan_step(scheduled, self.tables, None)
-        self.copier.start_load(orders)
-        self.copier.save(orders)
-        self.planner.on_report(self.copier.take_report() or RankReport())
-        return orders
+        super().__init__(
+            tmp_path,
+            [WIN, FULL],
+            blocks=BLOCKS,
+            pool_blocks=pool_blocks,
+            boundary_blocks=boundary_blocks,
+            seed=5,
+        )
 
     def prefill(self, rid: str, prompt: list[int]) -> ToyRequest:
         """A request computed by the engine in one step, every block stored as planned."""
@@ -91,10 +50,6 @@ class Engine:
         self.step({rid: len(prompt)})
         request.computed = len(prompt)
         return request
-
-    def close(self) -> None:
-        self.planner.close()
-        self.copier.close()
 
 
 @pytest.fixture

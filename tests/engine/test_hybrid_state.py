@@ -17,72 +17,32 @@ from support import require
 
 torch = require.importorskip("torch", "vllm")
 
-from engine.test_planner import ToyRequest  # noqa: E402
-from kvtier.config import load_config  # noqa: E402
-from kvtier.copy.cpu import CpuCopyBackend  # noqa: E402
-from kvtier.copy.grouped import GroupedCopyBackend  # noqa: E402
-from kvtier.engine.copier import Copier  # noqa: E402
-from kvtier.engine.groups import CacheGroup, GroupKind  # noqa: E402
-from kvtier.engine.hybrid import HybridPlanner  # noqa: E402
-from kvtier.engine.orders import SKIP, RankReport, StepOrders  # noqa: E402
-from kvtier.engine.planner import PlannerSettings  # noqa: E402
-from kvtier.keys import Namespace  # noqa: E402
+from support.toy_hybrid import BS, NULL, PAGE, ToyHybridEngine  # noqa: E402
 
-LAYERS, BLOCKS, PAGE, BS = 2, 96, 32, 4
-NULL = 0
+from engine.test_planner import ToyRequest  # noqa: E402
+from kvtier.engine.groups import CacheGroup, GroupKind  # noqa: E402
+from kvtier.engine.orders import SKIP  # noqa: E402
+from kvtier.engine.planner import PlannerSettings  # noqa: E402
+
+BLOCKS = 96
 STATE = CacheGroup(0, GroupKind.STATE, ("m0", "m2"), PAGE, BS)
 FULL = CacheGroup(1, GroupKind.FULL, ("a1", "a3"), PAGE, BS)
 PROMPT = list(range(100, 141))  # 10 whole blocks and one token
 
 
-class Tables:
-    def __init__(self) -> None:
-        self.tables: dict[str, list[list[int]]] = {}
+class Engine(ToyHybridEngine):
+    """The toy engine with a state group and a full-attention group."""
 
-    def get(self, req_id: str) -> list[int]:
-        return self.group(req_id, 0)
-
-    def group(self, req_id: str, group: int) -> list[int]:
-        return self.tables.get(req_id, [[], []])[group]
-
-
-class Engine:
     def __init__(self, tmp_path: Path, boundary_blocks: int = 4, **settings: int) -> None:
-        config = load_config(
-            {"model": "toy", "pool": {"size": 128 * LAYERS * PAGE, "shm_dir": str(tmp_path)}}
+        super().__init__(
+            tmp_path,
+            [STATE, FULL],
+            blocks=BLOCKS,
+            pool_blocks=128,
+            boundary_blocks=boundary_blocks,
+            seed=7,
+            settings=PlannerSettings(**settings),
         )
-        ns = Namespace(model="toy", dtype="uint8", block_tokens=BS, extra="state")
-        self.planner = HybridPlanner(config, PlannerSettings(**settings), ns, LAYERS * PAGE, BS, 1)
-        self.planner.set_groups([STATE, FULL], boundary_blocks, NULL)
-        gen = torch.Generator().manual_seed(7)
-        self.kv = {
-            g: [
-                torch.randint(0, 255, (BLOCKS, PAGE), dtype=torch.uint8, generator=gen)
-                for _ in range(LAYERS)
-            ]
-            for g in (0, 1)
-        }
-
-        def grouped(kv, setup):  # type: ignore[no-untyped-def]
-            parts = {g: CpuCopyBackend.create(self.kv[g], setup) for g in (0, 1)}
-            return GroupedCopyBackend(parts, setup.blocks_per_slot)
-
-        self.copier = Copier(1, 0, 1, backend_factory=grouped)
-        self.copier.register([t for g in (0, 1) for t in self.kv[g]])
-        self.tables = Tables()
-        self.next_block = 1  # block 0 is the null block
-
-    def alloc(self, n: int) -> list[int]:
-        out = list(range(self.next_block, self.next_block + n))
-        self.next_block += n
-        return out
-
-    def step(self, scheduled: dict[str, int]) -> StepOrders:
-        orders = self.planner.plan_step(scheduled, self.tables, None)
-        self.copier.start_load(orders)
-        self.copier.save(orders)
-        self.planner.on_report(self.copier.take_report() or RankReport())
-        return orders
 
     def prefill(self, rid: str, prompt: list[int]) -> ToyRequest:
         request = ToyRequest(rid, prompt)
@@ -110,10 +70,6 @@ class Engine:
 
     def same(self, group: int, ours: list[int], theirs: list[int]) -> bool:
         return all(torch.equal(kv[ours], kv[theirs]) for kv in self.kv[group])
-
-    def close(self) -> None:
-        self.planner.close()
-        self.copier.close()
 
 
 @pytest.fixture
