@@ -7,13 +7,21 @@ at once, so what is timed is kvtier's own work on the scheduler thread: lookups,
 reservations, the ledger, stats and the tiers' threads competing for the GIL.
 
 Workload: ``--concurrency`` multi-turn conversations in flight (each turn re-sends the previous
-prompt plus ``--turn-blocks`` new blocks), ``--waiting`` of them kept waiting each step as
-vLLM's queue does when its KV cache is full, ``--prefill-blocks`` blocks computed per step.
+prompt plus ``--turn-blocks`` new blocks), at most ``--running`` of them running, the others
+waiting, ``--prefill-blocks`` blocks computed per step. By default every waiting request is
+asked every step (``matched_tokens``), as if vLLM's KV cache were full for each of them. With
+``--gpu-blocks`` the waiting queue is walked as vLLM's scheduler walks it: in order, stopping
+before asking when the running requests are at ``--running`` or the step's tokens are spent,
+skipping a deferred request, and stopping after asking the first whose blocks do not fit in
+the GPU's ``--gpu-blocks`` (vLLM's ``allocate_slots`` failed: it is asked again next step).
 Prints p50/p90/p99/max of the time per step, each hook's share of the slowest steps (the
 steps at or above p99, and the time of each hook there: what makes the tail), the functions that
-took it (cProfile), and writes JSON. ``--repeat`` runs the workload that many times on fresh
-planners and pools them (129 steps per run at the defaults: one run's p99 is its second
-slowest step).
+took it (``--profile``: cProfile per step, the tail steps' profiles summed apart from the whole
+run's), and writes JSON. ``--repeat`` runs the workload that many times on fresh planners and
+pools them (129 steps per run at the defaults: one run's p99 is its second slowest step).
+
+Cache events are recorded only with ``--events``, as the vLLM connector records them only when
+vLLM publishes KV events (``compat.kv_events_enabled``).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import io
 import json
 import pstats
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -142,10 +151,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+def thread_switches() -> int:
+    """Times the calling thread blocked so far (voluntary context switches: waits for the GIL
+    or a lock another thread holds). Counted by the kernel, so other processes on a shared VM
+    do not add to it as they add to wall time."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
 def run(
-    args: argparse.Namespace, workdir: Path, profiler: cProfile.Profile, hooks: HookTimes
-) -> tuple[list[tuple[float, float]], dict[str, Any]]:
-    """One pass of the workload: each step's wall and CPU seconds and the planner's stats."""
+    args: argparse.Namespace, workdir: Path, profiles: list[cProfile.Profile], hooks: HookTimes
+) -> tuple[list[tuple[float, float, int]], dict[str, Any]]:
+    """One pass of the workload: each step's wall and CPU seconds and the times the scheduler
+    thread blocked in it, and the planner's stats."""
     tiers = []
     if args.fs:
         tiers.append({"kind": "fs", "path": str(workdir / "fs"), "capacity": "4GiB"})
@@ -154,6 +171,7 @@ def run(
             "model": "bench",
             "pool": {"size": args.pool_blocks * args.block_bytes, "shm_dir": str(workdir)},
             "tiers": tiers,
+            "events": args.events,
         }
     )
     ns = Namespace(model="bench", dtype="bf16", block_tokens=BLOCK_TOKENS)
@@ -166,9 +184,10 @@ def run(
     active: dict[str, tuple[int, Request]] = {}
     waiting: list[str] = []
     tables = Tables()
+    held = 0  # GPU blocks of the running requests
     next_block = 0
     counter = 0
-    steps: list[tuple[float, float]] = []
+    steps: list[tuple[float, float, int]] = []
 
     def submit(conv: int) -> None:
         nonlocal counter
@@ -186,18 +205,41 @@ def run(
     gc.collect()
     while active:
         started, cpu_started = time.perf_counter(), time.thread_time()
+        switches = thread_switches()
+        profiler = None
         if args.profile:
+            # Wall time shows waits for the GIL or a tier's lock too; CPU time only the work.
+            timer = time.thread_time if args.profile_cpu else time.perf_counter
+            profiler = cProfile.Profile(timer)
+        if profiler is not None:
             profiler.enable()
         scheduled: dict[str, int] = {}
         budget = args.prefill_blocks * BLOCK_TOKENS
+        left = budget
+        if args.gpu_blocks:  # vLLM schedules the running requests first: what they take is gone
+            left -= sum(
+                req.num_tokens - req.num_computed_tokens
+                for req_id, (_, req) in active.items()
+                if req_id not in waiting
+            )
         for req_id in list(waiting):
             conv, req = active[req_id]
+            full = len(active) - len(waiting) >= args.running
+            if args.gpu_blocks and (left <= 0 or full):
+                break  # vLLM stops before asking the connector
             matched, _ = hooks.call("matched_tokens", planner.matched_tokens, req, 0)
-            if matched is None or budget <= 0 or len(active) - len(waiting) >= args.running:
-                continue  # deferred, or vLLM has no room for it this step
-            waiting.remove(req_id)
-            req.num_computed_tokens = matched
+            if matched is None:
+                continue  # deferred: skipped this step
             need = -(-req.num_tokens // BLOCK_TOKENS)
+            if args.gpu_blocks:
+                if held + need > args.gpu_blocks:
+                    break  # no GPU blocks for it: asked again next step
+            elif budget <= 0 or full:
+                continue  # asked again next step
+            waiting.remove(req_id)
+            held += need
+            left -= req.num_tokens - matched
+            req.num_computed_tokens = matched
             req.blocks = list(range(next_block, next_block + need))
             next_block += need
             tables[req_id] = req.blocks
@@ -222,6 +264,7 @@ def run(
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens:
                 hooks.call("request_finished", planner.request_finished, req)
+                held -= len(req.blocks)
                 del active[req_id]
                 tables.pop(req_id, None)
                 turn[conv] += 1
@@ -229,9 +272,11 @@ def run(
                     submit(conv)
                 elif pending:
                     submit(pending.pop(0))
-        if args.profile:
+        if profiler is not None:
             profiler.disable()
-        steps.append((time.perf_counter() - started, time.thread_time() - cpu_started))
+            profiles.append(profiler)
+        wall, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
+        steps.append((wall, cpu, thread_switches() - switches))
         hooks.end_step()
         time.sleep(args.forward_ms / 1000)  # the forward pass: tier threads run meanwhile
     stats = planner.stats()
@@ -241,33 +286,49 @@ def run(
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """``--repeat`` passes of the workload, each on a fresh planner: the steps pooled."""
-    profiler = cProfile.Profile()
+    profiles: list[cProfile.Profile] = []
     hooks = HookTimes()
-    steps: list[tuple[float, float]] = []
+    steps: list[tuple[float, float, int]] = []
     hit = promoted = loaded = 0
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as tmp:
-            run_steps, stats = run(args, Path(tmp), profiler, hooks)
+            run_steps, stats = run(args, Path(tmp), profiles, hooks)
         steps += run_steps
         hit += stats["cache"]["hit_blocks"]
         promoted += stats["cache"]["promoted_blocks"]
         loaded += stats["cache"]["loaded_blocks"]
-    us = [wall * 1e6 for wall, _ in steps]
-    cpu_us = [cpu * 1e6 for _, cpu in steps]
+    us = [wall * 1e6 for wall, _, _ in steps]
+    cpu_us = [cpu * 1e6 for _, cpu, _ in steps]
+    blocked = [float(n) for _, _, n in steps]
     out: dict[str, Any] = {
         "steps": len(us),
         "step_us": summary(us),
         "step_cpu_us": summary(cpu_us),
+        "step_blocked": summary(blocked),
         "hit_blocks": hit,
         "promoted_blocks": promoted,
         "loaded_blocks": loaded,
         "hooks": tail_breakdown(cpu_us, hooks.steps),
     }
-    if args.profile:
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
-        out["profile"] = text.getvalue()
+    if profiles:
+        threshold = percentile(cpu_us, 99)
+        tail = [p for p, us in zip(profiles, cpu_us, strict=True) if us >= threshold]
+        out["profile"] = (
+            f"== every step ({len(profiles)}), by cumulative time\n"
+            + profile_text(profiles, "cumulative", 25)
+            + f"\n== the steps at or above p99 ({len(tail)}), by own time\n"
+            + profile_text(tail, "tottime", 25)
+        )
     return out
+
+
+def profile_text(profiles: list[cProfile.Profile], order: str, lines: int) -> str:
+    text = io.StringIO()
+    stats = pstats.Stats(profiles[0], stream=text)
+    for more in profiles[1:]:
+        stats.add(more)
+    stats.sort_stats(order).print_stats(lines)
+    return text.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,9 +342,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-blocks", type=int, default=1536)
     parser.add_argument("--block-bytes", type=int, default=4096)
     parser.add_argument("--forward-ms", type=float, default=2.0)
+    parser.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=0,
+        help="walk the waiting queue as vLLM does, with this many GPU blocks (0: ask every "
+        "waiting request every step)",
+    )
     parser.add_argument("--fs", action="store_true", help="an fs tier behind the pool")
     parser.add_argument("--stats-file", action="store_true", help="vllm.stats_path set")
+    parser.add_argument(
+        "--events", action="store_true", help="record cache events (vLLM's KV events on)"
+    )
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--profile-cpu", action="store_true", help="profile CPU time (default: wall time)"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="passes of the workload, pooled")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
