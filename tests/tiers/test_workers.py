@@ -56,6 +56,32 @@ def test_stuck_threads_are_counted_and_new_work_refused(caplog: pytest.LogCaptur
     assert results == ["failed", "ran"]
 
 
+def test_expire_with_nothing_due_does_not_wait_for_the_pool_lock() -> None:
+    """A tier's ``poll`` (every engine step) calls ``expire``; the I/O threads take the pool's
+    lock for every task. With no task queued too long and no thread newly stuck it returns
+    without the lock; once something is due it still fails it."""
+    pool = WorkerPool("t", 1, stuck_after_s=0.2)
+    release = threading.Event()
+    results: list[str] = []
+    try:
+        assert pool.submit(lambda: release.wait(30) and None, lambda: None, "busy")
+        assert pool.submit(lambda: _record(results, "ran"), lambda: _record(results, "failed"))
+        finished: list[int] = []
+        with pool._cond:  # a thread of the pool taking a task
+            other = threading.Thread(target=lambda: finished.append(pool.expire()))
+            other.start()
+            other.join(5)
+            done = not other.is_alive()
+        other.join()
+        assert done and finished == [0], "expire waited for the pool's lock"
+        time.sleep(0.3)
+        assert pool.expire() == 1  # the queued task waited too long
+        assert results == ["failed"]
+    finally:
+        release.set()
+    assert pool.close(5) == []
+
+
 def test_close_is_bounded_and_names_what_it_abandoned() -> None:
     pool = WorkerPool("t", 1, stuck_after_s=10)
     release = threading.Event()

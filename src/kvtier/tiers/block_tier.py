@@ -15,7 +15,7 @@ supplies only ``put`` / ``get`` / ``exists`` / ``delete`` of single blocks.
 * **Pins.** Every key of a job is pinned from ``submit`` until its block is done:
   ``pinned(key)`` tells a storage's own eviction what it must not drop.
 * **Counters.** Jobs, blocks and bytes moved, errors, rejections and corrupt blocks are counted
-  here, under one lock, from whichever thread.
+  here, under one lock, from whichever thread; lookups by the manager's thread alone, unlocked.
 * **Fan-out.** ``threads`` = 0 runs a job inside ``submit`` (its result is in the next ``poll``);
   otherwise up to ``threads`` tasks per job take its batches (``batch_size`` blocks each, 1 by
   default) one by one on a ``WorkerPool`` that stays usable when threads hang (``workers.py``): a
@@ -42,7 +42,8 @@ Hooks for a storage with round trips and a server (the ``redis`` tier), all off 
 
 Storage methods run on I/O threads (or inside ``submit``), may block, and may raise: an exception
 fails that block's batch (``_batch_failed``), never the job's report. ``exists`` runs on the
-manager's thread inside ``lookup`` and must not block on I/O.
+manager's thread inside ``lookup`` and must not block on I/O; better if it takes no lock the I/O
+threads take per block either (waiting for one costs the engine's step a GIL hand-over).
 """
 
 from __future__ import annotations
@@ -224,11 +225,12 @@ class BlockTier(Tier):
         except Exception:  # the contract: never raise into the engine's thread
             log.exception("tier %s: lookup failed", self.name)
             out = [False] * len(keys)
-        hits = out.count(True)  # answers are True, False or None
         counters = self.counters
-        with self._lock:  # counted inline: lookups are the manager's hot path
-            counters.lookups += len(out)
-            counters.lookup_hits += hits
+        # Without the lock: only the manager's thread looks up (the contract), so nobody else
+        # writes these two, and the I/O threads take the lock for every block they move (a
+        # lookup that found it busy waited for the GIL's hand-over, on the engine's step).
+        counters.lookups += len(out)
+        counters.lookup_hits += out.count(True)  # answers are True, False or None
         return out
 
     def submit(self, job: TierJob) -> None:

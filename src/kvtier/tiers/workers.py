@@ -166,6 +166,8 @@ class WorkerPool:
         call it often (a tier calls it from ``poll``). Returns the number of tasks failed."""
         now = time.monotonic()
         limit = now - self.stuck_after_s
+        if not self._due(now, limit):
+            return 0
         expired: list[_Task] = []
         with self._cond:
             for queue in self._queues.values():
@@ -239,6 +241,23 @@ class WorkerPool:
                 return False
             self._cond.wait(left)
         return True
+
+    def _due(self, now: float, limit: float) -> bool:
+        """Whether ``expire`` has anything to do: a task queued before ``limit`` or a thread
+        newly stuck. Read without the lock (a deque's head and a list's items are read
+        atomically; what changes meanwhile is seen at the next call): the tier asks every
+        engine step, and its I/O threads take the lock for every task."""
+        for queue in self._queues.values():
+            try:
+                if queue[0].queued_at < limit:
+                    return True
+            except IndexError:
+                continue
+        stuck_after = self.stuck_after_s
+        for busy in self._busy:
+            if busy is not None and not busy.stuck and now - busy.since > stuck_after:
+                return True
+        return False
 
     def _is_stuck(self, busy: _Busy, now: float) -> bool:
         return now - busy.since > self.stuck_after_s

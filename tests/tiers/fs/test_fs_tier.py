@@ -141,6 +141,33 @@ def test_round_trip_into_poisoned_slot(
     assert tier.used_bytes == 4 * FILE_BYTES == disk_bytes(tier)
 
 
+def test_a_lookup_does_not_wait_for_the_lock_the_io_threads_take(
+    make_tier: MakeTier, pool: HostPool, run_job: Callable[[Tier, TierJob], JobResult]
+) -> None:
+    """Lookups run on the engine's scheduler thread; the I/O threads take the tier's lock for
+    every block they move. Before, a lookup (``exists``, ``is_empty`` and the counters) waited
+    for that lock, and for the GIL's hand-over after it, inside the engine's step."""
+    tier = make_tier()
+    keys = make_keys(3)
+    for slot, key in enumerate(keys[:2]):
+        fill(pool, slot, key)
+    assert run_job(tier, TierJob(1, TierJobKind.WRITE, keys[:2], [0, 1])).ok == [True, True]
+    answers: list[object] = []
+
+    def look() -> None:
+        answers.append((tier.is_empty(), len(tier), tier.lookup(keys)))
+
+    with tier._lock:  # an I/O thread in the middle of a block
+        looker = threading.Thread(target=look)
+        looker.start()
+        looker.join(5)
+        done = not looker.is_alive()
+    looker.join()
+    assert done, "the lookup waited for the tier's lock"
+    assert answers == [(False, 2, [True, True, False])]
+    assert (tier.counters.lookups, tier.counters.lookup_hits) == (3, 2)
+
+
 def test_unknown_key_is_a_plain_miss(make_tier: MakeTier) -> None:
     tier = make_tier()
     assert Driver(tier).read([make_key(1)], [0]) == [False]

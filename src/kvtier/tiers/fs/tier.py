@@ -114,7 +114,8 @@ class FsTier(BlockTier):
         self._file_bytes = file_bytes
         self._index = FsIndex(options.capacity, self._pins, policy, self._report_evicted)
         count_errors_in(policy, self.counters)  # under the tier's lock, as the index's calls are
-        """Guarded by ``_lock`` (the skeleton's lock, shared with its counters and pins)."""
+        """Guarded by ``_lock`` (the skeleton's lock, shared with its counters and pins); only
+        ``exists`` and ``__len__`` read it without (a dict's membership test and length)."""
         self._free_at = -FREE_SPACE_REFRESH_S
         self._root_fd = -1
         try:
@@ -137,9 +138,12 @@ class FsTier(BlockTier):
     # -- the storage ----------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool | None]:
-        with self._lock:
-            entries = self._index.entries
-            return [key in entries for key in keys]
+        # Without the lock: this runs on the engine's scheduler thread for every lookup that
+        # misses the pool, while the I/O threads take the lock for every block they move; a
+        # dict's membership test is atomic by itself (the GIL, or the dict's own lock in a
+        # free-threaded build), and the answer may go stale right after either way.
+        entries = self._index.entries
+        return [key in entries for key in keys]
 
     def get(self, key: BlockKey, header: memoryview, payload: memoryview) -> Got:
         if not self._touch(key):
@@ -259,8 +263,7 @@ class FsTier(BlockTier):
         return len(self) == 0
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
+        return len(self._index)  # atomic; asked per lookup through is_empty (see exists)
 
     # -- making room (I/O threads; no lock held on entry) ---------------------------------------
 
