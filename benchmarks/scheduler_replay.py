@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""Replay the GPU grid's request sequence through vLLM's real scheduler on a simulated clock.
+
+``benchmarks/vllm_gpu_bench.py --grid`` needs an H100. This replays the same requests
+(``vllm_bench_engine.build_point``: the same prompts, conversations and order, a conversation's
+next turn sent when its previous one ends) through vLLM's own ``AsyncScheduler`` with the
+connectors' real scheduler halves (kvtier's ``KVTierConnector``, vLLM's ``OffloadingConnector``),
+driven as ``EngineCore.step_with_batch_queue`` drives it. Only time is emulated: the GPU's steps,
+the copy engines and the CPU's share of a step follow a cost model fitted to the H100's rows
+(``scheduler_replay_engine.Cost``), and the connectors' workers act on the metadata their
+scheduler halves send. Who is scheduled when, what is cached, loaded, stored and evicted, is
+vLLM's and kvtier's code deciding.
+
+The replay's KV cache is one layer of Llama-3.1-8B's shape (a GPU cache of 1,024 blocks of 16
+tokens, as the grid's 2 GiB), host pools scaled by the 32 layers it leaves out, so they hold as
+many blocks as the real ones. Configurations: ``none``, ``native``, ``kvtier``, and variants of
+kvtier with config keys set after ``+`` (``kvtier+vllm.async_loads=true``,
+``kvtier+eviction=lru``). The fs tier is not emulated (its reads are real I/O on real threads).
+
+Prints a table per point (TTFT p50/p90/p99, mean, output tokens/s, prompt tokens cached, the
+time steps waited for synchronous loads) and, where ``--measured`` has the point, the measured
+row and the per-request TTFT correlation with it; then each kvtier row against native on issue
+24's figures (within 3% a tie). Writes the rows as JSON in the grid's shape (``--json``).
+
+It runs against the installed vLLM, or an unpacked wheel with ``--vllm-path``. The GPU grid runs
+vLLM 0.25.1; to replay with it (the wheel from the offline wheelhouse, ``.whl``)::
+
+    mkdir -p /tmp/wh && cat .whl/parts/wheelhouse.tar.part-* | tar -x -C /tmp/wh \\
+        vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl
+    python3 -m zipfile -e /tmp/wh/vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl /tmp/vllm0251
+    PYTHONPATH=src python3 benchmarks/scheduler_replay.py --vllm-path /tmp/vllm0251 \\
+        --points 4x8,8x4 --configs none,native,kvtier,kvtier+vllm.async_loads=true
+
+(``.whl/wheels/`` holds the same wheel once ``vllm_offline_wheelhouse.py build`` has run.) A 4x
+point takes about 15 s per configuration on two cores, 8x4 and 16x2 one to two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import scheduler_replay_engine as replay
+import scheduler_replay_vllm as rv
+import vllm_bench_engine as eng
+import vllm_grid as grid
+import vllm_grid_report as gr
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_POINTS = "4x2,4x4,4x8,8x4,16x2"
+"""The grid points measured on the H100 (``docs/results/vllm_gpu_bench_grid.json``)."""
+MEASURED_JSON = REPO / "docs/results/vllm_gpu_bench_grid.json"
+FIGURES = (("TTFT p50", "50", False), ("TTFT p90", "90", False), ("TTFT p99", "99", False))
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigSpec:
+    """``kvtier+vllm.async_loads=true``: a connector and kvtier config keys set on top."""
+
+    label: str
+    kind: str
+    overrides: dict[str, Any]
+
+    @property
+    def measured_as(self) -> str:
+        """The measured grid's configuration this one is compared with."""
+        return self.kind
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_config(text: str) -> ConfigSpec:
+    kind, *items = [part.strip() for part in text.split("+")]
+    if kind not in ("none", "native", "kvtier"):
+        raise ValueError(f"config {text!r}: none, native or kvtier[+key=value...]")
+    if items and kind != "kvtier":
+        raise ValueError(f"config {text!r}: only kvtier takes key=value settings")
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"config {text!r}: {item!r} is not key=value")
+        overrides[key] = _value(value)
+    return ConfigSpec(text.strip(), kind, overrides)
+
+
+def kvtier_extra(host_bytes: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The grid's kvtier config (a pool of the host size, no tier) with dotted keys set."""
+    extra: dict[str, Any] = {"pool": {"size": host_bytes}, "tiers": [], "vllm": {}}
+    for key, value in overrides.items():
+        node = extra
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return extra
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    key: str
+    concurrency: int
+    host_gib: float
+    requests: int
+
+
+def run_config(
+    point: Point, spec: ConfigSpec, settings: eng.Settings, cost: replay.Cost, workdir: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One configuration at one point: its row (the grid's keys) and the workload summary."""
+    model = eng.make_model("llama8b", workdir)
+    prompts, summary = eng.build_point(settings, model, point.concurrency, point.requests)
+    shape = rv.EngineShape(
+        gpu_blocks=summary["gpu_kv_bytes"] // (model.kv_bytes_per_token * rv.BLOCK_TOKENS),
+        max_num_seqs=max(point.concurrency, 8),  # vllm_bench_engine.engine_kwargs
+        max_model_len=summary["max_model_len"],
+    )
+    host_bytes = int(point.host_gib * (1 << 30)) // rv.LLAMA_LAYERS
+    extra = kvtier_extra(host_bytes, spec.overrides) if spec.kind == "kvtier" else None
+    engine = rv.make_engine(shape, model.path, rv.ConnectorChoice(spec.kind, host_bytes, extra))
+    machine = replay.Machine(cost)
+    worker = replay.make_worker(spec.kind, machine, engine.version)
+    loop = replay.EngineLoop(engine, machine, worker)
+    started = time.perf_counter()
+    try:
+        done = replay.replay(loop, prompts.conversations(), point.concurrency, settings.max_tokens)
+        counters = connector_counters(engine.connector)
+    finally:
+        if engine.connector is not None:
+            engine.connector.shutdown()
+    return row_of(done, counters, time.perf_counter() - started), summary
+
+
+def connector_counters(connector: Any) -> dict[str, int] | None:
+    """kvtier's planner and cache counters that say what was hit, loaded and stored."""
+    snapshot = getattr(connector, "stats_snapshot", None)
+    if snapshot is None:
+        return None
+    stats = snapshot()
+    c, cache = stats["connector"], stats["cache"]
+    return {
+        "hit_tokens": int(c["hit_tokens"]),
+        "loads_ordered": int(c["loads_ordered"]),
+        "stores_ordered": int(c["stores_ordered"]),
+        "loaded_blocks": int(cache["loaded_blocks"]),
+        "stored_blocks": int(cache["stored_blocks"]),
+        "pool_evictions": int(cache["pool_evictions"]),
+        "load_failed": int(cache["load_failed"]),
+    }
+
+
+def row_of(
+    done: replay.Replayed, counters: dict[str, int] | None, elapsed: float
+) -> dict[str, Any]:
+    ttft = [s.ttft_ms for s in done.served]
+    records = [
+        gr.RequestRecord(s.request_id, s.ttft_ms, s.prompt, s.cached, "")
+        for s in sorted(done.served, key=lambda s: s.request_id)
+    ]
+    row: dict[str, Any] = {
+        "requests": len(ttft),
+        "ttft_ms": {str(q): round(gr.percentile(ttft, q), 2) for q in (50, 90, 99)},
+        "ttft_mean_ms": round(statistics.fmean(ttft), 2),
+        "output_tokens_per_s": round(done.output_tokens / done.wall_s, 1),
+        "wall_s": round(done.wall_s, 2),
+        "prompt_tokens": sum(s.prompt for s in done.served),
+        "prompt_tokens_cached": sum(s.cached for s in done.served),
+        "external_tokens": sum(s.external for s in done.served),
+        "steps": done.steps,
+        "sync_load_wait_ms": round(done.sync_wait_ms, 1),
+        "replay_s": round(elapsed, 1),
+        "per_request": gr.per_request(records),
+    }
+    if counters is not None:
+        row["kvtier"] = counters
+    return row
+
+
+# -- against the measured grid ------------------------------------------------------------------
+
+
+def correlation(row: dict[str, Any], measured: dict[str, Any] | None) -> float | None:
+    """Pearson correlation of the per-request TTFTs with the measured row's (same request ids)."""
+    if measured is None:
+        return None
+    ours, theirs = gr.request_records(row), gr.request_records(measured)
+    ids = sorted(set(ours) & set(theirs))
+    if len(ids) < 3:
+        return None
+    try:
+        return statistics.correlation(
+            [ours[i].ttft_ms for i in ids], [theirs[i].ttft_ms for i in ids]
+        )
+    except statistics.StatisticsError:  # constant TTFTs
+        return None
+
+
+def figures(row: dict[str, Any]) -> list[tuple[str, float, bool]]:
+    """Issue 24's figures of a row: (name, value, higher is better)."""
+    out = [(name, float(row["ttft_ms"][q]), higher) for name, q, higher in FIGURES]
+    out.append(("tok/s", float(row["output_tokens_per_s"]), True))
+    out.append(("cached", float(row["prompt_tokens_cached"]), True))
+    return out
+
+
+def against_native(row: dict[str, Any], native: dict[str, Any]) -> tuple[bool, list[str]]:
+    """Whether ``row`` is at or above native on every figure (within 3% a tie), and each
+    figure's ratio and verdict."""
+    cells, ok = [], True
+    for (name, ours, higher), (_n, theirs, _h) in zip(figures(row), figures(native), strict=True):
+        verdict, ratio = gr.compare(ours, theirs, higher_is_better=higher)
+        ok &= verdict.passes
+        cells.append(f"{name} {ratio:.3f}x {verdict.value}")
+    return ok, cells
+
+
+HEAD = (
+    f"{'config':34s} {'p50':>7s} {'p90':>7s} {'p99':>7s} {'mean':>7s} {'tok/s':>6s} "
+    f"{'cached':>8s} {'sync ms':>8s} {'corr':>5s}"
+)
+
+
+def line(label: str, row: dict[str, Any], corr: float | None) -> str:
+    t = row["ttft_ms"]
+    mean = row.get("ttft_mean_ms")
+    if mean is None:
+        records = gr.request_records(row).values()
+        mean = statistics.fmean(r.ttft_ms for r in records) if records else float("nan")
+    sync = row.get("sync_load_wait_ms")
+    return (
+        f"{label:34s} {t['50']:7,.0f} {t['90']:7,.0f} {t['99']:7,.0f} {mean:7,.0f} "
+        f"{row['output_tokens_per_s']:6.1f} {row['prompt_tokens_cached']:8,d} "
+        f"{'' if sync is None else f'{sync:,.0f}':>8s} {'' if corr is None else f'{corr:.2f}':>5s}"
+    )
+
+
+def point_lines(key: str, rows: dict[str, dict[str, Any]], measured: dict[str, Any]) -> list[str]:
+    out = [f"== {key}", HEAD]
+    for label, row in rows.items():
+        base = parse_config(label).measured_as
+        out.append(line(label, row, correlation(row, measured.get(base))))
+    for name in ("none", "native", "kvtier"):
+        if name in measured:
+            out.append(line(f"  measured {name}", measured[name], None))
+    native = rows.get("native")
+    for label, row in rows.items():
+        if native is not None and label.startswith("kvtier"):
+            ok, cells = against_native(row, native)
+            out.append(f"  {label} vs native: {'PASS' if ok else 'FAIL'}  " + ", ".join(cells))
+    return out
+
+
+def load_measured(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.is_file():
+        return {}
+    points = json.loads(path.read_text()).get("points", {})
+    return {key: point.get("configs", {}) for key, point in points.items()}
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--points", default=DEFAULT_POINTS, help="CONCURRENCYxHOST_GIB,...")
+    p.add_argument("--configs", default="none,native,kvtier")
+    p.add_argument(
+        "--requests",
+        default=",".join(f"{c}:{n}" for c, n in grid.DEFAULT_REQUESTS.items()),
+        help="requests per concurrency (others: 10 per conversation in flight)",
+    )
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--context-blocks", type=int, default=40)
+    p.add_argument("--widen", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--gpu-kv-gib", type=float, default=2.0)
+    p.add_argument("--cost", default="", help="Cost fields, e.g. base_ms=7,load_gate=0")
+    p.add_argument("--vllm-path", type=Path, default=None, help="an unpacked vLLM wheel")
+    p.add_argument("--measured", type=Path, default=MEASURED_JSON, help="the GPU grid's JSON")
+    p.add_argument("--json", type=Path, default=None, help="write the rows here")
+    return p
+
+
+def settings_of(args: argparse.Namespace, workdir: Path) -> eng.Settings:
+    return eng.Settings(
+        turns=args.turns,
+        context_blocks=args.context_blocks,
+        widen=args.widen,
+        max_tokens=args.max_tokens,
+        max_model_len=args.max_model_len,
+        gpu_kv_gib=args.gpu_kv_gib,
+        workdir=workdir,
+    )
+
+
+def run_points(
+    points: list[Point],
+    specs: list[ConfigSpec],
+    settings: eng.Settings,
+    cost: replay.Cost,
+    measured: dict[str, Any],
+) -> dict[str, Any]:
+    """Every configuration at every point; prints each point's table as it ends."""
+    out: dict[str, Any] = {}
+    for point in points:
+        rows: dict[str, dict[str, Any]] = {}
+        summary: dict[str, Any] = {}
+        for spec in specs:
+            rows[spec.label], summary = run_config(point, spec, settings, cost, settings.workdir)
+            took = rows[spec.label]["replay_s"]
+            print(f"  {point.key} {spec.label}: {took} s", file=sys.stderr)
+        out[point.key] = {"workload": summary, "configs": rows}
+        print("\n".join(point_lines(point.key, rows, measured.get(point.key, {}))), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        specs = [parse_config(c) for c in args.configs.split(",") if c.strip()]
+        table = grid.parse_requests(args.requests)
+        points = [
+            Point(g.key, g.concurrency, g.host_gib, grid.requests_for(g.concurrency, table))
+            for g in grid.parse_points(args.points)
+        ]
+        cost = replay.parse_cost(args.cost)
+        version = rv.use_vllm(args.vllm_path)
+    except (ValueError, RuntimeError) as exc:
+        p.error(str(exc))
+    out: dict[str, Any] = {
+        "vllm": version,
+        "cost": args.cost or "default",
+        "date": grid.now_utc(),
+        "commit": grid.git_commit(REPO),
+    }
+    with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
+        settings = settings_of(args, Path(tmp))
+        out["points"] = run_points(points, specs, settings, cost, load_measured(args.measured))
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+HASH_SEED = "0"
+"""Python's hash seed for the replay: sets of request ids and keys iterate in hash order, and
+vLLM's scheduler and the connectors act in that order, so another seed is another schedule
+(the same figures within a few percent, not the same table)."""
+
+
+def fixed_hash_seed() -> None:
+    """Run again with ``PYTHONHASHSEED`` = ``HASH_SEED`` unless it is set so."""
+    if os.environ.get("PYTHONHASHSEED") != HASH_SEED:
+        os.environ["PYTHONHASHSEED"] = HASH_SEED
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+if __name__ == "__main__":
+    fixed_hash_seed()
+    sys.exit(main())
