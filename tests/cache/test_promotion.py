@@ -4,6 +4,7 @@ the engine is not waited for, a wait ends at its deadline, and an empty tier is 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -11,7 +12,13 @@ from support.blocks import keys_for
 from support.scripted_tier import ScriptedTier
 
 from kvtier.cache.manager import TierBinding, TieredCache
-from kvtier.cache.promotion import ComputeRate, PromotionRules, PromotionSettings, ReadCost
+from kvtier.cache.promotion import (
+    Claim,
+    ComputeRate,
+    PromotionRules,
+    PromotionSettings,
+    ReadCost,
+)
 from kvtier.keys import BlockKey, Namespace
 from kvtier.policies import LRUPolicy
 from kvtier.pool import HostPool
@@ -136,6 +143,69 @@ def test_a_backlog_makes_a_short_run_not_worth_reading():
     rules.reads[0].outstanding = 20  # 1 s of reads queued ahead
     assert rules.claim([0] * 4, in_flight=0, now=0.0).blocks == 0
     assert rules.claim([0] * 30, in_flight=0, now=0.0).blocks == 30  # long enough to pay off
+
+
+def reference_claim(
+    rules: PromotionRules, run_tiers: list[int], in_flight: int, now: float
+) -> Claim:
+    """``PromotionRules.claim`` as it was, trying every prefix from the shortest."""
+    room = rules.budget - in_flight - rules.promised_pins
+    n = max(0, min(len(run_tiers), room))
+    if not rules.weigh:
+        return Claim(n, now + rules.max_wait_s)
+    best, wait = 0, 0.0
+    per_tier: dict[int, int] = {}
+    for i in range(n):
+        per_tier[run_tiers[i]] = per_tier.get(run_tiers[i], 0) + 1
+        expected = [rules.reads[t].expected_s(b, now) for t, b in per_tier.items()]
+        read = None if None in expected else max([0.0, *expected])
+        compute = rules.compute.seconds((i + 1) * rules.block_tokens)
+        if read is None or compute is None or read <= compute:
+            best, wait = i + 1, compute if compute is not None else rules.max_wait_s
+    for tier in set(run_tiers[best:n]):
+        rules.reads[tier].declined += 1
+    wait = max(wait, 2 * rules.compute.step_s)
+    return Claim(best, now + min(rules.max_wait_s, wait))
+
+
+def test_claim_tried_from_the_longest_run_decides_as_trying_every_prefix():
+    """The claim tries the whole run first (a waiting request asks again every step; trying
+    each prefix cost a tier read estimate per block): same blocks, deadline and declines as
+    trying every prefix, over random rates, backlogs, tiers and ties."""
+    rng = random.Random(7)
+    for case in range(3000):
+        tiers = rng.choice([1, 1, 2, 3])
+        block_tokens = rng.choice([1, 16, 100])
+        pair = [PromotionRules(tiers, PromotionSettings(1.0, block_tokens=block_tokens), 400, 30.0)]
+        pair.append(
+            PromotionRules(tiers, PromotionSettings(1.0, block_tokens=block_tokens), 400, 30.0)
+        )
+        rate = rng.choice([None, 1000.0, rng.uniform(10, 1e5)])
+        step_s = rng.uniform(0, 0.05)
+        costs = []
+        for _ in range(tiers):
+            spb = rng.choice([None, 0.001, rng.uniform(1e-5, 0.5)])
+            if case % 5 == 0 and rate is not None:
+                spb = block_tokens / rate  # reading a block takes exactly as long as computing it
+            costs.append((spb, rng.choice([0, 0, 3, rng.randrange(200)]), rng.choice([5.0, 3.0])))
+        for rules in pair:
+            rules.compute.tokens_per_s = rate
+            rules.compute.step_s = step_s
+            for cost, (spb, outstanding, measured_at) in zip(rules.reads, costs, strict=True):
+                cost.seconds_per_block, cost.outstanding, cost.measured_at = (
+                    spb,
+                    outstanding,
+                    measured_at,
+                )
+        if tiers == 1:
+            run = [0] * rng.randrange(60)
+        else:
+            run = [rng.randrange(tiers) for _ in range(rng.randrange(60))]
+        in_flight = rng.choice([0, 50, 390])
+        got = pair[0].claim(run, in_flight, now=5.0)
+        want = reference_claim(pair[1], run, in_flight, now=5.0)
+        assert (got.blocks, got.deadline) == (want.blocks, want.deadline), case
+        assert [c.declined for c in pair[0].reads] == [c.declined for c in pair[1].reads], case
 
 
 # -- the manager --------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.cache.manager import TierBinding, TieredCache
@@ -66,10 +68,14 @@ def build_tier(tier_config: TierConfig, namespace: Namespace, pool: HostPool, fi
 
 
 def build_cache(
-    config: KVTierConfig, namespace: Namespace, slot_bytes: int
+    config: KVTierConfig,
+    namespace: Namespace,
+    slot_bytes: int,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[HostPool, TieredCache]:
     """A new host pool of ``pool_slots(config, slot_bytes)`` slots and the cache over it, with
-    the secondary tiers in config order (fastest first).
+    the secondary tiers in config order (fastest first). ``clock``: the cache's (a benchmark's
+    simulated time; the engine's own pool only).
 
     The caller owns both: ``cache.close()`` closes the tiers, ``pool.close()`` the pool. When a
     step fails, everything built before it is closed and the error propagates (``ConfigError`` for
@@ -106,6 +112,7 @@ def build_cache(
             promotion=PromotionSettings(
                 config.pool.promotion_budget, config.pool.promotion_costs, namespace.block_tokens
             ),
+            clock=clock,
         )
     except BaseException:
         for tier in reversed(tiers):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from itertools import takewhile
 
 from kvtier.cache import promotion as promo
 from kvtier.cache.admitting import admit_new
@@ -28,7 +29,7 @@ from kvtier.cache.event_log import MAX_EVENTS, EventLog
 from kvtier.cache.records import LookupResult, OpenTierJob, StoreReservation, TierBinding
 from kvtier.cache.reports import CacheReports
 from kvtier.cache.retry import FailedPromotions, RefusedWrites
-from kvtier.cache.tier_jobs import TierJobs
+from kvtier.cache.tier_jobs import TierJobs, ask_tier
 from kvtier.cache.write_back import WriteBack
 from kvtier.events import POOL_TIER, EventKind
 from kvtier.keys import BlockKey
@@ -38,7 +39,7 @@ from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.pool import HostPool
 from kvtier.tiers import contract
-from kvtier.tiers.base import Tier, TierJobKind, WriteMode
+from kvtier.tiers.base import TierJobKind, WriteMode
 
 __all__ = ["MAX_EVENTS", "LookupResult", "StoreReservation", "TierBinding", "TieredCache"]
 
@@ -101,7 +102,9 @@ class TieredCache(CacheReports):
 
     # -- lookups and loads ----------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey], owner: promo.Owner | None = None) -> LookupResult:
+    def lookup(
+        self, keys: Sequence[BlockKey], owner: promo.Owner | None = None, held: int = 0
+    ) -> LookupResult:
         """How many leading ``keys`` are in the pool, and whether that answer is final.
 
         Not final while a promotion of the next keys from a secondary tier is in flight (this call
@@ -110,18 +113,15 @@ class TieredCache(CacheReports):
         being loaded for another request (loading it twice would waste engine memory: ask again once
         that load finished and the engine's own prefix cache has it). ``owner`` (the request)
         keeps the blocks promoted for it pinned until its ``prepare_load`` or ``forget``, and
-        stops its wait at a deadline; without one, promoted blocks are not held.
+        stops its wait at a deadline; without one, promoted blocks are not held. ``held``: the
+        first keys' loads are the caller's own (``lookup_and_pin``), not another request's.
         """
         counters, index, rules = self._counters, self._index, self._rules
         counters.lookups += 1
         if owner is not None and owner in rules.promises:
             self.step()  # collect what landed since the engine's last step
-        hits = 0
-        for key in keys:
-            if key not in index:
-                break
-            hits += 1
-        if self._loading and hits and not self._loading.keys().isdisjoint(keys[:hits]):
+        hits, loading = promo.pool_hits(keys, index, self._loading, held)
+        if loading:
             return self._pending(hits)
         waits = None if owner is None else rules.waits(owner, self._promoting, self._clock())
         if waits:
@@ -138,33 +138,48 @@ class TieredCache(CacheReports):
         self._counters.pending_lookups += 1
         return LookupResult(hits, False)
 
-    def prepare_load(self, keys: Sequence[BlockKey], owner: promo.Owner | None = None) -> list[int]:
+    def lookup_and_pin(
+        self, keys: Sequence[BlockKey], owner: promo.Owner, held: int = 0
+    ) -> tuple[LookupResult, list[int]]:
+        """``lookup``, then, if its answer is final, ``prepare_load`` of the hits (their slots;
+        none otherwise), for a caller that holds the loads its previous call for ``owner`` pinned
+        for the first ``held`` keys and gives them up now: the answer and pins of
+        ``release_load(keys[:held])`` before both calls, keeping the pins both hold instead of
+        dropping and taking them again (an engine asks every step for a request it has no room
+        for yet, which may hit hundreds of blocks)."""
+        result = self.lookup(keys, owner, held)
+        if not result.final:
+            self.release_load(keys[:held])
+            return result, []
+        # The held keys are pinned, so visible: hits >= held.
+        return result, self.prepare_load(keys[: result.hits], owner, held)
+
+    def prepare_load(
+        self, keys: Sequence[BlockKey], owner: promo.Owner | None = None, held: int = 0
+    ) -> list[int]:
         """Pin the leading visible ``keys`` for reading and return their slots.
 
         Fewer slots than keys when a key is no longer visible. Every pinned key must later be
         passed to ``complete_load``. The blocks promoted for ``owner`` are released to these
-        pins (its promotion ends).
+        pins (its promotion ends). ``held``: the first keys are pinned for this load already
+        (``lookup_and_pin``); they are touched like the others, not pinned twice.
         """
-        index = self._index
-        slots: list[int] = []
-        for key in keys:
-            slot = index.get(key)
-            if slot is None:
-                break
-            slots.append(slot)
-        pins, loading, access = self._pins, self._loading, self._policy.access
-        for key in keys[: len(slots)]:
+        index, pins, loading, access = self._index, self._pins, self._loading, self._policy.access
+        found = list(takewhile(index.__contains__, keys))
+        if len(found) < held:
+            self.release_load(keys[len(found) : held])
+        for key in found[held:] if held else found:
             pins[key] = pins.get(key, 0) + 1
             loading[key] = loading.get(key, 0) + 1
+        for key in found:  # the policy reads no pins: touched after pinning, in order
             access(key)
         if owner is not None:
             self.forget(owner)
-        return slots
+        return list(map(index.__getitem__, found))
 
     def forget(self, owner: promo.Owner) -> None:
         """The request stopped waiting (it left, or loaded): unpin what was promoted for it."""
-        for key in self._rules.end(owner):
-            self._unpin(key)
+        self._unpin_all(self._rules.end(owner))
 
     def engine_step(self, tokens: int, requests: int = 1) -> None:
         """An engine step computing ``tokens`` for ``requests`` requests starts: how fast a
@@ -181,7 +196,8 @@ class TieredCache(CacheReports):
 
     def release_load(self, keys: Sequence[BlockKey]) -> None:
         """Unpin keys returned by ``prepare_load`` whose copy never started."""
-        loading = self._loading
+        # _unpin inline: a waiting request's plan is released and made again every step.
+        loading, pins = self._loading, self._pins
         for key in keys:
             count = loading.get(key, 0)
             if count <= 0:
@@ -190,7 +206,11 @@ class TieredCache(CacheReports):
                 del loading[key]
             else:
                 loading[key] = count - 1
-            self._unpin(key)
+            pinned = pins.get(key, 0)
+            if pinned == 1:
+                del pins[key]
+            elif pinned > 1:
+                pins[key] = pinned - 1
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark visible keys as recently used."""
@@ -334,13 +354,16 @@ class TieredCache(CacheReports):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _unpin(self, key: BlockKey) -> None:
+    def _unpin_all(self, keys: Sequence[BlockKey]) -> None:
+        """Drop one pin of each key (a loop here, not a call per key: a request's promoted
+        blocks, a write job's and a promotion's protected hits are hundreds)."""
         pins = self._pins
-        count = pins.get(key, 0)
-        if count == 1:
-            del pins[key]
-        elif count > 1:
-            pins[key] = count - 1
+        for key in keys:
+            count = pins.get(key, 0)
+            if count == 1:
+                del pins[key]
+            elif count > 1:
+                pins[key] = count - 1
 
     def _reserve(self, n: int) -> list[int]:
         """Up to ``n`` free slots, evicting unpinned visible keys as needed (every pin is on a
@@ -378,16 +401,18 @@ class TieredCache(CacheReports):
             self._counters.cascade_skipped += len(keys)
             return
         writing = self._writing[tier_index]
-        if evicted_slots is None:
-            pairs = [(k, self._index[k]) for k in keys if k not in writing]
+        if evicted_slots is None:  # every stored block, written through: one pass each
+            job_keys = [k for k in keys if k not in writing] if writing else list(keys)
+            index = self._index
+            job_slots = [index[k] for k in job_keys]
         else:
             pairs = [(k, s) for k, s in zip(keys, evicted_slots, strict=True) if k not in writing]
             if pairs:
-                known = self._safe_lookup(self._tiers[tier_index], [k for k, _ in pairs])
+                known = ask_tier(self._tiers[tier_index], [k for k, _ in pairs])
                 pairs = [p for p, present in zip(pairs, known, strict=True) if present is not True]
-        if not pairs:
+            job_keys, job_slots = [k for k, _ in pairs], [s for _, s in pairs]
+        if not job_keys:
             return
-        job_keys, job_slots = [k for k, _ in pairs], [s for _, s in pairs]
         writing.update(job_keys)
         if evicted_slots is None:
             pins = self._pins
@@ -407,33 +432,13 @@ class TieredCache(CacheReports):
         inflight, index = self._inflight, self._index
         if rest[0] in self._promoting:
             return False
-        answers = promo.tier_answers(self._tiers, rest, self._safe_lookup)
+        answers = promo.tier_answers(self._tiers, rest, ask_tier)
         if answers is None:
             return True
         failed = self._failed_promotions
         if failed:
             failed.expire(self._clock())
-        run: list[tuple[BlockKey, int]] = []  # (key, tier index or -1 when already in the pool)
-        unknown = False
-        for i, key in enumerate(rest):
-            if key in index:
-                run.append((key, -1))
-                continue
-            if key in inflight:
-                unknown = key in self._promoting
-                break
-            chosen = -1
-            for tier_index, answer in enumerate(answers):
-                present = answer[i]
-                if present and not (failed and (tier_index, key) in failed):
-                    chosen = tier_index
-                    break
-                if present is None:
-                    unknown = True
-            if chosen < 0:
-                break
-            unknown = False
-            run.append((key, chosen))
+        run, unknown = promo.tier_run(rest, answers, index, inflight, self._promoting, failed)
         wanted = [(key, t) for key, t in run if t >= 0]
         if not wanted:
             return not unknown
@@ -476,8 +481,7 @@ class TieredCache(CacheReports):
         try:
             return self._reserve(n)
         finally:
-            for key in protected:
-                self._unpin(key)
+            self._unpin_all(protected)
 
     def _submit(
         self, index: int, kind: TierJobKind, keys: list[BlockKey], slots: list[int], holds: bool
@@ -485,19 +489,6 @@ class TieredCache(CacheReports):
         refused = self._jobs.submit(index, kind, keys, slots, holds)
         if refused is not None:
             self._finish_job(refused, [False] * len(keys))
-
-    def _safe_lookup(self, tier: Tier, keys: Sequence[BlockKey]) -> list[bool | None]:
-        try:
-            answer = tier.lookup(keys)
-        except Exception:
-            log.exception("tier %s lookup failed", tier.name)
-            tier.counters.errors += 1
-            return [False] * len(keys)
-        flags = contract.lookup_flags(answer, len(keys))
-        if flags is None:
-            tier.counters.errors += 1
-            return [False] * len(keys)
-        return flags
 
     def _finish_job(self, job: OpenTierJob, reported: object, busy_s: float | None = None) -> None:
         ok = contract.job_flags(reported, len(job.keys))
@@ -551,8 +542,7 @@ class TieredCache(CacheReports):
         if job.holds_slots:
             self._release_held(job.slots)
         else:
-            for key in job.keys:
-                self._unpin(key)
+            self._unpin_all(job.keys)
         if self._writeback.settles(job.tier_index, job.holds_slots):
             name = self._tiers[job.tier_index].name
             self._writeback.settle(name, job.keys, ok, self._index)

@@ -24,9 +24,12 @@ that its own prefill would have beaten. So:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence, Set
+from collections import Counter
+from collections.abc import Callable, Container, Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from itertools import repeat, takewhile
 
+from kvtier.cache.retry import FailedPromotions
 from kvtier.keys import BlockKey
 from kvtier.tiers.base import Tier
 
@@ -190,21 +193,49 @@ class PromotionRules:
         n = max(0, min(len(run_tiers), room))
         if not self.weigh:
             return Claim(n, now + self.max_wait_s)
-        best, wait = 0, 0.0
-        per_tier: dict[int, int] = {}
-        for i in range(n):
-            tier = run_tiers[i]
-            per_tier[tier] = per_tier.get(tier, 0) + 1
-            read = self._read_s(per_tier, now)
-            compute = self.compute.seconds((i + 1) * self.block_tokens)
-            if read is None or compute is None or read <= compute:
-                best, wait = i + 1, compute if compute is not None else self.max_wait_s
+        best, wait = self._longest_worth(run_tiers, n, now)
         for tier in set(run_tiers[best:n]):
             self.reads[tier].declined += 1
         # An engine asks again once a step, and sees a landed block a step later: a wait shorter
         # than two steps would end before it could see anything land.
         wait = max(wait, 2 * self.compute.step_s)
         return Claim(best, now + min(self.max_wait_s, wait))
+
+    def _longest_worth(self, run_tiers: list[int], n: int, now: float) -> tuple[int, float]:
+        """The longest prefix of the run's first ``n`` blocks worth reading (expected to land
+        before computing it would; unmeasured: worth it) and the wait for it: (0, 0.0) for none.
+
+        Tried from the longest prefix down, so a run worth reading whole (the common case) costs
+        one try, not one per block; a request that waits re-asks every step. A run of one tier
+        that is not worth it at its first and last block is worth it at none (reading and
+        computing grow linearly with the blocks), checked with a margin for rounding."""
+        per_tier = dict(Counter(run_tiers[:n]))
+        if n > 2 and len(per_tier) == 1 and self._worth_at_neither_end(per_tier, n, now):
+            return 0, 0.0
+        for blocks in range(n, 0, -1):
+            read = self._read_s(per_tier, now)
+            compute = self.compute.seconds(blocks * self.block_tokens)
+            if read is None or compute is None or read <= compute:
+                return blocks, compute if compute is not None else self.max_wait_s
+            tier = run_tiers[blocks - 1]
+            left = per_tier[tier] - 1
+            if left:
+                per_tier[tier] = left
+            else:
+                del per_tier[tier]
+        return 0, 0.0
+
+    def _worth_at_neither_end(self, per_tier: dict[int, int], n: int, now: float) -> bool:
+        """For a run of one tier: reading its first block, and all ``n``, is slower than
+        computing them by more than rounding could change, so no prefix is worth reading."""
+        ((tier, _),) = per_tier.items()
+        cost = self.reads[tier]
+        for blocks in (1, n):
+            read = cost.expected_s(blocks, now)
+            compute = self.compute.seconds(blocks * self.block_tokens)
+            if read is None or compute is None or read <= compute * (1 + 1e-9):
+                return False
+        return True
 
     def _read_s(self, per_tier: dict[int, int], now: float) -> float | None:
         # Tiers read in parallel: the run has landed when the slowest tier's part has.
@@ -279,6 +310,60 @@ class PromotionRules:
 
 
 Answer = list[bool | None]
+
+
+def pool_hits(
+    keys: Sequence[BlockKey], index: Container[BlockKey], loading: Mapping[BlockKey, int], held: int
+) -> tuple[int, bool]:
+    """How many leading ``keys`` are in the pool (``index``), and whether one of those is
+    being loaded for another request (``loading``: loads in flight per key; one load of each of
+    the first ``held`` keys is the caller's own). Loops in C: a request's hits are hundreds."""
+    hits = len(list(takewhile(index.__contains__, keys)))
+    if not loading or not hits:
+        return hits, False
+    own = min(held, hits)
+    if own and max(map(loading.get, keys[:own], repeat(0))) > 1:
+        return hits, True
+    return hits, not loading.keys().isdisjoint(keys[own:hits])
+
+
+def tier_run(
+    rest: Sequence[BlockKey],
+    answers: list[Answer],
+    index: Container[BlockKey],
+    inflight: Container[BlockKey],
+    promoting: Container[BlockKey],
+    failed: FailedPromotions,
+) -> tuple[list[tuple[BlockKey, int]], bool]:
+    """The blocks after the pool's hits that a lookup may count on, in order, as (key, the
+    index of the first tier whose answer (``answers``, per tier, per key of ``rest``) holds
+    it, or -1 for a key already in the pool), up to the first that none holds or that is in
+    flight; and whether that end is unknown (a tier could not tell, or another request's
+    promotion brings it). A tier whose promotion of a key failed lately (``failed``) does not
+    count for it."""
+    run: list[tuple[BlockKey, int]] = []
+    unknown = False
+    check_failed = bool(failed)
+    for i, key in enumerate(rest):
+        if key in index:
+            run.append((key, -1))
+            continue
+        if key in inflight:
+            unknown = key in promoting
+            break
+        chosen = -1
+        for tier_index, answer in enumerate(answers):
+            present = answer[i]
+            if present and not (check_failed and (tier_index, key) in failed):
+                chosen = tier_index
+                break
+            if present is None:
+                unknown = True
+        if chosen < 0:
+            break
+        unknown = False
+        run.append((key, chosen))
+    return run, unknown
 
 
 def tier_answers(

@@ -27,6 +27,7 @@ from kvtier.cache import promotion as promo
 from kvtier.cache.closing import close_tiers
 from kvtier.cache.manager import TieredCache
 from kvtier.cache.records import LookupResult, OpenTierJob, StoreReservation, TierBinding
+from kvtier.cache.tier_jobs import ask_tier
 from kvtier.events import POOL_TIER, EventKind
 from kvtier.keys import BlockKey
 from kvtier.metrics import CacheStats
@@ -83,16 +84,18 @@ class SharedTieredCache(TieredCache):
 
     # -- lookups and loads ----------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey], owner: promo.Owner | None = None) -> LookupResult:
+    def lookup(
+        self, keys: Sequence[BlockKey], owner: promo.Owner | None = None, held: int = 0
+    ) -> LookupResult:
         """Leading ``keys`` visible in the shared pool (stored by any engine). Pending while one
         of them is being loaded for another request of this engine, or while the next ones are
-        promoted from the tier (``TieredCache.lookup``'s rules)."""
+        promoted from the tier (``TieredCache.lookup``'s rules, ``held`` too)."""
         counters, rules = self._counters, self._rules
         counters.lookups += 1
         if owner is not None and owner in rules.promises:
             self.step()  # collect what landed since the engine's last step
         hits = self.index.leading_hits(keys)
-        if self._loading and hits and not self._loading.keys().isdisjoint(keys[:hits]):
+        if self._loading and hits and self._loading_elsewhere(keys[:hits], held):
             return self._pending(hits)
         if self._tiers:
             waits = None if owner is None else rules.waits(owner, self._promoting, self._clock())
@@ -102,6 +105,16 @@ class SharedTieredCache(TieredCache):
         counters.hit_blocks += hits
         return LookupResult(hits, True)
 
+    def _loading_elsewhere(self, hit_keys: Sequence[BlockKey], held: int) -> bool:
+        """Whether a hit key is being loaded for another request (one load of each of the first
+        ``held`` is the caller's own)."""
+        loading = self._loading
+        if not held:
+            return not loading.keys().isdisjoint(hit_keys)
+        return any(
+            key in loading and (i >= held or loading[key] > 1) for i, key in enumerate(hit_keys)
+        )
+
     def _promote(self, keys: Sequence[BlockKey], hits: int, owner: promo.Owner | None) -> bool:
         """Start reading the tier's run of blocks after the pool's hits into slots reserved in
         the shared pool, as far as the promotion rules allow; True while a promotion of them is
@@ -109,7 +122,7 @@ class SharedTieredCache(TieredCache):
         rest = keys[hits:]
         if rest[0] in self._promoting:
             return True
-        answers = promo.tier_answers(self._tiers, rest, self._safe_lookup)
+        answers = promo.tier_answers(self._tiers, rest, ask_tier)
         if answers is None:
             return False
         now, failed = self._clock(), self._failed_promotions
@@ -145,10 +158,16 @@ class SharedTieredCache(TieredCache):
             self._rules.promise(owner, reserved, claim.deadline, now)
         return True
 
-    def prepare_load(self, keys: Sequence[BlockKey], owner: promo.Owner | None = None) -> list[int]:
+    def prepare_load(
+        self, keys: Sequence[BlockKey], owner: promo.Owner | None = None, held: int = 0
+    ) -> list[int]:
         """Pin the leading visible ``keys`` in the shared index; their slots (none when the
         index lock could not be had in time: a miss). The blocks promoted for ``owner`` are
-        released to these pins (its promotion ends)."""
+        released to these pins (its promotion ends). ``held`` first keys pinned for this load
+        already are pinned again in the index after their pins were dropped (the index touches
+        what it pins)."""
+        if held:
+            self.release_load(keys[:held])
         slots = self.index.pin(keys)
         pins, loading, pin_slots = self._pins, self._loading, self._pin_slots
         for key, slot in zip(keys, slots, strict=False):
@@ -185,6 +204,10 @@ class SharedTieredCache(TieredCache):
             self._pins[key] = count - 1
             slot = self._pin_slots[key]
         self._index_unpin([slot])
+
+    def _unpin_all(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            self._unpin(key)
 
     def _index_unpin(self, slots: list[int]) -> None:
         if slots and not self.index.unpin(self._unpin_later + slots):

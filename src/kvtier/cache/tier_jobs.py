@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.cache.records import OpenTierJob
 from kvtier.keys import BlockKey
+from kvtier.tiers import contract
 from kvtier.tiers.base import Tier, TierJob, TierJobKind
 
 log = logging.getLogger(__name__)
@@ -100,3 +101,19 @@ class TierJobs:
                 name = self._tiers[job.tier_index].name
                 out[name] = out.get(name, 0) + 1
         return out
+
+
+def ask_tier(tier: Tier, keys: Sequence[BlockKey]) -> list[bool | None]:
+    """The tier's ``lookup`` of ``keys``; a tier that raises or answers malformed flags counts an
+    error and holds none of them."""
+    try:
+        answer = tier.lookup(keys)
+    except Exception:
+        log.exception("tier %s lookup failed", tier.name)
+        tier.counters.errors += 1
+        return [False] * len(keys)
+    flags = contract.lookup_flags(answer, len(keys))
+    if flags is None:
+        tier.counters.errors += 1
+        return [False] * len(keys)
+    return flags
