@@ -22,12 +22,21 @@ pools them (129 steps per run at the defaults: one run's p99 is its second slowe
 
 Cache events are recorded only with ``--events``, as the vLLM connector records them only when
 vLLM publishes KV events (``compat.kv_events_enabled``).
+
+``--steady N`` is for a shared VM, where other processes make one run's CPU time per step
+swing by a third: the workload runs N times, each the same work step by step (the cache's
+clock advances 5 ms per engine step whatever the host does, and ``--fs`` puts a tier there
+whose jobs cost nothing and end at the next step: no thread, no timing in any decision), and
+each step's time is its least over the runs, what the step costs without interference. The
+runs' hit, promoted and loaded blocks must agree (checked).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
 import gc
 import io
 import json
@@ -38,15 +47,20 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
+from kvtier.cache import factory
 from kvtier.config import load_config
+from kvtier.engine import planner as planner_module
 from kvtier.engine.orders import RankReport
 from kvtier.engine.planner import Planner, PlannerSettings
-from kvtier.keys import Namespace
+from kvtier.keys import BlockKey, Namespace
+from kvtier.pool import HostPool
+from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind
 
 BLOCK_TOKENS = 16
 
@@ -128,6 +142,57 @@ def tail_breakdown(steps_us: list[float], hooks: list[dict[str, float]]) -> dict
     }
 
 
+class NullTier(Tier):
+    """``--steady``'s tier: it holds keys only; its jobs cost nothing and end at the next poll,
+    so every run decides the same (a real tier's threads and timings make runs differ)."""
+
+    def __init__(self, name: str, namespace: Namespace, pool: HostPool) -> None:
+        super().__init__(name, namespace, pool)
+        self.stored: set[BlockKey] = set()
+        self.pending: list[TierJob] = []
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        stored = self.stored
+        return [key in stored for key in keys]
+
+    def is_empty(self) -> bool:
+        return not self.stored
+
+    def submit(self, job: TierJob) -> None:
+        self.pending.append(job)
+
+    def poll(self) -> list[JobResult]:
+        for job in self.pending:
+            if job.kind is TierJobKind.WRITE:
+                self.stored.update(job.keys)
+            self._finish(job.job_id, [key in self.stored for key in job.keys])
+        self.pending = []
+        return super().poll()
+
+    def close(self) -> None:
+        self.pending = []
+
+
+class StepClock:
+    """``--steady``'s clock: 5 ms per engine step, whatever the host does."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def steady_planner(clock: StepClock) -> contextlib.ExitStack:
+    """While open, a planner built gets a cache on ``clock`` and ``NullTier`` s for its tiers."""
+    stack = contextlib.ExitStack()
+    build = functools.partial(factory.build_cache, clock=clock)
+    stack.enter_context(mock.patch.object(planner_module, "build_cache", build))
+    null = lambda tier, namespace, pool, field: NullTier(tier.name, namespace, pool)  # noqa: E731
+    stack.enter_context(mock.patch.object(factory, "build_tier", null))
+    return stack
+
+
 class Tables(dict[str, list[int]]):
     def get(self, req_id: str) -> list[int]:  # type: ignore[override]
         return super().get(req_id, [])
@@ -177,7 +242,9 @@ def run(
     ns = Namespace(model="bench", dtype="bf16", block_tokens=BLOCK_TOKENS)
     stats_path = str(workdir / "stats.json") if args.stats_file else None
     settings = PlannerSettings(stats_path=stats_path)
-    planner = Planner(config, settings, ns, args.block_bytes, BLOCK_TOKENS, 1)
+    clock = StepClock()
+    with steady_planner(clock) if args.steady else contextlib.nullcontext():
+        planner = Planner(config, settings, ns, args.block_bytes, BLOCK_TOKENS, 1)
     convs = conversations(args.conversations, args.turns, args.turn_blocks, seed=1)
     pending = list(range(len(convs)))
     turn = [0] * len(convs)
@@ -204,6 +271,7 @@ def run(
     # the first collections inside the timed steps traversed them (8 ms, a third of the p99).
     gc.collect()
     while active:
+        clock.now += 0.005
         started, cpu_started = time.perf_counter(), time.thread_time()
         switches = thread_switches()
         profiler = None
@@ -285,7 +353,10 @@ def run(
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """``--repeat`` passes of the workload, each on a fresh planner: the steps pooled."""
+    """``--repeat`` passes of the workload, each on a fresh planner: the steps pooled (with
+    ``--steady``, each step's least time over as many runs)."""
+    if args.steady:
+        return measure_steady(args)
     profiles: list[cProfile.Profile] = []
     hooks = HookTimes()
     steps: list[tuple[float, float, int]] = []
@@ -320,6 +391,43 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             + profile_text(tail, "tottime", 25)
         )
     return out
+
+
+def measure_steady(args: argparse.Namespace) -> dict[str, Any]:
+    """``--steady`` runs of the same work step by step: each step's least wall and CPU time and
+    each hook's least CPU time over the runs."""
+    runs: list[tuple[list[tuple[float, float, int]], HookTimes]] = []
+    decided: set[tuple[int, int, int]] = set()
+    for _ in range(args.steady):
+        hooks = HookTimes()
+        with tempfile.TemporaryDirectory() as tmp:
+            run_steps, stats = run(args, Path(tmp), [], hooks)
+        runs.append((run_steps, hooks))
+        c = stats["cache"]
+        decided.add((c["hit_blocks"], c["promoted_blocks"], c["loaded_blocks"]))
+    if len(decided) != 1 or len({len(steps) for steps, _ in runs}) != 1:
+        raise RuntimeError(f"--steady runs decided differently: {sorted(decided)}")
+    n = len(runs[0][0])
+    us = [min(steps[i][0] for steps, _ in runs) * 1e6 for i in range(n)]
+    cpu_us = [min(steps[i][1] for steps, _ in runs) * 1e6 for i in range(n)]
+    names = {name for _, hooks in runs for step in hooks.steps for name in step}
+    least = [
+        {name: min(hooks.steps[i].get(name, 0.0) for _, hooks in runs) for name in names}
+        for i in range(n)
+    ]
+    ((hit, promoted, loaded),) = decided
+    return {
+        "steps": n,
+        "runs": args.steady,
+        "step_us": summary(us),
+        "step_cpu_us": summary(cpu_us),
+        "hit_blocks": hit,
+        "promoted_blocks": promoted,
+        "loaded_blocks": loaded,
+        "hooks": tail_breakdown(cpu_us, least),
+        # Each step's, for the least over several invocations (written with --json only).
+        "each_step": {"cpu_us": cpu_us, "hooks_s": least},
+    }
 
 
 def profile_text(profiles: list[cProfile.Profile], order: str, lines: int) -> str:
@@ -359,15 +467,24 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-cpu", action="store_true", help="profile CPU time (default: wall time)"
     )
     parser.add_argument("--repeat", type=int, default=1, help="passes of the workload, pooled")
+    parser.add_argument(
+        "--steady",
+        type=int,
+        default=0,
+        help="this many runs of the same work (a simulated clock, a tier without cost): each "
+        "step's least time",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     result = measure(args)
     profile = result.pop("profile", None)
+    each = result.pop("each_step", None)
     print(json.dumps(result, indent=1))
     if profile:
         print(profile)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), **result}, indent=1))
+        written = {"args": vars(args), **result, **({"each_step": each} if each else {})}
+        Path(args.json).write_text(json.dumps(written, indent=1))
     return 0
 
 
