@@ -23,6 +23,7 @@ from kvtier.config import (
     load_config,
 )
 from kvtier.copy.options import CopyConfig, CopyStrategy
+from kvtier.engine.load_mode import LoadMode
 from kvtier.engine.planner import PlannerSettings
 from kvtier.errors import HIDDEN_VALUE, ConfigError, shown
 from kvtier.integrations.vllm.settings import VllmSettings
@@ -155,6 +156,17 @@ def test_full_config_is_parsed_into_typed_records() -> None:
     assert dict(config.vllm) == {"blocks_per_slot": 16, "store_generated": True}
     planner = VllmSettings.parse(config.vllm).planner
     assert (planner.blocks_per_slot, planner.store_generated) == (16, True)
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [(False, LoadMode.SYNC), (True, LoadMode.ASYNC), ("auto", LoadMode.AUTO)],
+)
+def test_vllm_async_loads_is_a_load_mode(value: object, mode: LoadMode) -> None:
+    planner = VllmSettings.parse(load_config({"vllm": {"async_loads": value}}).vllm).planner
+    assert planner.load_mode is mode
+    assert planner.async_loads is (mode is LoadMode.ASYNC)
+    assert VllmSettings().planner.load_mode is LoadMode.SYNC
 
 
 def test_config_records_are_frozen() -> None:
@@ -304,6 +316,7 @@ BAD: list[tuple[dict[str, Any], str, object, str]] = [
     ({"vllm": {"blocks_per_slot": 0}}, "vllm.blocks_per_slot", 0, "in [1, 1024]"),
     ({"vllm": {"kv_cache_layout": "NHD"}}, "vllm.kv_cache_layout", "NHD", "'engine' or one"),
     ({"vllm": {"store_generated": "yes"}}, "vllm.store_generated", "yes", "true or false"),
+    ({"vllm": {"async_loads": "async"}}, "vllm.async_loads", "async", "true, false or 'auto'"),
     # Redis URLs: malformed IPv6 (once a bare ValueError), ports out of range or not numbers
     (
         {"tiers": [{"kind": "redis", "url": "redis://[::1:6379"}]},

@@ -20,6 +20,7 @@ from kvtier.cache.factory import build_cache
 from kvtier.config import KVTierConfig
 from kvtier.copy.base import Direction
 from kvtier.engine.ledger import JobLedger
+from kvtier.engine.load_mode import LoadMode, load_async
 from kvtier.engine.orders import SKIP, CopyOrder, RankReport, StepOrders
 from kvtier.engine.prefix_keys import PrefixKeys
 from kvtier.engine.stats_file import Snapshot, StatsFile
@@ -81,10 +82,15 @@ class PlannerSettings:
     """Engine blocks per kvtier block."""
     store_generated: bool = False
     """Also store blocks filled by generated tokens (not only prompt tokens)."""
-    async_loads: bool = False
-    """Loads the engine does not wait for in the step (``CopyOrder.request_id``)."""
+    load_mode: LoadMode = LoadMode.SYNC
+    """Which loads are asynchronous (``LoadMode``)."""
     stats_path: str | None = None
     """Write the stats as JSON to this file (each second and at ``close``)."""
+
+    @property
+    def async_loads(self) -> bool:
+        """Every load asynchronous (``LoadMode.ASYNC``)."""
+        return self.load_mode is LoadMode.ASYNC
 
 
 @dataclass(slots=True)
@@ -157,6 +163,11 @@ class Planner:
         self._requests: dict[str, EngineRequest] = {}
         self._async_loads: dict[int, str] = {}
         """Asynchronous load jobs -> their request."""
+        self._plan_async: dict[str, bool] = {}
+        """Requests with a load plan -> whether its load is asynchronous, as the engine was told
+        (``load_async``); a plan made elsewhere (``HybridPlanner``) follows ``async_loads``."""
+        self._step_requests = 0
+        """Requests the engine's last step ran (``plan_step``)."""
         self._no_loads: set[str] = set()
         """Requests that get no hit any more: their asynchronous load failed (the engine asks
         again before recomputing, and the same load would fail again), or the engine knew them
@@ -190,7 +201,7 @@ class Planner:
 
     def matched_tokens(self, request: EngineRequest, num_computed: int) -> tuple[int | None, bool]:
         """Tokens loadable beyond ``num_computed`` (vLLM's ``get_num_new_matched_tokens``); the
-        flag says whether a load is asynchronous (``PlannerSettings.async_loads``).
+        flag says whether a load is asynchronous (``PlannerSettings.load_mode``).
 
         ``None`` defers the request (a promotion or a shared load is in flight). The engine may
         call this many times per request; a hit pins its blocks until the allocation (or the next
@@ -241,7 +252,10 @@ class Planner:
             external,
             origins[: len(slots)],
         )
-        return external, self.settings.async_loads
+        left = request.num_tokens - num_computed - external
+        asynchronous = load_async(self.settings.load_mode, external, left, self._step_requests)
+        self._plan_async[req_id] = asynchronous
+        return external, asynchronous
 
     def _end_wait(self, req_id: str) -> None:
         since = self._deferred_since.pop(req_id, None)
@@ -254,6 +268,7 @@ class Planner:
         """The engine allocated ``block_ids`` for the request, ``external_tokens`` of them to be
         loaded (vLLM's ``update_state_after_alloc``): turn its plan into a load order."""
         plan = self._plans.pop(request.request_id, None)
+        asynchronous = self._plan_async.pop(request.request_id, self.settings.async_loads)
         if plan is None:
             return
         if external_tokens == 0:
@@ -271,7 +286,7 @@ class Planner:
                 external_tokens,
                 plan.external_tokens,
             )
-        async_id = request.request_id if self.settings.async_loads else None
+        async_id = request.request_id if asynchronous else None
         if async_id is not None:
             self._async_loads[job_id] = async_id
         self._loads.append(CopyOrder(job_id, plan.slots, engine_blocks, stale, async_id, groups))
@@ -311,6 +326,7 @@ class Planner:
         return self._hit_sources.pop(req_id, {})
 
     def _release_plan(self, req_id: str) -> None:
+        self._plan_async.pop(req_id, None)
         plan = self._plans.pop(req_id, None)
         if plan is not None:
             self._unpin(plan)
@@ -332,6 +348,7 @@ class Planner:
         unknown, see ``StepOrders``)."""
         # Requests computing more than a token this step (prefills) share the step's compute.
         prefills = sum(1 for n in scheduled.values() if n > 1)
+        self._step_requests = len(scheduled)
         self.cache.engine_step(sum(scheduled.values()), prefills)
         if self._deferred and not scheduled:  # a step with work runs the model (frees the GIL)
             self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended

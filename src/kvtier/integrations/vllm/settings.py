@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.engine.load_mode import LoadMode
 from kvtier.engine.planner import PlannerSettings
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.compat import LAYOUT_NAMES
@@ -26,8 +27,9 @@ BLOCK_OUTERMOST_LAYOUT = "BLNHC"
 class VllmSettings:
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     """``blocks_per_slot`` (vLLM blocks per kvtier block), ``store_generated``, ``async_loads``
-    (loads through vLLM's asynchronous path: a request waits for its blocks while the others run)
-    and ``stats_path`` (the scheduler's stats as JSON, each second and at shutdown)."""
+    (``load_mode``: which loads go through vLLM's asynchronous path, where a request waits for
+    its blocks while the others run) and ``stats_path`` (the scheduler's stats as JSON, each
+    second and at shutdown)."""
     trace_path: str | None = None
     """Append every request looked up to this Mooncake-format trace (``kvtier simulate --trace``
     replays it); block ids are salted digests of kvtier keys (the salt in ``<path>.salt``)."""
@@ -48,7 +50,7 @@ class VllmSettings:
         planner = PlannerSettings(
             blocks_per_slot=s.integer("blocks_per_slot", 1, minimum=1, maximum=1024),
             store_generated=s.boolean("store_generated", False),
-            async_loads=s.boolean("async_loads", False),
+            load_mode=_load_mode(s),
             stats_path=s.optional_file_path("stats_path"),
         )
         settings = cls(
@@ -65,3 +67,16 @@ class VllmSettings:
             )
         s.done()
         return settings
+
+
+def _load_mode(s: Section) -> LoadMode:
+    """``async_loads``: ``false`` (synchronous), ``true`` (asynchronous) or ``"auto"`` (per
+    request, ``kvtier.engine.planner.load_async``)."""
+    if s.data.get("async_loads") == LoadMode.AUTO.value:
+        return s.choice("async_loads", LoadMode)
+    try:
+        return LoadMode.ASYNC if s.boolean("async_loads", False) else LoadMode.SYNC
+    except ConfigError:
+        raise ConfigError(
+            s.field("async_loads"), s.data.get("async_loads"), "true, false or 'auto'"
+        ) from None
