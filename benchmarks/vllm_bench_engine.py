@@ -406,11 +406,12 @@ def clear_fs(workdir: Path) -> None:
 
 ASYNC_LOADS_ENV = "KVTIER_BENCH_ASYNC_LOADS"
 """``1``: the kvtier configurations load through vLLM's asynchronous path (``vllm.async_loads``);
-give such a run its own ``--json``."""
+``auto``: per request (``vllm.async_loads: auto``); give such a run its own ``--json``."""
 
 
-def async_loads() -> bool:
-    return os.environ.get(ASYNC_LOADS_ENV) == "1"
+def async_loads() -> bool | str:
+    value = os.environ.get(ASYNC_LOADS_ENV)
+    return "auto" if value == "auto" else value == "1"
 
 
 EVICTION_ENV = "KVTIER_BENCH_EVICTION"

@@ -532,6 +532,8 @@ def test_kvtier_variants_from_the_environment(
     monkeypatch.setenv(eng.ASYNC_LOADS_ENV, "1")
     varied = eng.kvtier_extra(spec)
     assert varied["eviction"] == "lru" and varied["vllm"]["async_loads"] is True
+    monkeypatch.setenv(eng.ASYNC_LOADS_ENV, "auto")
+    assert eng.kvtier_extra(spec)["vllm"]["async_loads"] == "auto"
 
 
 @require.unless("vllm", require.vllm_missing())
