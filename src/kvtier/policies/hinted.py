@@ -27,12 +27,16 @@ blocks, and a tail without them is useless.
 **Under pressure** (``pressure.py``: conversations return after more blocks than the pool holds,
 where LRU thrashes and caches nothing) the policy keeps a stable subset of the conversations
 instead. At its hint, a request's leading hit run goes to a *kept* segment and the blocks it
-computed to a *new* segment; victims are, in order: dead blocks, kept and new blocks not used for
-``EXPIRY_GAPS`` mean conversation gaps (finished conversations), new blocks newest first (so the
-conversations already held stay and the last one stored goes again), then the LRU order and kept
-blocks, oldest first. ``admit_store`` lets a pool refuse a store outright when nothing it holds
-has expired (a newcomer would only displace a conversation that comes back). When the gauge says
-the pressure is over, both segments go back into the LRU order.
+computed to a *new* segment; victims are, in order: dead blocks, expired blocks (kept and new
+not used for ``EXPIRY_GAPS`` mean conversation gaps: finished conversations; blocks in the LRU
+order not stored or used for ``LRU_EXPIRY_GAPS``: left there by requests no hint filed), new
+blocks newest first (so the conversations already held stay and the last one stored goes
+again), then the LRU order and kept blocks, oldest first. ``admit_store`` lets a pool refuse a
+store outright when nothing it holds has expired (a newcomer would only displace a conversation
+that comes back): always where the mode pays (``PressureGauge.pays``: LRU would find next to
+nothing), elsewhere only while the pool serves less than the stable shadow. A request predicted
+to be its conversation's last (``turns.py``) puts its blocks in the dead segment. When the gauge
+says the pressure is over, both segments go back into the LRU order.
 
 What lost to this on the bundled trace and in the demo (a probation segment, promoting classes
 above the mean, a reserve for blocks waiting for hints): docs/policies.md.
@@ -55,6 +59,15 @@ from kvtier.policies.segments import take as _take
 DEMOTE_RATIO = 0.7
 """A class below this fraction of the mean reuse rate of new blocks is predicted dead: relative
 to the learned mean, not to any trace; a class near the mean is left to LRU."""
+LRU_EXPIRY_GAPS = 2.0
+"""Under pressure, a block in the LRU order not stored or used for this many mean gaps has
+expired. vLLM hints a request when it finished, after its stores; blocks a hint never files
+stayed there for good, while every store was refused: a conversation that ended just before
+the mode turned on held a third of the pool to the end of a run (16 in flight, 2 GiB), and in
+the demo the warm-up's blocks held all of it (0 tokens loaded). Two gaps, not one: in flight, a
+block waits there for its request's hint (engine replays, docs/policies.md: 1 gap 0.59 of the
+offline optimum on average, 0.54 at 16 in flight and 2 GiB; 2 gaps 0.60 and 0.60; 3 gaps 0.58
+and 0.55; the demo's calls: 875 / 834 / 633 pool hits, LRU 597)."""
 
 
 class HintedPolicy(EvictionPolicy):
@@ -72,7 +85,8 @@ class HintedPolicy(EvictionPolicy):
         self.capacity = capacity
         self.ghost_capacity = int(ghost_factor * capacity)
         # Oldest first in each (OrderedDict: popping from the front of a dict leaves tombstones).
-        self._lru: OrderedDict[BlockKey, None] = OrderedDict()
+        self._lru: OrderedDict[BlockKey, int] = OrderedDict()
+        """The LRU order -> the request (gauge clock) of each block's last store or use."""
         self._dead: OrderedDict[BlockKey, None] = OrderedDict()
         self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
         self._unranked: dict[BlockKey, None] = {}
@@ -92,7 +106,7 @@ class HintedPolicy(EvictionPolicy):
     # -- the policy interface -------------------------------------------------------------------
 
     def insert(self, key: BlockKey) -> None:
-        self._lru[key] = None
+        self._lru[key] = self.gauge.requests
         early = self._early
         cls = early.pop(key, None) if early else None
         ghost = self._ghost
@@ -104,17 +118,18 @@ class HintedPolicy(EvictionPolicy):
             self._unranked[key] = None
 
     def access(self, key: BlockKey) -> None:
-        dead = self._dead
+        dead, lru = self._dead, self._lru
         if key in dead:
             del dead[key]
-            self._lru[key] = None
+            lru[key] = self.gauge.requests
         elif self.pressure and (key in self._kept or key in self._new):
             # In use again: in the LRU order until the request's hint files it.
             if self._kept.pop(key, None) is None:
                 del self._new[key]
-            self._lru[key] = None
+            lru[key] = self.gauge.requests
         else:
-            self._lru.move_to_end(key)
+            lru.move_to_end(key)
+            lru[key] = self.gauge.requests
             self._unranked.pop(key, None)
 
     def remove(self, key: BlockKey) -> None:
@@ -154,18 +169,20 @@ class HintedPolicy(EvictionPolicy):
         """How many of ``n`` new blocks to store when the pool has ``free`` free slots: all of
         them, except under pressure, where only as many as fit in the free slots, the dead
         blocks and the expired ones (the rest would displace conversations that come back).
-        Only while the pool serves less than the stable shadow predicts (by ``GATE_HOLD``): on
-        the bundled trace with hints 4 requests late at 300 blocks, refusing when the pool
-        already served as much fell below LRU (0.02548 against 0.02554; with the bound 0.02571).
+        Where the stable mode pays (``PressureGauge.pays``: LRU would find next to nothing),
+        always; elsewhere only while the pool serves less than the stable shadow predicts (by
+        ``GATE_HOLD``): on the bundled trace with hints 4 requests late at 300 blocks, refusing
+        when the pool already served as much fell below LRU (0.02548 against 0.02554; with the
+        bound 0.02571). In vLLM the bound let the stores of the requests in flight, about as
+        many blocks as the pool holds, evict the conversations held whenever the pool did well.
         """
         if not self.pressure or n <= free + len(self._dead):
             return n
         gauge = self.gauge
-        if gauge.served * GATE_HOLD >= gauge.stable_served:
+        if not gauge.pays() and gauge.served * GATE_HOLD >= gauge.stable_served:
             return n
         room = free + len(self._dead)
-        expiry = self.gauge.expiry()
-        for segment in (self._kept, self._new):
+        for segment, expiry in self._expiring():
             for used in segment.values():
                 if used > expiry or room >= n:
                     break
@@ -187,6 +204,8 @@ class HintedPolicy(EvictionPolicy):
             self._switch(gauge.on)
         if self.pressure:
             self._file(keys, min(hint.hit_blocks, len(keys)))
+            if gauge.turns.finishing():
+                self._finish(keys)
         else:
             self._prefix_last(keys)
 
@@ -266,10 +285,33 @@ class HintedPolicy(EvictionPolicy):
                 unranked.pop(key, None)
                 new[key] = now
 
+    def _expiring(self) -> list[tuple[OrderedDict[BlockKey, int], float]]:
+        """Under pressure, the segments whose oldest blocks expire, each with its expiry (blocks
+        last stored or used at or before it have expired): kept and new after ``EXPIRY_GAPS``
+        mean gaps, the LRU order after ``LRU_EXPIRY_GAPS``."""
+        gauge = self.gauge
+        out = [(self._kept, gauge.expiry()), (self._new, gauge.expiry())]
+        if gauge.mean_gap:
+            out.append((self._lru, gauge.requests - LRU_EXPIRY_GAPS * gauge.mean_gap))
+        return out
+
+    def _finish(self, keys: Sequence[BlockKey]) -> None:
+        """The request is predicted to be its conversation's last (``turns.py``): its blocks
+        stop holding the pool (to the dead segment) instead of waiting a mean gap to expire."""
+        kept, new, dead = self._kept, self._new, self._dead
+        for key in keys:
+            if key in kept:
+                del kept[key]
+            elif key in new:
+                del new[key]
+            else:
+                continue
+            dead[key] = None
+
     def _take_pressured(self, n: int, pinned: Container[BlockKey], victims: list[BlockKey]) -> None:
-        """Expired kept and new blocks, oldest first, then new blocks, newest first."""
-        expiry = self.gauge.expiry()
-        for segment in (self._kept, self._new):
+        """Expired blocks (kept, new, the LRU order), oldest first, then new blocks, newest
+        first."""
+        for segment, expiry in self._expiring():
             taken: list[BlockKey] = []
             for key, used in segment.items():
                 if len(victims) + len(taken) >= n or used > expiry:
@@ -295,8 +337,8 @@ class HintedPolicy(EvictionPolicy):
         self.pressure = on
         if not on and (self._kept or self._new):
             # Back to one LRU order: blocks filed under pressure are older than those in it.
-            order = OrderedDict.fromkeys(itertools.chain(self._new, self._kept, self._lru))
-            self._lru = order
+            parts = (self._new, self._kept, self._lru)
+            self._lru = OrderedDict(itertools.chain.from_iterable(p.items() for p in parts))
             self._kept.clear()
             self._new.clear()
 

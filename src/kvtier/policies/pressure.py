@@ -24,6 +24,11 @@ mode is taken only where it is far ahead, as where LRU finds nothing; the pool's
 keeps it off where ``hinted`` already does much better than LRU (the bundled trace with 128
 conversations in flight and 4,000 blocks: 0.62 against LRU's 0.43). Both shadows see the same
 traffic whatever the pool does.
+
+The mode *pays* (``pays``) while the pool finds several times what it found before it and the
+stable shadow serves several times what the LRU shadow does: the regime where LRU finds next to
+nothing, where ``hinted`` then holds its subset without exceptions. ``turns`` learns how many
+requests conversations send (``turns.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvtier.keys import BlockKey
+from kvtier.policies.turns import END_GAPS, ConversationTurns
 
 EXPIRY_GAPS = 1.0
 """A conversation not seen for this many mean gaps is presumed finished. One gap: a conversation
@@ -53,6 +59,20 @@ GAP_WARMUP = 15
 20 gave 0.0901), and the engine's recorded calls at 16 in flight were served alike (848 blocks)."""
 MIN_ROOTS = 4096
 """Conversations remembered for their gap at least (else the pool's capacity in blocks)."""
+PAYS_OVER_BASELINE = 3.0
+"""The stable mode *pays* while the pool finds more than this many times what it found before
+the mode (``baseline``) and ``PAYS_OVER_LRU`` holds."""
+PAYS_OVER_LRU = 10.0
+"""The stable mode pays only where, besides, the stable shadow serves more than this many times
+what the LRU shadow serves: LRU would find next to nothing (issue 24's regime). While it pays,
+``hinted`` refuses every store that needs room held for conversations, not only while the pool
+serves less than the stable shadow / ``GATE_HOLD``: in vLLM the stores of the requests in
+flight, about as many blocks as the pool holds, were admitted whenever the pool did well and
+evicted the conversations held (16 in flight, 2 GiB: the pool then served 0.35 of the offline
+optimum of the engine's calls, now 0.59). On the bundled trace in trace order the mode is on for
+a few hundred requests and changes little (the pool found 0.7-1.6 times its baseline there, the
+stable shadow 2-8 times the LRU shadow): it does not pay there, and the bound stays
+(docs/policies.md)."""
 
 
 class ShadowLRU:
@@ -132,6 +152,15 @@ class PressureGauge:
         """``served`` while the stable mode is off: what the policy gets without it (frozen
         while it is on)."""
         self.on = False
+        self.turns = ConversationTurns(self._max_roots)
+        """How many requests conversations send (``turns.py``)."""
+
+    def pays(self) -> bool:
+        """Whether the stable mode pays (``PAYS_OVER_BASELINE``, ``PAYS_OVER_LRU``)."""
+        return (
+            self.served > PAYS_OVER_BASELINE * self.baseline
+            and self.stable_served > PAYS_OVER_LRU * self.lru_served
+        )
 
     def expiry(self) -> float:
         """Blocks last used at or before this request are presumed finished (-inf: none is
@@ -159,6 +188,8 @@ class PressureGauge:
         last[root] = now
         if len(last) > self._max_roots:
             last.popitem(last=False)
+        ended = now - END_GAPS * self.mean_gap if self.mean_gap else float("-inf")
+        self.turns.request(root, now, ended)
         lru = self._lru.request(root, blocks)
         stable = self._stable.request(root, blocks, now, self.expiry())
         self.lru_served = self.lru_served * GATE_DECAY + lru
