@@ -151,7 +151,11 @@ class TieredCache(CacheReports):
         if not result.final:
             self.release_load(keys[:held])
             return result, []
-        # The held keys are pinned, so visible: hits >= held.
+        if result.hits < held:
+            # A held key is pinned, so visible, but a lock-free read of a shared index racing a
+            # shift of its table may miss it (``table.remove_at``): the pins past the hits go.
+            self.release_load(keys[result.hits : held])
+            held = result.hits
         return result, self.prepare_load(keys[: result.hits], owner, held)
 
     def prepare_load(

@@ -205,27 +205,35 @@ class Planner:
 
         ``None`` defers the request (a promotion or a shared load is in flight). The engine may
         call this many times per request; a hit pins its blocks until the allocation (or the next
-        call) so a lookup of another request cannot evict them in between.
+        call) so a lookup of another request cannot evict them in between. Asked again with the
+        same start, the previous call's pins are kept (``TieredCache.lookup_and_pin``), not
+        dropped and taken again: vLLM asks every step for a request it has no room for yet.
         """
         req_id = request.request_id
         self._requests[req_id] = request
-        self._release_plan(req_id)
+        self._plan_async.pop(req_id, None)
+        old = self._plans.pop(req_id, None)
         keys = self._request_keys(request)
         if keys is None or req_id in self._no_loads:
+            if old is not None:
+                self._unpin(old)
             return 0, False
         bt = self.block_tokens
         limit = min((request.num_tokens - 1) // bt, len(keys))  # >= 1 token left to compute
         start = num_computed // bt
         if start >= limit:
+            if old is not None:
+                self._unpin(old)
             self.cache.forget(req_id)  # nothing to load: nothing to hold for it
             self.counters.engine_hit_blocks += limit
             self._hit_blocks[req_id] = (start, start)
             return 0, False
+        held = 0 if old is None else self._kept_pins(old, keys, start, limit)
         if req_id not in self._deferred_since:
             self.counters.requests_looked_up += 1
         if self.recorder is not None:
             self.recorder.record(request, keys)  # once per request
-        result = self.cache.lookup(keys[start:limit], req_id)
+        result, slots = self.cache.lookup_and_pin(keys[start:limit], req_id, held)
         if not result.final:
             self.counters.deferred_lookups += 1
             self._deferred = True
@@ -238,7 +246,6 @@ class Planner:
         origins = self.cache.origins(hit_keys) if hit_keys else []
         for origin in origins:
             self.hits_by_tier[origin] = self.hits_by_tier.get(origin, 0) + 1
-        slots = self.cache.prepare_load(hit_keys, req_id)  # ends its promotion's pins
         external = (start + len(slots)) * bt - num_computed
         if external <= 0:
             if slots:
@@ -256,6 +263,20 @@ class Planner:
         asynchronous = load_async(self.settings.load_mode, external, left, self._step_requests)
         self._plan_async[req_id] = asynchronous
         return external, asynchronous
+
+    def _kept_pins(self, old: _LoadPlan, keys: list[BlockKey], start: int, limit: int) -> int:
+        """How many of the previous plan's pins a lookup of ``keys[start:limit]`` keeps: all of
+        them when that plan starts there and its keys lead the lookup's (``lookup_and_pin``
+        keeps them, or gives them up when it defers), else none (released now)."""
+        n = len(old.keys)
+        if (
+            old.first_token == start * self.block_tokens
+            and n <= limit - start
+            and old.keys == keys[start : start + n]
+        ):
+            return n
+        self._unpin(old)
+        return 0
 
     def _end_wait(self, req_id: str) -> None:
         since = self._deferred_since.pop(req_id, None)
