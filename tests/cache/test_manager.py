@@ -354,3 +354,28 @@ def test_write_back_copies_coldest_blocks_ahead_so_eviction_frees_at_once(ns, ma
     tier.release()  # a copy that works ends the pause
     cache.step()
     assert set(a[2:]) <= set(tier.stored)
+
+
+class NewestFirstPolicy(LRUPolicy):
+    """Coldest blocks the newest: like ``hinted`` under pressure, whose first victims are the
+    newest unproven blocks, its coldest blocks change with every store."""
+
+    def coldest(self, n: int) -> list[bytes]:
+        return list(reversed(super().coldest(len(self))))[:n]
+
+
+def test_early_copies_in_flight_never_pin_more_than_the_window(ns, make_pool):
+    pool = make_pool(32)  # no evictions: every copy is an early one
+    tier = ScriptedTier("disk", ns, pool)  # its jobs end only when released
+    cache = TieredCache(
+        pool, NewestFirstPolicy(), [TierBinding(tier, WriteMode.ON_EVICT)], writeback_window=4
+    )
+    for seed in range(6):
+        store(cache, keys_for(ns, 3, seed=seed))
+        cache.step()
+        assert cache.stats().pool_pinned <= 4
+    assert sum(len(job.keys) for job in tier.submitted) == 4
+    tier.release()
+    cache.step()  # the copies ended: the window has room again
+    assert cache.stats().pool_pinned == 4
+    assert sum(len(job.keys) for job in tier.submitted) == 8

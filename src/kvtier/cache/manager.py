@@ -324,7 +324,7 @@ class TieredCache(CacheReports):
         if self._writeback.due():
             candidates = self._writeback.take_coldest(self._policy.coldest)
             for tier_index in self._writeback.tiers if candidates else ():
-                self._submit_write(tier_index, candidates)
+                self._writeback.started(self._submit_write(tier_index, candidates))
         return ended
 
     def wait(self, timeout_s: float) -> bool:
@@ -398,12 +398,12 @@ class TieredCache(CacheReports):
 
     def _submit_write(
         self, tier_index: int, keys: list[BlockKey], evicted_slots: list[int] | None = None
-    ) -> None:
+    ) -> int:
         """Copy keys' slots to a tier. Visible keys are pinned meanwhile; for evicted keys the job
-        holds their slots instead."""
+        holds their slots instead. Returns how many keys the job copies."""
         if self._refused.paused(tier_index, self._clock()):
             self._counters.cascade_skipped += len(keys)
-            return
+            return 0
         writing = self._writing[tier_index]
         if evicted_slots is None:  # every stored block, written through: one pass each
             job_keys = [k for k in keys if k not in writing] if writing else list(keys)
@@ -416,7 +416,7 @@ class TieredCache(CacheReports):
                 pairs = [p for p, present in zip(pairs, known, strict=True) if present is not True]
             job_keys, job_slots = [k for k, _ in pairs], [s for _, s in pairs]
         if not job_keys:
-            return
+            return 0
         writing.update(job_keys)
         if evicted_slots is None:
             pins = self._pins
@@ -427,6 +427,7 @@ class TieredCache(CacheReports):
             for slot in job_slots:
                 held[slot] = held.get(slot, 0) + 1
         self._submit(tier_index, TierJobKind.WRITE, job_keys, job_slots, evicted_slots is not None)
+        return len(job_keys)
 
     def _promote(self, keys: Sequence[BlockKey], hits: int, owner: promo.Owner | None) -> bool:
         """Start promoting the secondary-tier run after the pool hits, as far as the budget and the

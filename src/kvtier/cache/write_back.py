@@ -21,14 +21,17 @@ class WriteBack:
     """Dirty keys and the write-back window of the write-on-evict tiers ``tiers`` (tier indices).
     Without such tiers nothing is ever dirty and every method is a no-op."""
 
-    __slots__ = ("_clock", "_dirty", "_pause", "tiers", "window")
+    __slots__ = ("_clock", "_dirty", "_pause", "copying", "tiers", "window")
 
     def __init__(
         self, tiers: list[int], window: int, max_pause_s: float, clock: Callable[[], float]
     ) -> None:
         self.tiers = tiers
         self.window = window if tiers else 0
-        """How many of the coldest blocks ``take_coldest`` looks at (0: no early copies)."""
+        """How many of the coldest blocks ``take_coldest`` looks at (0: no early copies), and
+        how many early copies may be in flight at once."""
+        self.copying = 0
+        """Pins of early copies in flight (a key copied to two tiers counts twice)."""
         self._dirty: set[BlockKey] = set()
         """Visible keys not yet copied to the write-on-evict tiers."""
         self._pause = Backoff(WRITEBACK_RETRY_MIN_S, max_pause_s)
@@ -52,8 +55,9 @@ class WriteBack:
         return [k for k, _ in pairs], [s for _, s in pairs]
 
     def due(self) -> bool:
-        """Whether ``take_coldest`` is worth calling this step (not paused after failures)."""
-        return bool(self._dirty) and self.window > 0 and self._pause.ready(self._clock())
+        """Whether ``take_coldest`` is worth calling this step (not paused after failures, room
+        for more early copies)."""
+        return bool(self._dirty) and self.copying < self.window and self._pause.ready(self._clock())
 
     def take_coldest(self, coldest: Callable[[int], Sequence[BlockKey]]) -> list[BlockKey]:
         """The dirty ones among the ``window`` coldest keys (``coldest(window)``, the policy's),
@@ -61,11 +65,23 @@ class WriteBack:
 
         Blocks never change once stored, so an early copy is never stale; it lets the eviction
         of a clean block free its slot at once instead of holding it until a copy finished.
+
+        At most as many as the window has room for besides the copies in flight: a policy's
+        coldest blocks can change every step (``hinted`` under pressure evicts the newest
+        unproven blocks first), and with a tier slower than the stores, copies of each step's
+        coldest blocks would pile up as pins the pool cannot evict.
         """
+        room = self.window - self.copying
+        if room <= 0:
+            return []
         dirty = self._dirty
-        candidates = [k for k in coldest(self.window) if k in dirty]
+        candidates = [k for k in coldest(self.window) if k in dirty][:room]
         dirty.difference_update(candidates)
         return candidates
+
+    def started(self, pins: int) -> None:
+        """An early copy pinned ``pins`` keys (``settle`` gives them back)."""
+        self.copying += pins
 
     def settles(self, tier_index: int, holds_slots: bool) -> bool:
         """Whether a finished write job of ``tier_index`` was a write-back copy (of visible keys:
@@ -82,6 +98,7 @@ class WriteBack:
         """A write-back copy ended: failed keys still ``visible`` are dirty again, and write-back
         pauses (doubling per failure, up to ``job_timeout_s``) so that a tier failing every copy
         at once is not retried every step (a busy loop for whoever steps until jobs end)."""
+        self.copying -= len(keys)
         if all(ok):
             self._pause.succeeded()
             return
