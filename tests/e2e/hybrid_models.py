@@ -31,6 +31,7 @@ TINY_GEMMA2: dict[str, Any] = {
     "head_dim": 32,
     "vocab_size": 512,
     "sliding_window": GEMMA2_WINDOW,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
     "max_position_embeddings": 4096,
     "query_pre_attn_scalar": 32,
     "rms_norm_eps": 1e-6,
@@ -40,7 +41,9 @@ TINY_GEMMA2: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 """Layers 0 and 2 slide, 1 and 3 attend to everything (Gemma 2 alternates, starting with a
-sliding layer)."""
+sliding layer). ``layer_types`` is written out: vLLM's Gemma-2 reads each layer's kind from it,
+and older ``transformers`` releases have no such field to fill in (written, it reaches vLLM from
+``config.json`` whatever the release)."""
 
 
 def write_tiny_gemma2(model_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
@@ -52,6 +55,9 @@ def write_tiny_gemma2(model_dir: str | Path, *, seed: int = 0, **overrides: Any)
     path = Path(model_dir)
     path.mkdir(parents=True, exist_ok=True)
     config = {**TINY_GEMMA2, **overrides}
+    if "layer_types" not in overrides:  # alternating, for any number of layers
+        kinds = ("sliding_attention", "full_attention")
+        config["layer_types"] = [kinds[i % 2] for i in range(int(config["num_hidden_layers"]))]
     model = Gemma2ForCausalLM(Gemma2Config(**config))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -61,6 +61,27 @@ def _engine(model: Path, stats: Path | None) -> Any:
     )
 
 
+def _vllm_groups(llm: Any) -> list[str]:
+    """vLLM's KV cache groups as its scheduler has them, in its order: each spec's class, layer
+    count, block size, and window or Mamba mode where it has one."""
+    core = llm.llm_engine.engine_core.engine_core
+    out = []
+    for group in core.scheduler.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        extra = [
+            f"{name}={getattr(spec, name)!r}"
+            for name in ("sliding_window", "mamba_cache_mode")
+            if getattr(spec, name, None) is not None
+        ]
+        fields = [f"layers={len(group.layer_names)}", f"block={spec.block_size}", *extra]
+        out.append(f"{type(spec).__name__}({', '.join(fields)})")
+    return out
+
+
+def _kinds(groups: list[str]) -> list[str]:
+    return [g.split("(")[0] for g in groups]
+
+
 def _rounds(model: Path, stats: Path | None) -> tuple[list[list[list[int]]], dict[str, Any]]:
     """The long prompts cold, again after a prefix-cache reset (vLLM alone: again from its own
     prefix cache), then the shared prompt after another reset (vLLM alone: from its cache)."""
@@ -70,6 +91,7 @@ def _rounds(model: Path, stats: Path | None) -> tuple[list[list[list[int]]], dic
         info = {
             "mode": getattr(config.cache_config, "mamba_cache_mode", None),
             "hybrid_off": config.scheduler_config.disable_hybrid_kv_cache_manager,
+            "groups": _vllm_groups(llm),
         }
         reset = stats is not None
         out = [h.generate_ids(llm, LONG, max_tokens=16)]
@@ -97,9 +119,14 @@ def nemotron_h(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sliding_window_model_identical_with_hits(gemma2: Path, tmp_path: Path) -> None:
-    reference, _ = _rounds(gemma2, None)
+    reference, alone = _rounds(gemma2, None)
+    # Two groups of two layers: the sliding layers (0, 2) first, then the full ones (1, 3).
+    expected = ["SlidingWindowSpec", "FullAttentionSpec"]
+    assert _kinds(alone["groups"]) == expected, f"vLLM alone built {alone['groups']}"
+    assert f"sliding_window={models.GEMMA2_WINDOW}" in alone["groups"][0], alone["groups"]
     ours, info = _rounds(gemma2, tmp_path / "stats.json")
     assert info["hybrid_off"] is False
+    assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
     assert ours == reference
     stats = jobs.read_stats(tmp_path / "stats.json")
     window, full = stats["groups"]["0"], stats["groups"]["1"]
@@ -109,11 +136,19 @@ def test_sliding_window_model_identical_with_hits(gemma2: Path, tmp_path: Path) 
 
 
 def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path) -> None:
-    reference, info = _rounds(nemotron_h, None)
-    if info["mode"] != "all":
-        pytest.skip(f"vLLM keeps Mamba states in mode {info['mode']!r} here (kvtier: 'all')")
+    reference, alone = _rounds(nemotron_h, None)
+    if alone["mode"] != "all":
+        pytest.skip(f"vLLM keeps Mamba states in mode {alone['mode']!r} here (kvtier: 'all')")
+    # Groups of two layers: the Mamba layers (0, 2, 4) in two groups, one padded, the
+    # attention layers (1, 5) in one; every Mamba group in mode 'all'.
+    assert sorted(_kinds(alone["groups"])) == ["FullAttentionSpec", "MambaSpec", "MambaSpec"], (
+        f"vLLM alone built {alone['groups']}"
+    )
+    states = [g for g in alone["groups"] if g.startswith("MambaSpec")]
+    assert all("mamba_cache_mode='all'" in g for g in states), alone["groups"]
     ours, info = _rounds(nemotron_h, tmp_path / "stats.json")
     assert info["hybrid_off"] is False
+    assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
     assert ours == reference
     stats = jobs.read_stats(tmp_path / "stats.json")
     assert stats["groups_refused"] is None

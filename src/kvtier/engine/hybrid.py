@@ -38,8 +38,10 @@ from kvtier.engine.planner import (
     Planner,
     _LoadPlan,
 )
+from kvtier.engine.stats_file import Snapshot
 from kvtier.events import POOL_TIER
 from kvtier.keys import BlockKey, group_keys
+from kvtier.metrics import CacheStats
 
 log = logging.getLogger(__name__)
 
@@ -361,21 +363,30 @@ class HybridPlanner(Planner):
             # groups' keys, so it gets none (its blocks are evicted in recency order).
             self._hit_blocks.pop(request.request_id, None)
 
-    def stats(self) -> dict[str, Any]:
-        out = super().stats()
-        if self.groups:
-            out["groups"] = {
-                f"{g.index}": {
-                    "kind": g.kind.value,
-                    "layers": len(g.layers),
-                    "window": g.window,
-                    "hit_blocks": self.group_counters[g.index].hit_blocks,
-                    "stored_blocks": self.group_counters[g.index].stored_blocks,
-                    "stored_bytes": self.group_counters[g.index].stored_blocks
-                    * self._block_bytes(g),
-                }
-                for g in self.groups
+    def stats_snapshot(self, snapshot: CacheStats) -> Snapshot:
+        """``Planner.stats_snapshot`` with the groups' kinds and counters (copied here): what
+        ``stats()`` returns and the stats file holds."""
+        build = super().stats_snapshot(snapshot)
+        if not self.groups:
+            return build
+        groups = {
+            f"{g.index}": {
+                "kind": g.kind.value,
+                "layers": len(g.layers),
+                "window": g.window,
+                "hit_blocks": self.group_counters[g.index].hit_blocks,
+                "stored_blocks": self.group_counters[g.index].stored_blocks,
+                "stored_bytes": self.group_counters[g.index].stored_blocks * self._block_bytes(g),
             }
-            out["groups_refused"] = self.refused
-            out["block_tokens"] = self.block_tokens
-        return out
+            for g in self.groups
+        }
+        refused, block_tokens = self.refused, self.block_tokens
+
+        def build_groups() -> dict[str, Any]:
+            out = build()
+            out["groups"] = groups
+            out["groups_refused"] = refused
+            out["block_tokens"] = block_tokens
+            return out
+
+        return build_groups
