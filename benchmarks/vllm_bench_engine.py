@@ -121,6 +121,28 @@ HYBRID_MODELS: dict[str, tuple[str, dict[str, Any], KVPool]] = {
 }
 """``--model`` choices of hybrid models: (name, config.json, vLLM's KV block pool for it:
 ``vllm_bench_kv``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunDefaults:
+    """``--concurrency``, ``--requests`` and ``--host-gib`` when the command line leaves them."""
+
+    concurrency: int = 16
+    requests: int = 160
+    host_gib: float = 8.0
+
+
+RUN_DEFAULTS: dict[str, RunDefaults] = {
+    "gemma3": RunDefaults(concurrency=4, requests=160, host_gib=12.0),
+    "nemotronh": RunDefaults(concurrency=4, requests=40, host_gib=8.0),
+}
+"""Per model (others: ``RunDefaults()``). Gemma-3-12B: at 16 conversations in flight and 8 GiB
+(H100, vLLM 0.25.1, 2026-11-27) no pool held a conversation between its turns (kvtier 119,792
+evictions, no configuration any cached token); ``vllm_bench_hits`` predicts kvtier's pool holds
+them from 4 GiB at 4 in flight and native offloading (every block of all six groups) from 10 GiB,
+at 8 in flight from 16 GiB: 4 and 12 GiB. Nemotron-H-8B: its engine start (Mamba kernels' warm-up
+88 s on the H100) and 160 requests ran past 170 s; 40 requests at 4 in flight (12 conversations,
+25 requests that resume a previous turn) fit about 150 s, both pools holding every conversation."""
 HYBRID_KV_REQUESTS = 2.5
 """A hybrid model's GPU KV cache by default: this many of the workload's longest requests at the
 peak vLLM reserves for one (its start-up check), about what ``--gpu-kv-gib 2`` is for

@@ -54,6 +54,12 @@ class KVPool:
     def groups(self) -> int:
         return self.full_groups + self.window_groups + self.state_groups
 
+    @property
+    def full_attention_bytes_per_token(self) -> int:
+        """What a model of the same size with full attention in every layer that keeps a cache
+        (each group's layers, Mamba ones too, at the attention page) stores per token."""
+        return self.groups * self.block_bytes // self.block_tokens
+
     def request_blocks(self, tokens: int, max_batched_tokens: int) -> int:
         """Blocks vLLM's start-up check reserves for one request of ``tokens`` tokens (its peak:
         a prefill of up to ``max_batched_tokens`` tokens in one step)."""

@@ -32,7 +32,12 @@ tiny Llama for a CPU smoke run (``--model tiny``). Token-id prompts, no tokenize
 architecture: 5 sliding-window layers of 1024 tokens to each full-attention one) and ``--model
 nemotronh`` (Nemotron-H-8B's shape: Mamba-2 layers with 4 attention layers, ``mamba_cache_mode``
 ``all``, 1,152-token blocks); their kvtier rows add ``kvtier_bytes_per_token``, bytes stored per
-cached token for each kind of KV cache group.
+cached token for each kind of KV cache group, and ``kvtier_bytes_per_token_ratio``, their sum over
+what a model of the same size with full attention in every layer that keeps a cache stores
+(``full_attention_bytes_per_token``). A hybrid model has its own ``--concurrency``, ``--requests``
+and ``--host-gib`` defaults (``vllm_bench_engine.RUN_DEFAULTS``: sized so that both kvtier's pool
+and vLLM's offloading hold the conversations between their turns), and the run prints (and keeps
+in the JSON as ``prediction``) the pool hits ``vllm_bench_hits`` predicts for kvtier and native.
 
 Workload: the demo's multi-turn conversations from the bundled trace (``kvtier.demo``: each
 turn re-sends the previous prompt and answer, then a new question), each demo token widened to
@@ -93,6 +98,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_bench_engine as eng
+import vllm_bench_hits as hits
 import vllm_grid as grid
 import vllm_grid_report as gr
 
@@ -319,8 +325,21 @@ def run_config(
         row["kvtier"] = kvtier_delta(before, after)
         row["kvtier_stats"] = after
         if "groups" in after:
-            row["kvtier_bytes_per_token"] = group_bytes_per_token(after)
+            per_kind = group_bytes_per_token(after)
+            row["kvtier_bytes_per_token"] = per_kind
+            if model.pool is not None:
+                row.update(bytes_ratio(per_kind, model.pool.full_attention_bytes_per_token))
     return row
+
+
+def bytes_ratio(per_kind: dict[str, float], full_attention: int) -> dict[str, float | int]:
+    """kvtier's bytes per cached token over all kinds of groups, and its ratio to a model of the
+    same size with full attention in every layer that keeps a cache."""
+    total = sum(per_kind.values())
+    return {
+        "full_attention_bytes_per_token": full_attention,
+        "kvtier_bytes_per_token_ratio": round(total / full_attention, 3) if full_attention else 0,
+    }
 
 
 def group_bytes_per_token(stats: dict[str, Any]) -> dict[str, float]:
@@ -436,6 +455,7 @@ def print_single(data: dict[str, Any]) -> None:
     for name in eng.CONFIGS:
         if name in configs:
             print(gr.table_row("-", name, configs[name], base))
+    hits.print_hybrid(data)
     print(f"checks (within {gr.TIE_BAND:.0%} a tie):")
     for check in gr.point_checks(data):
         if check.verdict is not gr.Verdict.MISSING:
@@ -456,6 +476,12 @@ def run_single(
     data = grid.load(out)
     prompts, summary = eng.build_point(settings, model, args.concurrency, args.requests)
     summary["host_gib"] = args.host_gib
+    if model.pool is not None:
+        convs = [[p for _t, p in turns] for _i, turns in prompts.by_conversation]
+        data["prediction"] = hits.summary(
+            convs, args.concurrency, model.pool, args.host_gib, settings.max_tokens
+        )
+        hits.print_hybrid({"prediction": data["prediction"]})
     if data.get("workload", {}).get("digest") not in (None, summary["digest"]):
         data["configs"] = {}  # rows of another request sequence do not pair with these
     data.update(model=model.name, workload=summary, machine=machine())
@@ -510,10 +536,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--configs", default=",".join(eng.CONFIGS))
     p.add_argument("--model", choices=["llama8b", "tiny", *eng.HYBRID_MODELS], default="llama8b")
-    p.add_argument("--host-gib", type=float, default=8.0)
+    p.add_argument("--host-gib", type=float, default=None, help="default 8 (see RUN_DEFAULTS)")
     p.add_argument("--fs-gib", type=float, default=None, help="default: the disk's safe size")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=160)
+    p.add_argument("--concurrency", type=int, default=None, help="default 16 (see RUN_DEFAULTS)")
+    p.add_argument("--requests", type=int, default=None, help="default 160 (see RUN_DEFAULTS)")
     p.add_argument("--turns", type=int, default=None, help="default 4 (grid: 5)")
     p.add_argument("--context-blocks", type=int, default=40)
     p.add_argument("--widen", type=int, default=4)
@@ -574,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         model = eng.make_model(args.model, workdir)
+        defaults = eng.RUN_DEFAULTS.get(args.model, eng.RunDefaults())
+        args.concurrency = args.concurrency or defaults.concurrency
+        args.requests = args.requests or defaults.requests
+        args.host_gib = args.host_gib or defaults.host_gib
         # The grid's 2 GiB is Llama-3.1-8B's; a hybrid model's default is sized from its pool.
         grid_gib = 2.0 if args.grid and model.pool is None else None
         settings = eng.Settings(
