@@ -130,19 +130,26 @@ def benchmark_sequence(
     return out
 
 
-def replay(requests: Sequence[TraceRequest], policy: EvictionPolicy, blocks: int) -> float:
-    """Hit ratio of ``requests`` through the real manager over a pool of ``blocks`` slots."""
+@contextmanager
+def _pool_cache(policy: EvictionPolicy, blocks: int) -> Iterator[tuple[TieredCache, HostPool]]:
+    """A host pool of ``blocks`` small slots and the real manager over it, closed after."""
     with tempfile.TemporaryDirectory(prefix="kvtier-pressure-") as shm:
         pool = HostPool.create(blocks, 64, shm)
         cache = TieredCache(pool, policy, record_events=False)
         try:
-            namespace = Namespace(model="pressure-bench", dtype="bf16", block_tokens=16)
-            result = Replayer(cache, pool, namespace).run(requests)
-            assert result.mismatched_blocks == 0
-            return result.hit_ratio
+            yield cache, pool
         finally:
             cache.close()
             pool.close()
+
+
+def replay(requests: Sequence[TraceRequest], policy: EvictionPolicy, blocks: int) -> float:
+    """Hit ratio of ``requests`` through the real manager over a pool of ``blocks`` slots."""
+    with _pool_cache(policy, blocks) as (cache, pool):
+        namespace = Namespace(model="pressure-bench", dtype="bf16", block_tokens=16)
+        result = Replayer(cache, pool, namespace).run(requests)
+        assert result.mismatched_blocks == 0
+        return result.hit_ratio
 
 
 # -- the engine's order: vLLM's recorded cache calls (module docstring) ----------------------------
@@ -319,14 +326,8 @@ def calls_requests(events: Sequence[Event]) -> list[TraceRequest]:
 
 def replay_calls(events: Sequence[Event], policy: EvictionPolicy, blocks: int) -> int:
     """Blocks a pool of ``blocks`` slots serves replaying the recorded calls (docstring)."""
-    with tempfile.TemporaryDirectory(prefix="kvtier-calls-") as shm:
-        pool = HostPool.create(blocks, 64, shm)
-        cache = TieredCache(pool, policy, record_events=False)
-        try:
-            return _replay_calls(events, cache)
-        finally:
-            cache.close()
-            pool.close()
+    with _pool_cache(policy, blocks) as (cache, _):
+        return _replay_calls(events, cache)
 
 
 def _replay_calls(events: Sequence[Event], cache: TieredCache) -> int:
