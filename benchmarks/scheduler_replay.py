@@ -18,9 +18,13 @@ kvtier with config keys set after ``+`` (``kvtier+vllm.async_loads=true``,
 ``kvtier+eviction=lru``). The fs tier is not emulated (its reads are real I/O on real threads).
 
 Prints a table per point (TTFT p50/p90/p99, mean, output tokens/s, prompt tokens cached, the
-time steps waited for synchronous loads) and, where ``--measured`` has the point, the measured
-row and the per-request TTFT correlation with it; then each kvtier row against native on issue
-24's figures (within 3% a tie). Writes the rows as JSON in the grid's shape (``--json``).
+time steps waited for synchronous loads; the JSON also has where requests waited before they
+were scheduled, ``queue_wait_ms`` by ``scheduler_replay_engine.WAIT_KINDS``) and, where
+``--measured`` has the point, the measured row and the per-request TTFT correlation with it;
+then each kvtier row against native on issue 24's figures (within 3% a tie). Writes the rows as
+JSON in the grid's shape (``--json``).
+``--hold EVERY:MS`` keeps every EVERY-th request sent (a later turn) out of vLLM for MS: the
+stalls of vLLM's fs tiering in the H100 grid, without its fs tier.
 
 It runs against the installed vLLM, or an unpacked wheel with ``--vllm-path``. The GPU grid runs
 vLLM 0.25.1; to replay with it (the wheel from the offline wheelhouse, ``.whl``)::
@@ -118,9 +122,15 @@ class Point:
 
 
 def run_config(
-    point: Point, spec: ConfigSpec, settings: eng.Settings, cost: replay.Cost, workdir: Path
+    point: Point,
+    spec: ConfigSpec,
+    settings: eng.Settings,
+    cost: replay.Cost,
+    workdir: Path,
+    hold: tuple[int, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One configuration at one point: its row (the grid's keys) and the workload summary."""
+    """One configuration at one point: its row (the grid's keys) and the workload summary;
+    ``hold``: ``replay.replay``'s."""
     model = eng.make_model("llama8b", workdir)
     prompts, summary = eng.build_point(settings, model, point.concurrency, point.requests)
     shape = rv.EngineShape(
@@ -136,7 +146,8 @@ def run_config(
     loop = replay.EngineLoop(engine, machine, worker)
     started = time.perf_counter()
     try:
-        done = replay.replay(loop, prompts.conversations(), point.concurrency, settings.max_tokens)
+        convs = prompts.conversations()
+        done = replay.replay(loop, convs, point.concurrency, settings.max_tokens, hold)
         counters = connector_counters(engine.connector)
     finally:
         if engine.connector is not None:
@@ -181,6 +192,8 @@ def row_of(
         "external_tokens": sum(s.external for s in done.served),
         "steps": done.steps,
         "sync_load_wait_ms": round(done.sync_wait_ms, 1),
+        "queue_wait_ms": {kind: round(ms) for kind, ms in done.waits_ms.items()},
+        "held_requests": done.held,
         "replay_s": round(elapsed, 1),
         "per_request": gr.per_request(records),
     }
@@ -289,6 +302,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--gpu-kv-gib", type=float, default=2.0)
     p.add_argument("--cost", default="", help="Cost fields, e.g. base_ms=7,load_gate=0")
+    p.add_argument(
+        "--hold",
+        default="",
+        help="EVERY:MS: every EVERY-th request sent, if a later turn, reaches vLLM MS later",
+    )
     p.add_argument("--vllm-path", type=Path, default=None, help="an unpacked vLLM wheel")
     p.add_argument("--measured", type=Path, default=MEASURED_JSON, help="the GPU grid's JSON")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
@@ -307,12 +325,27 @@ def settings_of(args: argparse.Namespace, workdir: Path) -> eng.Settings:
     )
 
 
+def parse_hold(text: str) -> tuple[int, float] | None:
+    """``--hold EVERY:MS`` (empty: None)."""
+    if not text:
+        return None
+    every, sep, ms = text.partition(":")
+    try:
+        hold = (int(every), float(ms))
+    except ValueError:
+        hold = (0, 0.0)
+    if not sep or hold[0] < 1 or hold[1] < 0:
+        raise ValueError(f"--hold {text!r}: expected EVERY:MS, EVERY >= 1")
+    return hold
+
+
 def run_points(
     points: list[Point],
     specs: list[ConfigSpec],
     settings: eng.Settings,
     cost: replay.Cost,
     measured: dict[str, Any],
+    hold: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
     """Every configuration at every point; prints each point's table as it ends."""
     out: dict[str, Any] = {}
@@ -320,7 +353,9 @@ def run_points(
         rows: dict[str, dict[str, Any]] = {}
         summary: dict[str, Any] = {}
         for spec in specs:
-            rows[spec.label], summary = run_config(point, spec, settings, cost, settings.workdir)
+            rows[spec.label], summary = run_config(
+                point, spec, settings, cost, settings.workdir, hold
+            )
             took = rows[spec.label]["replay_s"]
             print(f"  {point.key} {spec.label}: {took} s", file=sys.stderr)
         out[point.key] = {"workload": summary, "configs": rows}
@@ -339,18 +374,21 @@ def main(argv: list[str] | None = None) -> int:
             for g in grid.parse_points(args.points)
         ]
         cost = replay.parse_cost(args.cost)
+        hold = parse_hold(args.hold)
         version = rv.use_vllm(args.vllm_path)
     except (ValueError, RuntimeError) as exc:
         p.error(str(exc))
     out: dict[str, Any] = {
         "vllm": version,
         "cost": args.cost or "default",
+        "hold": args.hold or None,
         "date": grid.now_utc(),
         "commit": grid.git_commit(REPO),
     }
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
         settings = settings_of(args, Path(tmp))
-        out["points"] = run_points(points, specs, settings, cost, load_measured(args.measured))
+        measured = load_measured(args.measured)
+        out["points"] = run_points(points, specs, settings, cost, measured, hold)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0

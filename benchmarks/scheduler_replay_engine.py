@@ -20,6 +20,11 @@ STALL_MS = 600_000.0
 load that is never reported would otherwise keep the loop stepping forever)."""
 BLOCK_BYTES = 2 << 20
 """A Llama-3.1-8B block of 16 tokens, bf16, all 32 layers: what the real copy engines move."""
+WAIT_KINDS = ("first_waiting", "behind", "async_or_skipped")
+"""Where a request not yet scheduled waits (``EngineLoop.waits``): first of the WAITING requests
+in vLLM's queue (not scheduled: at the grid's points its blocks do not fit the free GPU blocks),
+behind such a request, or in ``skipped_waiting`` (an asynchronous load in flight, a deferred
+lookup)."""
 
 
 @dataclass(slots=True)
@@ -202,6 +207,30 @@ class EngineLoop:
         self.m = machine
         self.worker = worker
         self.queue: deque[tuple[float, Any, Any]] = deque()
+        self.waits = dict.fromkeys(WAIT_KINDS, 0.0)
+        """Milliseconds requests spent waiting, summed over requests, by ``WAIT_KINDS``."""
+        self._waiting: dict[str, str] = {}
+        self._since = 0.0
+
+    def _account_waits(self, scheduled: Any) -> None:
+        """Adds the time since the last step to each request that step left waiting, and notes
+        where the requests this step leaves unscheduled wait (``WAIT_KINDS``)."""
+        now, sched = self.m.cpu, self.engine.scheduler
+        for kind in self._waiting.values():
+            self.waits[kind] += now - self._since
+        self._since = now
+        where: dict[str, str] = {}
+        for req in sched.waiting:
+            if req.status.name != "WAITING":
+                where[req.request_id] = "async_or_skipped"
+            else:
+                first = "first_waiting" not in where.values()
+                where[req.request_id] = "first_waiting" if first else "behind"
+        for req in getattr(sched, "skipped_waiting", ()):
+            where[req.request_id] = "async_or_skipped"
+        for req_id in scheduled:
+            where.pop(req_id, None)
+        self._waiting = where
 
     def _execute(self, so: Any) -> tuple[float, Any]:
         """The worker's and the GPU's part of a step; when its outputs are ready, and them."""
@@ -243,6 +272,7 @@ class EngineLoop:
         sched, m = self.engine.scheduler, self.m
         if sched.has_requests():
             so = sched.schedule()
+            self._account_waits(so.num_scheduled_tokens)
             m.cpu += m.cost.schedule_ms
             ready, output = self._execute(so)
             self.queue.appendleft((ready, output, so))
@@ -282,12 +312,29 @@ class Replayed:
     steps: int
     sync_wait_ms: float
     output_tokens: int
+    waits_ms: dict[str, float] = field(default_factory=dict)
+    """``EngineLoop.waits``."""
+    held: int = 0
+    """Requests held back (``replay``'s ``hold``)."""
 
 
-def replay(loop: EngineLoop, convs: list[Any], concurrency: int, max_tokens: int) -> Replayed:
+def replay(
+    loop: EngineLoop,
+    convs: list[Any],
+    concurrency: int,
+    max_tokens: int,
+    hold: tuple[int, float] | None = None,
+) -> Replayed:
     """Keep ``concurrency`` conversations in flight, as ``vllm_gpu_bench.drive`` does: a
-    conversation's next turn is sent when its previous one ends."""
+    conversation's next turn is sent when its previous one ends.
+
+    ``hold`` = (every, ms): every ``every``-th request sent, when it is a later turn, reaches vLLM
+    ``ms`` later (its TTFT counts from when it was sent; it holds no GPU block meanwhile), as a
+    slow tier read before the engine allocates would keep it (what vLLM's fs tiering's stalls
+    look like in the H100 grid)."""
     engine, m = loop.engine, loop.m
+    held: list[tuple[float, Any]] = []
+    sent_count = [0, 0]  # requests sent, of them held
     params = rv.sampling_params(max_tokens)
     pending = deque(convs)
     active: dict[str, tuple[Any, float, int]] = {}
@@ -298,12 +345,23 @@ def replay(loop: EngineLoop, convs: list[Any], concurrency: int, max_tokens: int
     def submit(conv: Any) -> None:
         req_id, tokens = conv.next_request()
         active[req_id] = (conv, m.cpu, len(tokens))
-        engine.scheduler.add_request(rv.make_request(engine, req_id, tokens, params, m.cpu))
+        request = rv.make_request(engine, req_id, tokens, params, m.cpu)
+        sent_count[0] += 1
+        if hold is not None and sent_count[0] % hold[0] == 0 and not req_id.endswith(".t1"):
+            sent_count[1] += 1
+            held.append((m.cpu + hold[1], request))
+        else:
+            engine.scheduler.add_request(request)
 
     while pending and len(active) < concurrency:
         submit(pending.popleft())
     progress_at = m.cpu
     while active:
+        if held and not loop.busy:
+            m.cpu = max(m.cpu, min(due for due, _ in held))
+        for item in [h for h in held if h[0] <= m.cpu]:
+            held.remove(item)
+            engine.scheduler.add_request(item[1])
         outputs = loop.step()
         m.cpu += m.cost.driver_ms
         if m.cpu - progress_at > STALL_MS:
@@ -332,4 +390,12 @@ def replay(loop: EngineLoop, convs: list[Any], concurrency: int, max_tokens: int
                 submit(conv)
             elif pending:
                 submit(pending.popleft())
-    return Replayed(served, m.cpu / 1e3, m.steps, m.sync_wait_ms, len(served) * max_tokens)
+    return Replayed(
+        served,
+        m.cpu / 1e3,
+        m.steps,
+        m.sync_wait_ms,
+        len(served) * max_tokens,
+        dict(loop.waits),
+        sent_count[1],
+    )

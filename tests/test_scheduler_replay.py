@@ -84,6 +84,14 @@ def test_machine_waits_for_synchronous_loads_behind_the_gpu(engine_mod: ModuleTy
     assert [j.request_id for j in ungated.ended()] == ["r"] and not ungated.jobs
 
 
+def test_hold_parses_every_and_milliseconds(sr: ModuleType) -> None:
+    assert sr.parse_hold("12:9000") == (12, 9000.0)
+    assert sr.parse_hold("") is None
+    for bad in ("12", "0:100", "x:1", "3:-1"):
+        with pytest.raises(ValueError, match="EVERY:MS"):
+            sr.parse_hold(bad)
+
+
 def test_against_native_ties_within_three_percent(sr: ModuleType) -> None:
     native = _row(200, 600, 1000, 300.0, 100_000)
     ok, cells = sr.against_native(_row(205, 590, 1000, 295.0, 98_000), native)
@@ -123,7 +131,9 @@ def tiny(sr: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
     rv.use_vllm(None)
     workdir = tmp_path_factory.mktemp("replay")
 
-    def run(config: str, gpu_kv_gib: float, host_gib: float = 1.0) -> tuple[Any, Any]:
+    def run(
+        config: str, gpu_kv_gib: float, host_gib: float = 1.0, hold: Any = None
+    ) -> tuple[Any, Any]:
         settings = eng.Settings(
             turns=3,
             context_blocks=6,
@@ -134,7 +144,7 @@ def tiny(sr: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
             workdir=workdir,
         )
         point = sr.Point(f"2x{host_gib:g}", 2, host_gib, 8)
-        return sr.run_config(point, sr.parse_config(config), settings, Cost(), workdir)
+        return sr.run_config(point, sr.parse_config(config), settings, Cost(), workdir, hold)
 
     return run
 
@@ -176,3 +186,19 @@ def test_kvtier_loads_what_the_gpu_lost(tiny: Any, mode: str) -> None:
         assert row["sync_load_wait_ms"] > 0
     elif mode.endswith("true"):
         assert row["sync_load_wait_ms"] == 0
+
+
+@require.unless("vllm", require.vllm_missing())
+def test_waits_by_cause_and_held_requests(tiny: Any, engine_mod: ModuleType) -> None:
+    row, _ = tiny("none", GPU_TIGHT)
+    waits = row["queue_wait_ms"]
+    assert set(waits) == set(engine_mod.WAIT_KINDS) and row["held_requests"] == 0
+    # Two requests in flight that the GPU cache holds one at a time: one waits first in line.
+    assert waits["first_waiting"] > 0
+    ttfts = [r[1] for r in row["per_request"]["rows"]]
+    assert max(ttfts) < 500
+    held, _ = tiny("none", GPU_ROOMY, hold=(2, 500.0))
+    # Every second request sent, if a later turn, reaches vLLM 500 ms late (TTFT from sending).
+    n = held["held_requests"]
+    assert n > 0 and sum(r[1] >= 500 for r in held["per_request"]["rows"]) == n
+    assert all(r[0].rsplit(".t", 1)[1] != "1" for r in held["per_request"]["rows"] if r[1] >= 500)
