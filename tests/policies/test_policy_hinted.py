@@ -29,8 +29,9 @@ def request(start: int, n: int) -> list[bytes]:
 
 
 def store(policy: HintedPolicy, keys: list[bytes]) -> None:
+    """Store a request's blocks as ``TieredCache.complete_store`` does: deepest first."""
     policy.evict(max(0, len(policy) + len(keys) - policy.capacity), set())
-    for k in keys:
+    for k in reversed(keys):
         policy.insert(k)
 
 
@@ -131,7 +132,7 @@ def test_a_block_stored_again_after_its_eviction_or_hit_is_not_ranked() -> None:
     nxt = learn(policy, 40)
     keys = request(nxt, 2)
     store(policy, keys)
-    assert policy.evict(len(policy), set())[-2:] == keys  # into the ghost history
+    assert policy.evict(len(policy), set())[-2:] == keys[::-1]  # into the ghost history
     store(policy, keys)
     policy.on_request(keys, RequestHint(0, 500))
     assert not policy._dead  # a second use: its reuse is known
@@ -227,8 +228,8 @@ def test_blocks_hinted_before_their_store_are_ranked_when_stored() -> None:
     policy.on_request(short, RequestHint(0, 8))
     store(policy, long_)
     store(policy, short)
-    assert list(policy._dead)[-3:] == long_
-    assert policy.coldest(len(policy))[-3:] == short
+    assert policy.coldest(len(policy))[-3:] == short[::-1]  # stored deepest first
+    assert list(policy._dead)[-3:] == long_  # ranked in the request's order
     assert not policy._unranked and not policy._early
 
 
@@ -249,7 +250,7 @@ def test_a_late_hint_finds_its_blocks_where_lru_kept_them() -> None:
             hinted, out = queue.pop(0)
             policy.on_request(hinted, RequestHint(0, out))
             assert all((k in policy._dead) == (out == 500) for k in hinted)
-    orphans = [k for keys, _ in queue for k in keys]
+    orphans = [k for keys, _ in queue for k in reversed(keys)]
     assert policy.coldest(len(policy))[-len(orphans) :] == orphans
     assert len(policy) == len(policy.coldest(1000)) <= policy.capacity
 
@@ -343,3 +344,41 @@ def test_ranking_a_request_decides_as_ranking_each_block(monkeypatch: pytest.Mon
             policy.evict(drop, set())
         assert fast.coldest(400) == slow.coldest(400), r
     assert len(fast._dead) > 0  # some blocks were demoted
+
+
+class RankedWhenStored(HintedPolicy):
+    """A block hinted before its store ranked as it is stored (as first written)."""
+
+    def insert(self, key: bytes) -> None:
+        super().insert(key)
+        if self._pending:
+            self._rank_pending()
+
+
+def test_blocks_hinted_before_their_store_are_ranked_in_their_request_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The manager stores a run deepest first. Blocks hinted before their store are ranked in
+    their request's order all the same (as when each was ranked as it was stored, first to
+    last): each followed block lowers its class's rate, and ranked as they come, a class that
+    fell below the mark halfway through a run had its leading blocks demoted, which left the
+    deeper ones useless (evicted later, never hit without them)."""
+    monkeypatch.setattr(reuse_rates_module, "MIN_FOLLOWED", 64)
+    rng = random.Random(3)
+    in_order, deepest_first = RankedWhenStored(300), HintedPolicy(300)
+    nxt, demoted = 0, 0
+    for r in range(600):
+        n, drop, output = rng.randrange(1, 40), rng.randrange(8), rng.choice([None, 8, 300])
+        keys = [key(nxt + i, sampled=i % 3 > 0) for i in range(n)]
+        nxt += n
+        for policy, order in ((in_order, keys), (deepest_first, keys[::-1])):
+            policy.on_request(keys, RequestHint(0, output))  # the hint comes first
+            policy.evict(max(0, len(policy) + n - policy.capacity), set())
+            for k in order:
+                policy.insert(k)
+            if output == 8:
+                policy.on_request(keys, RequestHint(n, output))
+            policy.evict(drop, set())
+        assert set(in_order._dead) == set(deepest_first._dead), r
+        demoted = max(demoted, len(in_order._dead))
+    assert demoted > 0

@@ -24,7 +24,7 @@ from kvtier.sim.trace import bundled_trace_path, read_trace
 def reference_lru(requests: Iterable[Sequence[int]], capacity: int) -> tuple[int, int, int]:
     """(hit blocks, stored blocks, all blocks): a hit is the leading run of ids present; then every
     id of the request is stored: present ones are touched, missing ones inserted, each evicting
-    the least recently used id when full."""
+    the least recently used id when full; both deepest first, as the manager does."""
     lru: OrderedDict[int, None] = OrderedDict()
     hits = stored = total = 0
     for ids in requests:
@@ -34,7 +34,7 @@ def reference_lru(requests: Iterable[Sequence[int]], capacity: int) -> tuple[int
                 break
             hits += 1
         missing = []
-        for h in ids:
+        for h in reversed(ids):
             if h in lru:
                 lru.move_to_end(h)
             else:
@@ -120,7 +120,7 @@ def test_acceptance_lru_4000_blocks_on_bundled_trace() -> None:
     expected_hits, expected_stored, total = reference_lru(trace_ids(), 4000)
     assert (result.requests, result.blocks) == (3993, total) == (3993, 121877)
     assert result.hit_blocks == expected_hits
-    assert result.hit_ratio == pytest.approx(0.2302, abs=0.001)
+    assert result.hit_ratio == pytest.approx(0.2345, abs=0.001)
     assert_consistent(result)
     assert by_tier(result) == {"pool": expected_hits}
     assert result.stored_blocks == expected_stored
@@ -149,16 +149,16 @@ def test_arc_runs_clean_and_differs_from_lru() -> None:
 
 
 def test_hand_computed_lru(tmp_path: Path) -> None:
-    # cap 4: [1,2] miss; [1,2,3] hits 1,2; [4,5] evicts 1; [1,2] misses (1 is gone) and, storing 1,
-    # evicts 3 (2 was just touched).
+    # cap 4, a request's blocks touched and stored deepest first: [1,2] miss (LRU order 2 1);
+    # [1,2,3] hits 1,2 (2 1 3); [4,5] evicts 2 (1 3 5 4); [1,2] hits 1 and, storing 2, evicts 3.
     trace = write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 2, 3], [4, 5], [1, 2]])
     result = run(trace, pool_blocks=4, eviction="lru")
-    assert (result.requests, result.blocks, result.hit_blocks) == (4, 9, 2)
+    assert (result.requests, result.blocks, result.hit_blocks) == (4, 9, 2 + 1)
     assert result.stored_blocks == 2 + 1 + 2 + 1
     assert result.tiers[0].evictions == 2
-    # 4 lookups + 4 prepare/complete_store + 4 hint_request + one prepare/complete_load for the
+    # 4 lookups + 4 prepare/complete_store + 4 hint_request + one prepare/complete_load for each
     # request with hits
-    assert result.manager_ops == 4 + 8 + 4 + 2
+    assert result.manager_ops == 4 + 8 + 4 + 2 * 2
     assert_consistent(result)
 
 

@@ -175,7 +175,9 @@ class TieredCache(CacheReports):
         for key in found[held:] if held else found:
             pins[key] = pins.get(key, 0) + 1
             loading[key] = loading.get(key, 0) + 1
-        for key in found:  # the policy reads no pins: touched after pinning, in order
+        # The policy reads no pins: touched after pinning, deepest first (the eviction order
+        # takes a prefix's tail before its head: a tail without its head is never hit).
+        for key in reversed(found):
             access(key)
         if owner is not None:
             self.forget(owner)
@@ -217,9 +219,9 @@ class TieredCache(CacheReports):
                 pins[key] = pinned - 1
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        """Mark visible keys as recently used."""
+        """Mark visible keys as recently used, deepest first (``prepare_load``)."""
         index, access = self._index, self._policy.access
-        for key in keys:
+        for key in reversed(keys):
             if key in index:
                 access(key)
 
@@ -243,11 +245,12 @@ class TieredCache(CacheReports):
         index, inflight = self._index, self._inflight
         access = self._policy.access
         todo: list[BlockKey] = []
-        for key in keys:
+        for key in reversed(keys):  # touched deepest first (``prepare_load``)
             if key in index:
                 access(key)
             elif key not in inflight:
                 todo.append(key)
+        todo.reverse()
         counters = self._counters
         counters.store_skipped_present += len(keys) - len(todo)
         if not todo:
@@ -269,7 +272,8 @@ class TieredCache(CacheReports):
         promoting = self._promoting
         stored: list[BlockKey] = []
         failed_slots: list[int] = []
-        for key, good in zip(keys, oks, strict=True):
+        # Inserted deepest first, as loads touch (``prepare_load``); published in order.
+        for key, good in zip(reversed(keys), reversed(oks), strict=True):
             if promoting and key in promoting:
                 continue  # not the caller's reservation
             slot = inflight.pop(key, None)
@@ -281,6 +285,7 @@ class TieredCache(CacheReports):
                 stored.append(key)
             else:
                 failed_slots.append(slot)
+        stored.reverse()
         if failed_slots:
             self._pool.free(failed_slots)
             self._counters.store_failed += len(failed_slots)
@@ -514,7 +519,10 @@ class TieredCache(CacheReports):
         free: list[int] = []
         now = self._clock()
         self._read_ended(job, now, busy_s)
-        for key, slot, good in zip(job.keys, job.slots, ok, strict=True):
+        # Inserted deepest first, as loads touch (``prepare_load``).
+        for key, slot, good in zip(
+            reversed(job.keys), reversed(job.slots), reversed(ok), strict=True
+        ):
             inflight.pop(key, None)
             promoting.discard(key)
             if good:
