@@ -380,3 +380,25 @@ def test_early_copies_in_flight_never_pin_more_than_the_window(ns, make_pool):
     cache.step()  # the copies ended: the window has room again
     assert cache.stats().pool_pinned == 4
     assert sum(len(job.keys) for job in tier.submitted) == 8
+
+
+class RefusingPolicy(LRUPolicy):
+    """Refuses every store that needs an eviction (as ``hinted`` does under pressure)."""
+
+    def admit_store(self, n: int, free: int) -> int:
+        return min(n, free)
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_the_policy_refuses_stores_only_without_a_tier_below(ns, make_pool, tiered):
+    pool = make_pool(4)
+    tier = ScriptedTier("disk", ns, pool)
+    tiers = [TierBinding(tier, WriteMode.THROUGH)] if tiered else []
+    cache = TieredCache(pool, RefusingPolicy(), tiers)
+    store(cache, keys_for(ns, 4, seed=1))
+    tier.release()  # the tier has them: evicting them frees their slots at once
+    cache.step()
+    stored = store(cache, keys_for(ns, 2, seed=2))
+    # With a tier below, the evicted blocks are kept there; a refused block is lost to both.
+    assert len(stored) == (2 if tiered else 0)
+    assert cache.stats().cache.store_skipped_admission == (0 if tiered else 2)

@@ -237,10 +237,9 @@ class TieredCache(CacheReports):
         """Reserve slots for the keys not yet present or in flight.
 
         Keys already visible are touched instead. With an admission filter, a key is reserved only
-        on its ``min_seen``-th offer; keys beyond the free slots only as far as the policy's
-        ``admit_store`` allows (``cache/admitting.py``). When the pool cannot free enough unpinned
-        slots, the leading keys get the slots there are. Every returned key must later be passed
-        to ``complete_store``.
+        on its ``min_seen``-th offer; without a tier below, keys beyond the free slots only as far
+        as the policy's ``admit_store`` allows (``cache/admitting.py``). Where the pool cannot free
+        enough unpinned slots the leading keys get the slots there are; each to ``complete_store``.
         """
         index, inflight = self._index, self._inflight
         access = self._policy.access
@@ -257,7 +256,8 @@ class TieredCache(CacheReports):
             return StoreReservation([], [])
         if len(todo) > 1 and len(set(todo)) != len(todo):
             todo = list(dict.fromkeys(todo))
-        todo = admit_new(todo, self._admission, self._policy, self._pool.num_free, counters)
+        free, tiered = self._pool.num_free, bool(self._tiers)
+        todo = admit_new(todo, self._admission, self._policy, free, counters, tiered)
         slots = self._reserve(len(todo))
         if len(slots) < len(todo):
             counters.store_skipped_full += len(todo) - len(slots)
