@@ -461,12 +461,14 @@ def kvtier_config(
     stats_path: Path,
     eviction: str = DEFAULT_EVICTION,
     fs_tier: bool = True,
+    promotion_costs: bool = True,
 ) -> dict[str, Any]:
     """The embedded default: a host pool (evicting by ``eviction``) and an fs tier
-    (write-through) in ``workdir/fs``; without ``fs_tier`` the host pool alone."""
+    (write-through) in ``workdir/fs``; without ``fs_tier`` the host pool alone.
+    ``promotion_costs``: ``pool.promotion_costs``."""
     tiers = [{"kind": "fs", "path": str(workdir / "fs"), "capacity": "8GiB"}] if fs_tier else []
     return {
-        "pool": {"size": pool_bytes},
+        "pool": {"size": pool_bytes, "promotion_costs": promotion_costs},
         "eviction": eviction,
         "tiers": tiers,
         "vllm": {"stats_path": str(stats_path)},
