@@ -118,12 +118,18 @@ def order(turns: Sequence[int], concurrency: int) -> list[int]:
     return schedule(trace, concurrency)
 
 
-def kvtier_request(pool: LRU, groups: Groups, chain: list[int], tokens: int, block: int) -> int:
-    """One request through kvtier's pool: the blocks it resumes at."""
+def full_hits(pool: LRU, groups: Groups, chain: list[int], tokens: int, block: int) -> int:
+    """The leading blocks every full-attention group has (at least one token left to compute)."""
     limit = min((tokens - 1) // block, len(chain))
     hit = 0
     while hit < limit and all((g, chain[hit]) in pool for g in groups.full):
         hit += 1
+    return hit
+
+
+def kvtier_request(pool: LRU, groups: Groups, chain: list[int], tokens: int, block: int) -> int:
+    """One request through kvtier's pool: the blocks it resumes at."""
+    hit = full_hits(pool, groups, chain, tokens, block)
     tails = groups.tails(block, native=False)
     end = hit
     while end > 0:
@@ -150,10 +156,7 @@ def native_request(
 ) -> int:
     """One request through vLLM's OffloadingConnector (LRU CPU tier): the blocks it resumes at.
     ``junk``: chain ids for its generated tokens' blocks (never looked up again)."""
-    limit = min((tokens - 1) // block, len(chain))
-    hit = 0
-    while hit < limit and all((g, chain[hit]) in pool for g in groups.full):
-        hit += 1
+    hit = full_hits(pool, groups, chain, tokens, block)
     tails = groups.tails(block, native=True)
     changed = True
     while changed and hit > 0:
