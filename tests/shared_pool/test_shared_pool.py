@@ -164,6 +164,31 @@ def test_a_quota_makes_an_engine_evict_its_own_blocks_first(tmp_path):
         pool.close()
 
 
+class _OneSlotSampler:
+    """Draws only one slot: the worst a random sample of the pool can do."""
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+
+    def integers(self, low: int, high: int, size: int) -> np.ndarray:
+        return np.full(size, self.slot, dtype=np.int64)
+
+
+def test_a_pool_no_larger_than_the_sample_evicts_its_least_recently_used_block(tmp_path):
+    pool, cache = open_cache(str(tmp_path), 4)
+    blocks = [prompt_keys(12 + i, 1)[0] for i in range(4)]
+    for block in blocks:  # one by one: each a later last use
+        cache.complete_store(cache.prepare_store([block]).keys, True)
+    cache.touch(blocks[:1])  # the first block is now the most recently used
+    newest = int(table.visible(cache.index.a, table.keys_array(blocks[:1]))[0])
+    cache.index._rng = _OneSlotSampler(newest)
+    cache.complete_store(cache.prepare_store(prompt_keys(20, 1)).keys, True)
+    assert cache.lookup(blocks[:1]).hits == 1  # the sample's only block survived
+    assert cache.lookup(blocks[1:2]).hits == 0  # the least recently used went
+    cache.close()
+    pool.close()
+
+
 def test_a_stopped_lock_holder_costs_a_miss_within_the_timeout_never_a_hang(two):
     (pool_a, a), (_, b) = two
     keys = prompt_keys(11, 2)

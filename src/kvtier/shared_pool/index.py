@@ -178,10 +178,13 @@ class SharedIndex(LockedIndex):
         """Free ``n`` visible unpinned slots, the least recently used of a random sample of
         ``EVICT_SAMPLE`` per block (a scan of the whole pool under the lock cost 5 ms at 65,536
         slots; the sample keeps it proportional to ``n``), all of them when the sample has too
-        few."""
+        few or would be as large as the pool."""
         a = self.a
-        sample = np.unique(self._rng.integers(0, self.num_slots, EVICT_SAMPLE * n))
-        candidates = self._evictable(sample)
+        draws = EVICT_SAMPLE * n
+        if draws >= self.num_slots:  # a sample as large as the pool may still miss the oldest
+            candidates = self._evictable(np.arange(self.num_slots))
+        else:
+            candidates = self._evictable(np.unique(self._rng.integers(0, self.num_slots, draws)))
         if candidates.size < n:
             candidates = self._evictable(np.arange(self.num_slots))
         if candidates.size > n:
