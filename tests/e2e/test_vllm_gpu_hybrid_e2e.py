@@ -1,11 +1,14 @@
 """End to end on an NVIDIA GPU: hybrid models through vLLM's hybrid KV cache manager with kvtier
-(vLLM's CUDA build, the CUDA copy backend), in vLLM's batch-invariant mode.
+(vLLM's CUDA build, the CUDA copy backend).
 
-* A tiny Gemma-2 (sliding-window and full-attention layers, ``hybrid_models.write_tiny_gemma2``).
+* A tiny Gemma-2 (sliding-window and full-attention layers, ``hybrid_models.write_tiny_gemma2``),
+  in vLLM's batch-invariant mode.
 * A tiny Nemotron-H (Mamba-2 layers with attention and MLP layers,
   ``hybrid_models.write_tiny_nemotron_h``), run where vLLM keeps its Mamba states in
   ``mamba_cache_mode`` ``all`` (0.25.1 picks it with prefix caching; 0.32 has ``align`` only,
-  which kvtier does not serve: skipped there).
+  which kvtier does not serve: skipped there). vLLM 0.25.1 refuses batch-invariant mode for
+  Mamba-2 layers ("not supported for MAMBA2_ATTN"), so each prompt runs alone instead: every
+  step then has the same shapes with and without kvtier.
 
 Every round compares greedy outputs token for token with vLLM alone (no connector) running the
 same rounds: a round after a reset of vLLM's prefix cache is served by kvtier's loads, the same
@@ -29,7 +32,7 @@ pytestmark = [
     require.unless("gpu", GPU_MISSING),
     pytest.mark.timeout(900),
 ]
-GPU_ENV = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+GPU_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 if GPU_MISSING is None:
     from e2e import hybrid_models as models
@@ -82,10 +85,20 @@ def _kinds(groups: list[str]) -> list[str]:
     return [g.split("(")[0] for g in groups]
 
 
-def _rounds(model: Path, stats: Path | None) -> tuple[list[list[list[int]]], dict[str, Any]]:
+def _generate(llm: Any, prompts: list[list[int]], batch_invariant: bool) -> list[list[int]]:
+    if batch_invariant:
+        return h.generate_ids(llm, prompts, max_tokens=16)
+    return [h.generate_ids(llm, [p], max_tokens=16)[0] for p in prompts]
+
+
+def _rounds(
+    model: Path, stats: Path | None, batch_invariant: bool
+) -> tuple[list[list[list[int]]], dict[str, Any]]:
     """The long prompts cold, again after a prefix-cache reset (vLLM alone: again from its own
-    prefix cache), then the shared prompt after another reset (vLLM alone: from its cache)."""
-    llm = _engine(model, stats)
+    prefix cache), then the shared prompt after another reset (vLLM alone: from its cache).
+    Without ``batch_invariant`` each prompt is generated alone."""
+    with h.scoped_env({"VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"}):
+        llm = _engine(model, stats)
     try:
         config = llm.llm_engine.vllm_config
         info = {
@@ -94,13 +107,13 @@ def _rounds(model: Path, stats: Path | None) -> tuple[list[list[list[int]]], dic
             "groups": _vllm_groups(llm),
         }
         reset = stats is not None
-        out = [h.generate_ids(llm, LONG, max_tokens=16)]
+        out = [_generate(llm, LONG, batch_invariant)]
         if reset:
             assert h.reset_prefix_cache(llm)
-        out.append(h.generate_ids(llm, LONG, max_tokens=16))
+        out.append(_generate(llm, LONG, batch_invariant))
         if reset:
             assert h.reset_prefix_cache(llm)
-        out.append(h.generate_ids(llm, SHARED, max_tokens=16))
+        out.append(_generate(llm, SHARED, batch_invariant))
         if stats is not None:
             jobs.flush_stats(llm)
     finally:
@@ -119,12 +132,12 @@ def nemotron_h(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sliding_window_model_identical_with_hits(gemma2: Path, tmp_path: Path) -> None:
-    reference, alone = _rounds(gemma2, None)
+    reference, alone = _rounds(gemma2, None, batch_invariant=True)
     # Two groups of two layers: the sliding layers (0, 2) first, then the full ones (1, 3).
     expected = ["SlidingWindowSpec", "FullAttentionSpec"]
     assert _kinds(alone["groups"]) == expected, f"vLLM alone built {alone['groups']}"
     assert f"sliding_window={models.GEMMA2_WINDOW}" in alone["groups"][0], alone["groups"]
-    ours, info = _rounds(gemma2, tmp_path / "stats.json")
+    ours, info = _rounds(gemma2, tmp_path / "stats.json", batch_invariant=True)
     assert info["hybrid_off"] is False
     assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
     assert ours == reference
@@ -136,7 +149,7 @@ def test_sliding_window_model_identical_with_hits(gemma2: Path, tmp_path: Path) 
 
 
 def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path) -> None:
-    reference, alone = _rounds(nemotron_h, None)
+    reference, alone = _rounds(nemotron_h, None, batch_invariant=False)
     if alone["mode"] != "all":
         pytest.skip(f"vLLM keeps Mamba states in mode {alone['mode']!r} here (kvtier: 'all')")
     # Groups of two layers: the Mamba layers (0, 2, 4) in two groups, one padded, the
@@ -146,7 +159,7 @@ def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path
     )
     states = [g for g in alone["groups"] if g.startswith("MambaSpec")]
     assert all("mamba_cache_mode='all'" in g for g in states), alone["groups"]
-    ours, info = _rounds(nemotron_h, tmp_path / "stats.json")
+    ours, info = _rounds(nemotron_h, tmp_path / "stats.json", batch_invariant=False)
     assert info["hybrid_off"] is False
     assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
     assert ours == reference
