@@ -9,6 +9,8 @@
   which kvtier does not serve: skipped there). vLLM 0.25.1 refuses batch-invariant mode for
   Mamba-2 layers ("not supported for MAMBA2_ATTN"), so each prompt runs alone instead: every
   step then has the same shapes with and without kvtier.
+* Released architectures with dummy weights, as the GPU benchmark builds them: Gemma-3-12B's text
+  model (batch-invariant) and Nemotron-H-8B (each prompt alone), with every group kind hit.
 
 Every round compares greedy outputs token for token with vLLM alone (no connector) running the
 same rounds: a round after a reset of vLLM's prefix cache is served by kvtier's loads, the same
@@ -18,12 +20,15 @@ loads and stores per group come from kvtier's stats file. Skipped without a CUDA
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support import require
+from support.scripts import REPO
 
 GPU_MISSING = require.vllm_missing() or require.cuda_missing()
 pytestmark = [
@@ -39,12 +44,50 @@ if GPU_MISSING is None:
     from e2e import vllm_harness as h
     from e2e import vllm_jobs as jobs
 
-KV_CACHE_BYTES = 64 << 20
-LONG = [h.prompt_tokens(1000, seed=900 + i) for i in range(2)] if GPU_MISSING is None else []
-"""Two prompts that end inside a block (1000 tokens: 3 Nemotron-H blocks of 256 and 232 tokens,
-31 Gemma-2 blocks of 32 and 8)."""
-SHARED = [LONG[0][:900] + h.prompt_tokens(200, seed=950)] if GPU_MISSING is None else []
-"""Shares 3 Nemotron-H blocks (768 tokens) and 28 Gemma-2 blocks with the first long prompt."""
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """How one model runs: vLLM's KV cache, kvtier's pool, the prompts and the batching."""
+
+    long: list[list[int]]
+    """Two prompts, run together (or one by one), cold and again after a prefix-cache reset."""
+    shared: list[list[int]]
+    """A prompt sharing a prefix with the first long one, after another reset."""
+    batch_invariant: bool
+    """vLLM's batch-invariant mode; without it each prompt is generated alone."""
+    kv_cache_bytes: int = 64 << 20
+    pool_size: str = "64MiB"
+    max_model_len: int = 2048
+
+
+def _case(long_tokens: int, shared_tokens: int, batch_invariant: bool, **sizes: Any) -> Case:
+    if GPU_MISSING is not None:
+        return Case([], [], batch_invariant)
+    long = [h.prompt_tokens(long_tokens, seed=900 + i) for i in range(2)]
+    shared = [long[0][:shared_tokens] + h.prompt_tokens(200, seed=950)]
+    return Case(long, shared, batch_invariant, **sizes)
+
+
+TINY_GEMMA2 = _case(1000, 900, batch_invariant=True)
+"""Prompts ending inside a block: 1000 tokens are 31 Gemma-2 blocks of 32 and 8; the shared
+prompt shares 28 blocks."""
+TINY_NEMOTRON_H = _case(1000, 900, batch_invariant=False)
+"""1000 tokens are 3 Nemotron-H blocks of 256 and 232; the shared prompt shares 3 blocks."""
+RELEASED = {
+    # 3,000 tokens: 187 Gemma-3 blocks of 16; 2 Nemotron-H-8B blocks of 1,152 (vLLM's 'all'
+    # mode grows its attention block until a page holds a Mamba state), shared: 2 of each.
+    "gemma3": _case(3000, 2600, batch_invariant=True, kv_cache_bytes=2 << 30, pool_size="4GiB"),
+    "nemotronh": _case(
+        3000,
+        2600,
+        batch_invariant=False,
+        kv_cache_bytes=2 << 30,
+        pool_size="4GiB",
+        max_model_len=4608,
+    ),
+}
+"""Released architectures (``benchmarks/vllm_bench_engine.HYBRID_MODELS``: Gemma-3-12B,
+Nemotron-H-8B), dummy weights."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,14 +96,17 @@ def gpu_env() -> Iterator[None]:
         yield
 
 
-def _engine(model: Path, stats: Path | None) -> Any:
-    config = None if stats is None else jobs.transfer_config(jobs.kvtier_config(stats))
+def _engine(model: Path, stats: Path | None, case: Case) -> Any:
+    config = None
+    if stats is not None:
+        config = jobs.transfer_config(jobs.kvtier_config(stats, pool_size=case.pool_size))
     return h.build_llm(
         model,
         kv_transfer_config=config,
         multiprocessing=False,
         gpu=True,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        kv_cache_memory_bytes=case.kv_cache_bytes,
+        max_model_len=case.max_model_len,
     )
 
 
@@ -85,20 +131,19 @@ def _kinds(groups: list[str]) -> list[str]:
     return [g.split("(")[0] for g in groups]
 
 
-def _generate(llm: Any, prompts: list[list[int]], batch_invariant: bool) -> list[list[int]]:
-    if batch_invariant:
+def _generate(llm: Any, prompts: list[list[int]], case: Case) -> list[list[int]]:
+    if case.batch_invariant:
         return h.generate_ids(llm, prompts, max_tokens=16)
     return [h.generate_ids(llm, [p], max_tokens=16)[0] for p in prompts]
 
 
 def _rounds(
-    model: Path, stats: Path | None, batch_invariant: bool
+    model: Path, stats: Path | None, case: Case
 ) -> tuple[list[list[list[int]]], dict[str, Any]]:
     """The long prompts cold, again after a prefix-cache reset (vLLM alone: again from its own
-    prefix cache), then the shared prompt after another reset (vLLM alone: from its cache).
-    Without ``batch_invariant`` each prompt is generated alone."""
-    with h.scoped_env({"VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"}):
-        llm = _engine(model, stats)
+    prefix cache), then the shared prompt after another reset (vLLM alone: from its cache)."""
+    with h.scoped_env({"VLLM_BATCH_INVARIANT": "1" if case.batch_invariant else "0"}):
+        llm = _engine(model, stats, case)
     try:
         config = llm.llm_engine.vllm_config
         info = {
@@ -107,13 +152,13 @@ def _rounds(
             "groups": _vllm_groups(llm),
         }
         reset = stats is not None
-        out = [_generate(llm, LONG, batch_invariant)]
+        out = [_generate(llm, case.long, case)]
         if reset:
             assert h.reset_prefix_cache(llm)
-        out.append(_generate(llm, LONG, batch_invariant))
+        out.append(_generate(llm, case.long, case))
         if reset:
             assert h.reset_prefix_cache(llm)
-        out.append(_generate(llm, SHARED, batch_invariant))
+        out.append(_generate(llm, case.shared, case))
         if stats is not None:
             jobs.flush_stats(llm)
     finally:
@@ -132,12 +177,12 @@ def nemotron_h(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sliding_window_model_identical_with_hits(gemma2: Path, tmp_path: Path) -> None:
-    reference, alone = _rounds(gemma2, None, batch_invariant=True)
+    reference, alone = _rounds(gemma2, None, TINY_GEMMA2)
     # Two groups of two layers: the sliding layers (0, 2) first, then the full ones (1, 3).
     expected = ["SlidingWindowSpec", "FullAttentionSpec"]
     assert _kinds(alone["groups"]) == expected, f"vLLM alone built {alone['groups']}"
     assert f"sliding_window={models.GEMMA2_WINDOW}" in alone["groups"][0], alone["groups"]
-    ours, info = _rounds(gemma2, tmp_path / "stats.json", batch_invariant=True)
+    ours, info = _rounds(gemma2, tmp_path / "stats.json", TINY_GEMMA2)
     assert info["hybrid_off"] is False
     assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
     assert ours == reference
@@ -149,7 +194,7 @@ def test_sliding_window_model_identical_with_hits(gemma2: Path, tmp_path: Path) 
 
 
 def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path) -> None:
-    reference, alone = _rounds(nemotron_h, None, batch_invariant=False)
+    reference, alone = _rounds(nemotron_h, None, TINY_NEMOTRON_H)
     if alone["mode"] != "all":
         pytest.skip(f"vLLM keeps Mamba states in mode {alone['mode']!r} here (kvtier: 'all')")
     # Groups of two layers: the Mamba layers (0, 2, 4) in two groups, one padded, the
@@ -159,7 +204,7 @@ def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path
     )
     states = [g for g in alone["groups"] if g.startswith("MambaSpec")]
     assert all("mamba_cache_mode='all'" in g for g in states), alone["groups"]
-    ours, info = _rounds(nemotron_h, tmp_path / "stats.json", batch_invariant=False)
+    ours, info = _rounds(nemotron_h, tmp_path / "stats.json", TINY_NEMOTRON_H)
     assert info["hybrid_off"] is False
     assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
     assert ours == reference
@@ -175,4 +220,40 @@ def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path
     assert all(g["hit_blocks"] == 3 for g in states)
     # Stored: one state per Mamba group at each stored end (1000 tokens: not the block before).
     assert all(g["stored_blocks"] == 2 + 1 for g in states)
+    assert stats["connector"]["load_blocks_failed"] == 0 and stats["pool_pinned"] == 0
+
+
+@pytest.fixture(scope="module")
+def released_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``make_model(kind, dir)`` of the GPU benchmark: a released architecture's config.json."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import vllm_bench_engine
+
+        yield lambda kind: vllm_bench_engine.make_model(kind, tmp_path_factory.mktemp(kind)).path
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
+@pytest.mark.parametrize("kind", sorted(RELEASED))
+def test_released_hybrid_architecture_identical_with_hits_in_every_group(
+    kind: str, released_models: Any, tmp_path: Path
+) -> None:
+    case = RELEASED[kind]
+    model = released_models(kind)
+    reference, alone = _rounds(model, None, case)
+    if kind == "nemotronh" and alone["mode"] != "all":
+        pytest.skip(f"vLLM keeps Mamba states in mode {alone['mode']!r} here (kvtier: 'all')")
+    assert len(alone["groups"]) > 1, f"vLLM alone built {alone['groups']}"
+    ours, info = _rounds(model, tmp_path / "stats.json", case)
+    assert info["hybrid_off"] is False
+    assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
+    assert ours == reference
+    stats = jobs.read_stats(tmp_path / "stats.json")
+    assert stats["groups_refused"] is None
+    hits: dict[str, int] = {}
+    for group in stats["groups"].values():
+        hits[group["kind"]] = hits.get(group["kind"], 0) + group["hit_blocks"]
+    assert set(hits) == ({"full", "window"} if kind == "gemma3" else {"full", "state"}), hits
+    assert all(n > 0 for n in hits.values()), hits
     assert stats["connector"]["load_blocks_failed"] == 0 and stats["pool_pinned"] == 0
