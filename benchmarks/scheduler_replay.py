@@ -26,6 +26,13 @@ JSON in the grid's shape (``--json``).
 ``--hold EVERY:MS`` keeps every EVERY-th request sent (a later turn) out of vLLM for MS: the
 stalls of vLLM's fs tiering in the H100 grid, without its fs tier.
 
+Each row has the connector's time per engine step as the grid measures it (every scheduler-side
+connector call, ``vllm_bench_engine.SCHEDULER_HOOKS``, a step ending with
+``build_connector_meta``): ``connector_step_us`` wall time, as the grid, and
+``connector_step_cpu_us`` the scheduler thread's CPU time (``time.thread_time``), which other
+processes on a shared machine do not add to. Both connectors' scheduler halves run their real
+code, so the CPU ratio to native is the grid's acceptance figure on this machine.
+
 It runs against the installed vLLM, or an unpacked wheel with ``--vllm-path``. The GPU grid runs
 vLLM 0.25.1; to replay with it (the wheel from the offline wheelhouse, ``.whl``)::
 
@@ -113,6 +120,55 @@ def kvtier_extra(host_bytes: int, overrides: dict[str, Any]) -> dict[str, Any]:
     return extra
 
 
+class ConnectorClock:
+    """Wraps the scheduler-side connector's hooks (``eng.SCHEDULER_HOOKS``, as the grid's
+    ``HookTimer``) and keeps each engine step's wall and CPU seconds in them; a step ends with
+    ``build_connector_meta``, a hook called inside another counts once."""
+
+    def __init__(self, connector: Any) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self._now = (0.0, 0.0)
+        self._depth = 0
+        for name in eng.SCHEDULER_HOOKS:
+            method = getattr(connector, name, None)
+            if callable(method):
+                setattr(connector, name, self._wrap(name, method))
+
+    def _wrap(self, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    w, c = self._now
+                    self._now = (
+                        w + time.perf_counter() - wall,
+                        c + time.thread_time() - cpu,
+                    )
+                    if name == "build_connector_meta":
+                        self.wall.append(self._now[0])
+                        self.cpu.append(self._now[1])
+                        self._now = (0.0, 0.0)
+
+        return timed
+
+    def figures(self) -> dict[str, Any]:
+        """The row's keys: p50/p99 per step in microseconds, wall and CPU."""
+        if not self.cpu:
+            return {}
+
+        def of(seconds: list[float]) -> dict[str, float]:
+            us = [s * 1e6 for s in seconds]
+            out = {f"p{q}": round(gr.percentile(us, q), 1) for q in (50, 90, 99)}
+            return {**out, "mean": round(statistics.fmean(us), 1), "steps": len(us)}
+
+        return {"connector_step_us": of(self.wall), "connector_step_cpu_us": of(self.cpu)}
+
+
 @dataclass(frozen=True, slots=True)
 class Point:
     key: str
@@ -144,6 +200,7 @@ def run_config(
     machine = replay.Machine(cost)
     worker = replay.make_worker(spec.kind, machine, engine.version)
     loop = replay.EngineLoop(engine, machine, worker)
+    clock = ConnectorClock(engine.connector) if engine.connector is not None else None
     started = time.perf_counter()
     try:
         convs = prompts.conversations()
@@ -152,7 +209,8 @@ def run_config(
     finally:
         if engine.connector is not None:
             engine.connector.shutdown()
-    return row_of(done, counters, time.perf_counter() - started), summary
+    row = row_of(done, counters, time.perf_counter() - started)
+    return {**row, **(clock.figures() if clock is not None else {})}, summary
 
 
 def connector_counters(connector: Any) -> dict[str, int] | None:
@@ -273,6 +331,23 @@ def point_lines(key: str, rows: dict[str, dict[str, Any]], measured: dict[str, A
         if native is not None and label.startswith("kvtier"):
             ok, cells = against_native(row, native)
             out.append(f"  {label} vs native: {'PASS' if ok else 'FAIL'}  " + ", ".join(cells))
+    out += connector_lines(rows)
+    return out
+
+
+def connector_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Each connector's CPU time per step, and a kvtier row's ratio to native's."""
+    out = []
+    native = rows.get("native", {}).get("connector_step_cpu_us")
+    for label, row in rows.items():
+        cpu = row.get("connector_step_cpu_us")
+        if cpu is None:
+            continue
+        p50, p99 = cpu["p50"], cpu["p99"]
+        text = f"  {label} connector CPU per step p50 / p99: {p50:,.0f} / {p99:,.0f} us"
+        if native is not None and label != "native":
+            text += f" ({p50 / native['p50']:.2f}x / {p99 / native['p99']:.2f}x native)"
+        out.append(text)
     return out
 
 

@@ -102,6 +102,35 @@ def test_against_native_ties_within_three_percent(sr: ModuleType) -> None:
     assert not ok  # 4% fewer cached tokens
 
 
+def test_connector_clock_sums_a_steps_hooks_once_each(sr: ModuleType) -> None:
+    class Connector:
+        def get_num_new_matched_tokens(self) -> int:
+            return self.update_state_after_alloc()  # nested: counted in the outer call
+
+        def update_state_after_alloc(self) -> int:
+            sum(range(20_000))
+            return 1
+
+        def build_connector_meta(self) -> str:
+            return "meta"
+
+    connector = Connector()
+    clock = sr.ConnectorClock(connector)
+    assert clock.figures() == {}
+    for _ in range(3):
+        assert connector.get_num_new_matched_tokens() == 1
+        assert connector.build_connector_meta() == "meta"
+    connector.update_state_after_alloc()  # a step not yet ended is not counted
+    assert len(clock.cpu) == len(clock.wall) == 3
+    assert all(0 < cpu <= wall * 1.5 for cpu, wall in zip(clock.cpu, clock.wall, strict=True))
+    figures = clock.figures()
+    assert figures["connector_step_us"]["steps"] == 3
+    assert set(figures["connector_step_cpu_us"]) == {"p50", "p90", "p99", "mean", "steps"}
+    rows = {"native": figures, "kvtier": {"connector_step_cpu_us": {"p50": 1.0, "p99": 2.0}}}
+    rows["native"]["connector_step_cpu_us"].update(p50=2.0, p99=2.0)
+    assert sr.connector_lines(rows)[1].endswith("(0.50x / 1.00x native)")
+
+
 def test_correlation_pairs_requests_by_id(sr: ModuleType) -> None:
     def rows(ttfts: dict[str, float]) -> dict[str, Any]:
         fields = ["id", "ttft_ms", "prompt_tokens", "cached_tokens", "output_digest"]
