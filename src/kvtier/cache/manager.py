@@ -63,6 +63,10 @@ class TieredCache(CacheReports):
     ) -> None:
         self._pool = pool
         self._policy = policy
+        # A run of keys touched in one call where the policy can (``HintedPolicy.access_many``).
+        self._access_all: Callable[[Sequence[BlockKey]], object] = getattr(
+            policy, "access_many", None
+        ) or (lambda keys: list(map(policy.access, keys)))
         self._secondary = list(secondary)
         self._tiers = [s.tier for s in self._secondary]
         modes = [s.write_mode for s in self._secondary]
@@ -168,7 +172,7 @@ class TieredCache(CacheReports):
         pins (its promotion ends). ``held``: the first keys are pinned for this load already
         (``lookup_and_pin``); they are touched like the others, not pinned twice.
         """
-        index, pins, loading, access = self._index, self._pins, self._loading, self._policy.access
+        index, pins, loading = self._index, self._pins, self._loading
         found = list(takewhile(index.__contains__, keys))
         if len(found) < held:
             self.release_load(keys[len(found) : held])
@@ -177,8 +181,7 @@ class TieredCache(CacheReports):
             loading[key] = loading.get(key, 0) + 1
         # The policy reads no pins: touched after pinning, deepest first (the eviction order
         # takes a prefix's tail before its head: a tail without its head is never hit).
-        for key in reversed(found):
-            access(key)
+        self._access_all(found[::-1])
         if owner is not None:
             self.forget(owner)
         return list(map(index.__getitem__, found))
@@ -220,10 +223,8 @@ class TieredCache(CacheReports):
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark visible keys as recently used, deepest first (``prepare_load``)."""
-        index, access = self._index, self._policy.access
-        for key in reversed(keys):
-            if key in index:
-                access(key)
+        index = self._index
+        self._access_all([key for key in reversed(keys) if key in index])
 
     def hint_request(self, keys: Sequence[BlockKey], hint: RequestHint) -> None:
         """Tell the eviction policy about a served request: its blocks in order and what the
@@ -242,14 +243,8 @@ class TieredCache(CacheReports):
         enough unpinned slots the leading keys get the slots there are; each to ``complete_store``.
         """
         index, inflight = self._index, self._inflight
-        access = self._policy.access
-        todo: list[BlockKey] = []
-        for key in reversed(keys):  # touched deepest first (``prepare_load``)
-            if key in index:
-                access(key)
-            elif key not in inflight:
-                todo.append(key)
-        todo.reverse()
+        self._access_all([key for key in reversed(keys) if key in index])  # as ``prepare_load``
+        todo = [key for key in keys if key not in index and key not in inflight]
         counters = self._counters
         counters.store_skipped_present += len(keys) - len(todo)
         if not todo:

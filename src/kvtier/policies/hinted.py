@@ -140,6 +140,35 @@ class HintedPolicy(EvictionPolicy):
             lru[key] = self.gauge.requests
             self._unranked.pop(key, None)
 
+    def access_many(self, keys: Sequence[BlockKey]) -> None:
+        """``access`` of each key in turn, in one call: the manager touches a request's whole
+        run at each lookup and store, hundreds of blocks, and a call per block was a fifth of
+        the scheduler's slowest steps (vLLM 0.25.1 replay, 8 in flight, 2-core VM). Nothing the
+        loop reads changes inside it but what ``access`` itself changes."""
+        if self._pending:
+            self._rank_pending()
+        if type(self).access is not HintedPolicy.access or (
+            self.pressure and (self._kept or self._new)
+        ):
+            for key in keys:
+                self.access(key)
+            return
+        lru, dead, unranked, now = self._lru, self._dead, self._unranked, self.gauge.requests
+        move = lru.move_to_end
+        if not dead and not unranked:
+            for key in keys:
+                move(key)
+                lru[key] = now
+            return
+        for key in keys:
+            if key in dead:
+                del dead[key]
+                lru[key] = now
+            else:
+                move(key)
+                lru[key] = now
+                unranked.pop(key, None)
+
     def remove(self, key: BlockKey) -> None:
         if self._pending:
             self._rank_pending()
