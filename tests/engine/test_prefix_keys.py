@@ -75,3 +75,38 @@ def test_short_prompts_and_the_bound():
     assert prefixes.reused_blocks == 0
     assert prefixes.keys(b, None) == chain_keys(NS, b)  # dropped in turn: a is the newest
     assert prefixes.reused_blocks == 0
+
+
+def test_a_next_turn_converts_only_its_first_and_new_blocks(monkeypatch):
+    # Comparing the remembered tokens as lists: turning the whole prompt into bytes to compare
+    # it cost more than hashing its new blocks.
+    from kvtier.engine import prefix_keys
+
+    converted: list[int] = []
+    real = prefix_keys.token_bytes
+
+    def counting(tokens):
+        converted.append(len(tokens))
+        return real(tokens)
+
+    monkeypatch.setattr(prefix_keys, "token_bytes", counting)
+    prefixes = PrefixKeys(NS)
+    turn1 = tokens(400, 1)
+    turn2 = turn1 + tokens(42, 2)
+    prefixes.keys(turn1, None)
+    converted.clear()
+    assert prefixes.keys(turn2, None) == chain_keys(NS, turn2)
+    assert converted == [4, 40]  # the first block, then the 10 blocks after the 100 reused
+
+
+def test_other_sequences_and_int_types_key_as_lists():
+    import numpy as np
+
+    prefixes = PrefixKeys(NS)
+    prompt = tokens(40, 1)
+    prefixes.keys(prompt, None)
+    as_array = np.asarray(prompt + tokens(8, 2), dtype=np.int64)
+    assert prefixes.keys(as_array, None) == chain_keys(NS, list(as_array))
+    assert prefixes.reused_blocks == 10
+    assert prefixes.keys(tuple(prompt), None) == chain_keys(NS, prompt)
+    assert prefixes.reused_blocks == 20
