@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -158,8 +159,7 @@ class Planner:
         self._plans: dict[str, _LoadPlan] = {}
         self._offered: dict[str, int] = {}
         self._hit_blocks: dict[str, tuple[int, int]] = {}
-        """Requests -> leading blocks cached at their lookup (the engine's own and kvtier's) and
-        the engine's own of them, for the eviction policy's hint when they finish."""
+        """Request -> leading blocks cached at lookup (all; the engine's own), for its hint."""
         self._requests: dict[str, EngineRequest] = {}
         self._async_loads: dict[int, str] = {}
         """Asynchronous load jobs -> their request."""
@@ -244,8 +244,8 @@ class Planner:
         self._hit_blocks[req_id] = (start + result.hits, start)
         hit_keys = keys[start : start + result.hits]
         origins = self.cache.origins(hit_keys) if hit_keys else []
-        for origin in origins:
-            self.hits_by_tier[origin] = self.hits_by_tier.get(origin, 0) + 1
+        for origin, n in Counter(origins).items():  # counted in C: a re-ask counts every hit
+            self.hits_by_tier[origin] = self.hits_by_tier.get(origin, 0) + n
         external = (start + len(slots)) * bt - num_computed
         if external <= 0:
             if slots:

@@ -54,7 +54,13 @@ from kvtier.keys import BlockKey
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hints import RequestHint
 from kvtier.policies.pressure import GATE_HOLD, PressureGauge
-from kvtier.policies.reuse_rates import POSITIONS, ReuseRates, block_class, first_class
+from kvtier.policies.reuse_rates import (
+    POSITIONS,
+    SAMPLE,
+    ReuseRates,
+    block_class,
+    first_class,
+)
 from kvtier.policies.segments import GHOST_FACTOR, remember_evicted
 from kvtier.policies.segments import take as _take
 
@@ -264,9 +270,10 @@ class HintedPolicy(EvictionPolicy):
         lru = self._lru
         if not lru or next(reversed(lru)) not in keys:
             return
+        move = lru.move_to_end
         for key in reversed(keys):
             if key in lru:
-                lru.move_to_end(key)
+                move(key)
 
     def _rank_request(self, keys: Sequence[BlockKey], hint: RequestHint) -> None:
         """Rank the blocks the request computed by their class (the dead segment)."""
@@ -294,7 +301,8 @@ class HintedPolicy(EvictionPolicy):
             cls = deep if i < tail else block_class(start, n - 1 - i)
             if key in unranked:
                 del unranked[key]
-                if rates.follow(key, cls):
+                # ``follow`` skips an unsampled key (3 in 4): not called for one.
+                if key and not key[-1] % SAMPLE and rates.follow(key, cls):
                     demoted.clear()
                 verdict = demoted.get(cls)
                 if verdict is None:
