@@ -314,3 +314,20 @@ def test_a_held_block_a_shared_index_read_misses_is_not_left_pinned(
         assert cache.index._pin_counts == {}
     finally:
         planner.close()
+
+
+def test_hit_tokens_by_origin_leave_out_what_the_engine_holds(
+    planner: ToyPlanner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Blocks promoted from a tier alternate with the pool's own; the engine holds the first
+    # block's first engine block, which is not loaded.
+    cache = _cache(planner)
+    monkeypatch.setattr(cache, "origins", lambda keys: ["disk0", "pool"] * (len(keys) // 2))
+    request = ToyRequest("b", PROMPT, blocks=list(range(20, 37)))
+    assert planner.matched_tokens(request, BS) == (8 * BLOCK_TOKENS - BS, False)
+    assert planner.hits_by_tier == {"pool": 4, "disk0": 4}
+    planner.after_alloc(request, request.blocks, 8 * BLOCK_TOKENS - BS)
+    split = {"disk0": 4 * BLOCK_TOKENS - BS, "pool": 4 * BLOCK_TOKENS}
+    assert planner.take_hit_sources("b") == split
+    assert list(planner.take_hit_sources("b")) == []
+    assert planner.hit_tokens_by_tier == split

@@ -315,12 +315,10 @@ class Planner:
         self.counters.hit_tokens += 0 if stale else external_tokens
         if not stale:
             # The first block's tokens that the engine already holds are not loaded.
-            split: dict[str, int] = {}
-            for i, origin in enumerate(plan.origins):
-                tokens = self.block_tokens
-                if i == 0:
-                    tokens -= plan.num_computed - plan.first_token
-                split[origin] = split.get(origin, 0) + tokens
+            bt = self.block_tokens
+            split = {origin: n * bt for origin, n in Counter(plan.origins).items()}
+            if plan.origins:
+                split[plan.origins[0]] -= plan.num_computed - plan.first_token
             self._hit_sources[request.request_id] = split
             by_tier = self.hit_tokens_by_tier
             for origin, tokens in split.items():
