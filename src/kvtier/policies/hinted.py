@@ -150,7 +150,10 @@ class HintedPolicy(EvictionPolicy):
         """``access`` of each key in turn, in one call: the manager touches a request's whole
         run at each lookup and store, hundreds of blocks, and a call per block was a fifth of
         the scheduler's slowest steps (vLLM 0.25.1 replay, 8 in flight, 2-core VM). Nothing the
-        loop reads changes inside it but what ``access`` itself changes."""
+        loop reads changes inside it but what ``access`` itself changes. No key, no call: the
+        pending keys are ranked at the next call as they would have been."""
+        if not keys:
+            return
         if self._pending:
             self._rank_pending()
         if type(self).access is not HintedPolicy.access or (
