@@ -1,6 +1,7 @@
-"""``HintedPolicy.access_many``: one call touching a run of keys decides exactly as ``access`` of
-each key in turn, in every state (dead, unranked and pending keys, under pressure or not), and the
-manager's touches go through it."""
+"""``HintedPolicy.access_many`` and ``insert_many``: one call touching or inserting a run of keys
+decides exactly as ``access`` or ``insert`` of each key in turn, in every state (dead, unranked,
+pending and ghost keys, under pressure or not), and the manager's touches and inserts go through
+them."""
 
 from __future__ import annotations
 
@@ -38,19 +39,25 @@ def test_access_many_decides_as_access_per_key() -> None:
         capacity = rng.choice([8, 24, 64])
         batch, each = HintedPolicy(capacity), HintedPolicy(capacity)
         held: list[bytes] = []
+        gone: list[bytes] = []  # evicted: stored again, they leave the ghost history
         nxt = 0
         for _ in range(300):
             op = rng.random()
             if op < 0.3 or not held:  # a request's blocks stored, deepest first
-                run = [key(nxt + i) for i in range(rng.randint(1, capacity // 2))]
-                nxt += len(run)
+                if gone and rng.random() < 0.3:
+                    run = gone[-rng.randint(1, capacity // 2) :]
+                    del gone[-len(run) :]
+                else:
+                    run = [key(nxt + i) for i in range(rng.randint(1, capacity // 2))]
+                    nxt += len(run)
                 victims = [
                     p.evict(max(0, len(p) + len(run) - capacity), set()) for p in (batch, each)
                 ]
                 assert victims[0] == victims[1], seed
-                for p in (batch, each):
-                    for k in reversed(run):
-                        p.insert(k)
+                gone += [k for k in victims[0] if k not in run]
+                batch.insert_many(run[::-1])
+                for k in reversed(run):
+                    each.insert(k)
                 held += run
             elif op < 0.6:  # a run touched, as a load or a store touches it
                 start = rng.randrange(len(held))
@@ -98,17 +105,24 @@ def test_the_manager_touches_runs_through_access_many(tmp_path: Path) -> None:
     pool = HostPool.create(16, 64, shm_dir=str(tmp_path))
     runs: list[list[bytes]] = []
 
+    inserted: list[list[bytes]] = []
+
     class Recording(HintedPolicy):
         def access_many(self, keys: Any) -> None:
             if keys:
                 runs.append(list(keys))
             super().access_many(keys)
 
+        def insert_many(self, keys: Any) -> None:
+            inserted.append(list(keys))
+            super().insert_many(keys)
+
     cache = TieredCache(pool, Recording(16), record_events=False)
     try:
         keys = [key(i) for i in range(4)]
         reservation = cache.prepare_store(keys)
         cache.complete_store(reservation.keys)
+        assert inserted == [keys[::-1]]  # deepest first
         assert cache.prepare_load(keys, "r") and runs == [keys[::-1]]
         cache.prepare_store([*keys[:2], key(9)])
         cache.touch(keys[1:3])

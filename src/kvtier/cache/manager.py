@@ -63,10 +63,13 @@ class TieredCache(CacheReports):
     ) -> None:
         self._pool = pool
         self._policy = policy
-        # A run of keys touched in one call where the policy can (``HintedPolicy.access_many``).
+        # A run of keys touched or inserted in one call where the policy can (``HintedPolicy``).
         self._access_all: Callable[[Sequence[BlockKey]], object] = getattr(
             policy, "access_many", None
         ) or (lambda keys: list(map(policy.access, keys)))
+        self._insert_all: Callable[[Sequence[BlockKey]], object] = getattr(
+            policy, "insert_many", None
+        ) or (lambda keys: list(map(policy.insert, keys)))
         self._secondary = list(secondary)
         self._tiers = [s.tier for s in self._secondary]
         modes = [s.write_mode for s in self._secondary]
@@ -263,8 +266,7 @@ class TieredCache(CacheReports):
     def complete_store(self, keys: Sequence[BlockKey], ok: bool | Sequence[bool] = True) -> None:
         """Publish reserved keys whose bytes are written (``ok``) or release their slots."""
         oks = [ok] * len(keys) if isinstance(ok, bool) else list(ok)
-        index, inflight, insert = self._index, self._inflight, self._policy.insert
-        promoting = self._promoting
+        index, inflight, promoting = self._index, self._inflight, self._promoting
         stored: list[BlockKey] = []
         failed_slots: list[int] = []
         # Inserted deepest first, as loads touch (``prepare_load``); published in order.
@@ -276,10 +278,10 @@ class TieredCache(CacheReports):
                 continue
             if good:
                 index[key] = slot
-                insert(key)
                 stored.append(key)
             else:
                 failed_slots.append(slot)
+        self._insert_all(stored)
         stored.reverse()
         if failed_slots:
             self._pool.free(failed_slots)
@@ -509,9 +511,9 @@ class TieredCache(CacheReports):
         if job.abandoned:
             self._release_held(job.slots)
             return
-        inflight, index, insert = self._inflight, self._index, self._policy.insert
+        inflight, index, origin, record = self._inflight, self._index, self._origin, self._record
         promoting, counters, rules, pins = self._promoting, self._counters, self._rules, self._pins
-        free: list[int] = []
+        free, landed = [], []
         now = self._clock()
         self._read_ended(job, now, busy_s)
         # Inserted deepest first, as loads touch (``prepare_load``).
@@ -522,16 +524,17 @@ class TieredCache(CacheReports):
             promoting.discard(key)
             if good:
                 index[key] = slot
-                insert(key)
+                landed.append(key)
                 if rules.landed(key):  # held for the request that waits for it
                     pins[key] = pins.get(key, 0) + 1
-                self._origin[key] = job.tier_index
-                if self._record:
+                origin[key] = job.tier_index
+                if record:
                     self._events.add(EventKind.STORED, (key,), POOL_TIER)
             else:
                 free.append(slot)
                 rules.dropped(key)
                 self._failed_promotions.remember(job.tier_index, key, now)
+        self._insert_all(landed)
         promoted = len(job.keys) - len(free)
         self._promoted[self._tiers[job.tier_index].name] += promoted
         counters.promoted_blocks += promoted

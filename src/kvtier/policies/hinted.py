@@ -129,6 +129,25 @@ class HintedPolicy(EvictionPolicy):
         elif self._hints_seen:
             self._unranked[key] = None
 
+    def insert_many(self, keys: Sequence[BlockKey]) -> None:
+        """``insert`` of each key in turn, in one call (a store or a promotion lands a run of
+        blocks); nothing the loop reads changes inside it but what ``insert`` changes."""
+        if type(self).insert is not HintedPolicy.insert:
+            for key in keys:
+                self.insert(key)
+            return
+        lru, early, ghost, now = self._lru, self._early, self._ghost, self.gauge.requests
+        pending, unranked, hints_seen = self._pending, self._unranked, self._hints_seen
+        for key in keys:
+            lru[key] = now
+            cls = early.pop(key, None) if early else None
+            if key in ghost:
+                del ghost[key]
+            elif cls is not None:
+                pending.append((key, cls))
+            elif hints_seen:
+                unranked[key] = None
+
     def access(self, key: BlockKey) -> None:
         if self._pending:
             self._rank_pending()
