@@ -13,9 +13,11 @@ vLLM's and kvtier's code deciding.
 
 The replay's KV cache is one layer of Llama-3.1-8B's shape (a GPU cache of 1,024 blocks of 16
 tokens, as the grid's 2 GiB), host pools scaled by the 32 layers it leaves out, so they hold as
-many blocks as the real ones. Configurations: ``none``, ``native``, ``kvtier``, and variants of
-kvtier with config keys set after ``+`` (``kvtier+vllm.async_loads=true``,
-``kvtier+eviction=lru``). The fs tier is not emulated (its reads are real I/O on real threads).
+many blocks as the real ones. Configurations: ``none``, ``native``, ``kvtier``, ``kvtier_fs``
+(the pool plus kvtier's fs tier: the real ``FsTier`` on a temporary directory with its jobs'
+time emulated, ``scheduler_replay_fs``; its speeds are ``--fs``, its capacity ``--fs-gib``), and
+variants of kvtier with config keys set after ``+`` (``kvtier+vllm.async_loads=true``,
+``kvtier_fs+pool.promotion_budget=0.25``). vLLM's fs tiering is not emulated.
 
 Prints a table per point (TTFT p50/p90/p99, mean, output tokens/s, prompt tokens cached, the
 time steps waited for synchronous loads; the JSON also has where requests waited before they
@@ -60,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import scheduler_replay_engine as replay
+import scheduler_replay_fs as rfs
 import scheduler_replay_vllm as rv
 import vllm_bench_engine as eng
 import vllm_grid as grid
@@ -95,9 +98,9 @@ def _value(text: str) -> Any:
 
 def parse_config(text: str) -> ConfigSpec:
     kind, *items = [part.strip() for part in text.split("+")]
-    if kind not in ("none", "native", "kvtier"):
-        raise ValueError(f"config {text!r}: none, native or kvtier[+key=value...]")
-    if items and kind != "kvtier":
+    if kind not in ("none", "native", "kvtier", "kvtier_fs"):
+        raise ValueError(f"config {text!r}: none, native, kvtier or kvtier_fs[+key=value...]")
+    if items and not kind.startswith("kvtier"):
         raise ValueError(f"config {text!r}: only kvtier takes key=value settings")
     overrides: dict[str, Any] = {}
     for item in items:
@@ -108,9 +111,12 @@ def parse_config(text: str) -> ConfigSpec:
     return ConfigSpec(text.strip(), kind, overrides)
 
 
-def kvtier_extra(host_bytes: int, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The grid's kvtier config (a pool of the host size, no tier) with dotted keys set."""
-    extra: dict[str, Any] = {"pool": {"size": host_bytes}, "tiers": [], "vllm": {}}
+def kvtier_extra(
+    host_bytes: int, overrides: dict[str, Any], tiers: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The grid's kvtier config (a pool of the host size and ``tiers``, none by default) with
+    dotted keys set."""
+    extra: dict[str, Any] = {"pool": {"size": host_bytes}, "tiers": tiers or [], "vllm": {}}
     for key, value in overrides.items():
         node = extra
         *parents, leaf = key.split(".")
@@ -184,9 +190,10 @@ def run_config(
     cost: replay.Cost,
     workdir: Path,
     hold: tuple[int, float] | None = None,
+    fs: rfs.FsSetup | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One configuration at one point: its row (the grid's keys) and the workload summary;
-    ``hold``: ``replay.replay``'s."""
+    ``hold``: ``replay.replay``'s; ``fs``: the emulated fs tier of ``kvtier_fs``."""
     model = eng.make_model("llama8b", workdir)
     prompts, summary = eng.build_point(settings, model, point.concurrency, point.requests)
     shape = rv.EngineShape(
@@ -195,10 +202,16 @@ def run_config(
         max_model_len=summary["max_model_len"],
     )
     host_bytes = int(point.host_gib * (1 << 30)) // rv.LLAMA_LAYERS
-    extra = kvtier_extra(host_bytes, spec.overrides) if spec.kind == "kvtier" else None
-    engine = rv.make_engine(shape, model.path, rv.ConnectorChoice(spec.kind, host_bytes, extra))
     machine = replay.Machine(cost)
-    worker = replay.make_worker(spec.kind, machine, engine.version)
+    emulation = None
+    if spec.kind == "kvtier_fs":
+        emulation = rfs.Emulation(machine, fs or rfs.FsSetup(), workdir)
+    kind = "kvtier" if spec.kind.startswith("kvtier") else spec.kind
+    tiers = emulation.tier_configs() if emulation is not None else None
+    extra = kvtier_extra(host_bytes, spec.overrides, tiers) if kind == "kvtier" else None
+    with rfs.emulated(emulation):
+        engine = rv.make_engine(shape, model.path, rv.ConnectorChoice(kind, host_bytes, extra))
+    worker = replay.make_worker(kind, machine, engine.version)
     loop = replay.EngineLoop(engine, machine, worker)
     clock = ConnectorClock(engine.connector) if engine.connector is not None else None
     started = time.perf_counter()
@@ -207,9 +220,13 @@ def run_config(
         done = replay.replay(loop, convs, point.concurrency, settings.max_tokens, hold)
         counters = connector_counters(engine.connector)
     finally:
+        if emulation is not None:
+            emulation.draining = True  # shutdown settles every job at once
         if engine.connector is not None:
             engine.connector.shutdown()
     row = row_of(done, counters, time.perf_counter() - started)
+    if emulation is not None:
+        row["fs_model"] = emulation.summary()
     return {**row, **(clock.figures() if clock is not None else {})}, summary
 
 
@@ -220,7 +237,7 @@ def connector_counters(connector: Any) -> dict[str, int] | None:
         return None
     stats = snapshot()
     c, cache = stats["connector"], stats["cache"]
-    return {
+    out = {
         "hit_tokens": int(c["hit_tokens"]),
         "loads_ordered": int(c["loads_ordered"]),
         "stores_ordered": int(c["stores_ordered"]),
@@ -229,6 +246,7 @@ def connector_counters(connector: Any) -> dict[str, int] | None:
         "pool_evictions": int(cache["pool_evictions"]),
         "load_failed": int(cache["load_failed"]),
     }
+    return {**out, **rfs.tier_counters(stats)}
 
 
 def row_of(
@@ -254,10 +272,32 @@ def row_of(
         "held_requests": done.held,
         "replay_s": round(elapsed, 1),
         "per_request": gr.per_request(records),
+        "slowest": slowest(done),
     }
     if counters is not None:
         row["kvtier"] = counters
     return row
+
+
+SLOWEST = 12
+
+
+def slowest(done: replay.Replayed) -> list[dict[str, Any]]:
+    """The ``SLOWEST`` requests by TTFT: prompt and cached tokens and where they waited before
+    they were scheduled (``queue_wait_ms``'s kinds, milliseconds)."""
+    out = []
+    for s in sorted(done.served, key=lambda s: -s.ttft_ms)[:SLOWEST]:
+        waits = done.request_waits.get(s.request_id, {})
+        out.append(
+            {
+                "id": s.request_id,
+                "ttft_ms": s.ttft_ms,
+                "prompt": s.prompt,
+                "cached": s.cached,
+                "waits_ms": {kind: round(ms) for kind, ms in waits.items()},
+            }
+        )
+    return out
 
 
 # -- against the measured grid ------------------------------------------------------------------
@@ -323,7 +363,7 @@ def point_lines(key: str, rows: dict[str, dict[str, Any]], measured: dict[str, A
     for label, row in rows.items():
         base = parse_config(label).measured_as
         out.append(line(label, row, correlation(row, measured.get(base))))
-    for name in ("none", "native", "kvtier"):
+    for name in ("none", "native", "kvtier", "kvtier_fs"):
         if name in measured:
             out.append(line(f"  measured {name}", measured[name], None))
     native = rows.get("native")
@@ -382,6 +422,12 @@ def parser() -> argparse.ArgumentParser:
         default="",
         help="EVERY:MS: every EVERY-th request sent, if a later turn, reaches vLLM MS later",
     )
+    p.add_argument(
+        "--fs",
+        default="",
+        help="kvtier_fs's fs tier speeds, FsTiming fields: read_ms=1,write_ms=4,threads=4",
+    )
+    p.add_argument("--fs-gib", type=float, default=rfs.DEFAULT_FS_GIB, help="its capacity")
     p.add_argument("--vllm-path", type=Path, default=None, help="an unpacked vLLM wheel")
     p.add_argument("--measured", type=Path, default=MEASURED_JSON, help="the GPU grid's JSON")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
@@ -421,6 +467,7 @@ def run_points(
     cost: replay.Cost,
     measured: dict[str, Any],
     hold: tuple[int, float] | None = None,
+    fs: rfs.FsSetup | None = None,
 ) -> dict[str, Any]:
     """Every configuration at every point; prints each point's table as it ends."""
     out: dict[str, Any] = {}
@@ -429,7 +476,7 @@ def run_points(
         summary: dict[str, Any] = {}
         for spec in specs:
             rows[spec.label], summary = run_config(
-                point, spec, settings, cost, settings.workdir, hold
+                point, spec, settings, cost, settings.workdir, hold, fs
             )
             took = rows[spec.label]["replay_s"]
             print(f"  {point.key} {spec.label}: {took} s", file=sys.stderr)
@@ -450,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         cost = replay.parse_cost(args.cost)
         hold = parse_hold(args.hold)
+        fs = rfs.FsSetup(rfs.parse_timing(args.fs), args.fs_gib)
         version = rv.use_vllm(args.vllm_path)
     except (ValueError, RuntimeError) as exc:
         p.error(str(exc))
@@ -457,13 +505,14 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": version,
         "cost": args.cost or "default",
         "hold": args.hold or None,
+        "fs": fs.describe(),
         "date": grid.now_utc(),
         "commit": grid.git_commit(REPO),
     }
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
         settings = settings_of(args, Path(tmp))
         measured = load_measured(args.measured)
-        out["points"] = run_points(points, specs, settings, cost, measured, hold)
+        out["points"] = run_points(points, specs, settings, cost, measured, hold, fs)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0

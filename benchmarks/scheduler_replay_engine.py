@@ -209,6 +209,8 @@ class EngineLoop:
         self.queue: deque[tuple[float, Any, Any]] = deque()
         self.waits = dict.fromkeys(WAIT_KINDS, 0.0)
         """Milliseconds requests spent waiting, summed over requests, by ``WAIT_KINDS``."""
+        self.request_waits: dict[str, dict[str, float]] = {}
+        """The same per request."""
         self._waiting: dict[str, str] = {}
         self._since = 0.0
 
@@ -216,8 +218,10 @@ class EngineLoop:
         """Adds the time since the last step to each request that step left waiting, and notes
         where the requests this step leaves unscheduled wait (``WAIT_KINDS``)."""
         now, sched = self.m.cpu, self.engine.scheduler
-        for kind in self._waiting.values():
+        for req_id, kind in self._waiting.items():
             self.waits[kind] += now - self._since
+            mine = self.request_waits.setdefault(req_id, dict.fromkeys(WAIT_KINDS, 0.0))
+            mine[kind] += now - self._since
         self._since = now
         where: dict[str, str] = {}
         for req in sched.waiting:
@@ -316,6 +320,8 @@ class Replayed:
     """``EngineLoop.waits``."""
     held: int = 0
     """Requests held back (``replay``'s ``hold``)."""
+    request_waits: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``EngineLoop.request_waits``."""
 
 
 def replay(
@@ -398,4 +404,5 @@ def replay(
         len(served) * max_tokens,
         dict(loop.waits),
         sent_count[1],
+        loop.request_waits,
     )
