@@ -64,12 +64,10 @@ class TieredCache(CacheReports):
         self._pool = pool
         self._policy = policy
         # A run of keys touched or inserted in one call where the policy can (``HintedPolicy``).
-        self._access_all: Callable[[Sequence[BlockKey]], object] = getattr(
-            policy, "access_many", None
-        ) or (lambda keys: list(map(policy.access, keys)))
-        self._insert_all: Callable[[Sequence[BlockKey]], object] = getattr(
-            policy, "insert_many", None
-        ) or (lambda keys: list(map(policy.insert, keys)))
+        each: Callable[[Callable[[BlockKey], None]], Callable[[Sequence[BlockKey]], object]]
+        each = lambda method: lambda keys: list(map(method, keys))  # noqa: E731
+        self._access_all = getattr(policy, "access_many", None) or each(policy.access)
+        self._insert_all = getattr(policy, "insert_many", None) or each(policy.insert)
         self._secondary = list(secondary)
         self._tiers = [s.tier for s in self._secondary]
         modes = [s.write_mode for s in self._secondary]
@@ -461,19 +459,23 @@ class TieredCache(CacheReports):
             # The pool is full of pinned blocks. Tier writes in flight release theirs when they
             # end: wait for them; with none, nothing frees a slot soon, so go on without.
             return not self._jobs.any_writes()
+        wanted = wanted[: len(slots)]
+        claimed = [key for key, _ in wanted]
+        inflight.update(zip(claimed, slots, strict=True))
+        self._promoting.update(claimed)
         by_tier: dict[int, tuple[list[BlockKey], list[int]]] = {}
-        for (key, tier_index), slot in zip(wanted, slots, strict=False):
-            tier_keys, tier_slots = by_tier.setdefault(tier_index, ([], []))
-            tier_keys.append(key)
-            tier_slots.append(slot)
-            inflight[key] = slot
-            self._promoting.add(key)
+        if len({t for _, t in wanted}) == 1:  # one tier's run, the common case: no step per key
+            by_tier[wanted[0][1]] = (list(claimed), slots)
+        else:
+            for (key, tier_index), slot in zip(wanted, slots, strict=True):
+                tier_keys, tier_slots = by_tier.setdefault(tier_index, ([], []))
+                tier_keys.append(key)
+                tier_slots.append(slot)
         for tier_index, (tier_keys, tier_slots) in by_tier.items():
             self._counters.promotions += len(tier_keys)
             self._rules.reads[tier_index].started(len(tier_keys))
             self._submit(tier_index, TierJobKind.READ, tier_keys, tier_slots, False)
         if owner is not None:
-            claimed = [key for key, _ in wanted[: len(slots)]]
             self._rules.promise(owner, claimed, claim.deadline, now)
         return False
 
