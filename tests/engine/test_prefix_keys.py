@@ -110,3 +110,17 @@ def test_other_sequences_and_int_types_key_as_lists():
     assert prefixes.reused_blocks == 10
     assert prefixes.keys(tuple(prompt), None) == chain_keys(NS, prompt)
     assert prefixes.reused_blocks == 20
+
+
+def test_an_owned_prompt_is_remembered_without_a_copy_others_are_copied():
+    prefixes = PrefixKeys(NS)
+    owned = tokens(40, 1)
+    prefixes.keys(owned, None, owned=True)
+    assert [entry[0] for entry in prefixes._prompts.values()] == [owned]
+    assert next(iter(prefixes._prompts.values()))[0] is owned
+    lent = tokens(40, 2)
+    prefixes.keys(lent, None)
+    lent[5] += 1  # the caller's list changes after the call: what was remembered does not
+    longer = tokens(40, 2) + tokens(4, 3)
+    assert prefixes.keys(longer, None) == chain_keys(NS, longer)
+    assert prefixes.reused_blocks == 10

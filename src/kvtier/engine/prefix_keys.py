@@ -42,15 +42,21 @@ class PrefixKeys:
         self.reused_blocks = 0
         """Keys taken from a remembered prompt instead of hashed (for tests and reports)."""
 
-    def keys(self, tokens: Sequence[int], root: BlockKey | None) -> list[BlockKey]:
+    def keys(
+        self, tokens: Sequence[int], root: BlockKey | None, owned: bool = False
+    ) -> list[BlockKey]:
         """``chain_keys(namespace, tokens, root)``; the prompt is remembered. The returned list
-        is the caller's to extend (only the remembered tokens' keys are ever reused)."""
+        is the caller's to extend (only the remembered tokens' keys are ever reused). ``owned``:
+        ``tokens`` is a list the caller hands over and never changes, remembered without a copy."""
         bt = self.namespace.block_tokens
         n = len(tokens) // bt * bt  # a trailing partial block has no key
         if not n:
             return []
         # A list of its own (a slice copies; another sequence, e.g. an array, becomes one).
-        prompt = tokens[:n] if isinstance(tokens, list) else list(tokens[:n])
+        if owned and type(tokens) is list and len(tokens) == n:
+            prompt = tokens
+        else:
+            prompt = tokens[:n] if isinstance(tokens, list) else list(tokens[:n])
         first = chain_keys_of_bytes(self.namespace, token_bytes(prompt[:bt]), root)[0]
         entry = self._prompts.pop(first, None)
         reuse = 0
@@ -85,7 +91,8 @@ def _same_tokens(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of the token lists ``a`` and ``b`` (tokens equal as their
     ``token_bytes`` are: the same int64 values)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the common case, a conversation's next turn: one pass in C
+    # The common case, a conversation's next turn: one pass in C (slicing the longer list only).
+    if (a == b[:n]) if len(a) == n else (a[:n] == b):
         return n
     x = np.asarray(a[:n], dtype="<i8")
     y = np.asarray(b[:n], dtype="<i8")
