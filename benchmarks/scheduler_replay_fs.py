@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import heapq
 import inspect
+import math
 import tempfile
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -209,6 +210,15 @@ class Emulation:
     def clock(self) -> float:
         return float(self.machine.cpu) / 1e3
 
+    def set_clock(self, seconds: float) -> None:
+        """Moves the machine's clock to ``seconds``: at least there once read back (``ms / 1e3``
+        can round below what ``seconds * 1e3`` came from, and a wait for a job ending exactly
+        then would never see it end)."""
+        ms = seconds * 1e3
+        while ms / 1e3 < seconds:
+            ms = math.nextafter(ms, math.inf)
+        self.machine.cpu = max(self.machine.cpu, ms)
+
     def tier_configs(self) -> list[dict[str, Any]]:
         """The kvtier config's ``tiers``: one fs tier in a new directory under ``workdir``."""
         path = tempfile.mkdtemp(prefix="fs-", dir=self.workdir)
@@ -232,7 +242,7 @@ class Emulation:
                 return False
             to = min(max(end, now), deadline)
             self.waited_ms += (to - now) * 1e3
-            self.machine.cpu = to * 1e3
+            self.set_clock(to)
 
     def summary(self) -> dict[str, float]:
         """What the row records of the model: server seconds (reads, all) and the waits."""

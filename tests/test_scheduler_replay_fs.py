@@ -145,3 +145,27 @@ def test_a_write_of_blocks_the_tier_holds_costs_little(
     machine.cpu = 4.03  # 4 ms + kept_ms (0.02 ms), and a rounding margin
     (result,) = tier.poll()  # type: ignore[attr-defined]
     assert (result.job_id, result.ok, result.busy_s) == (2, [True], pytest.approx(2e-5))
+
+
+def test_a_wait_reaches_a_job_end_that_rounds_below_in_milliseconds(
+    rfs: ModuleType, tmp_path: Path
+) -> None:
+    """``TieredCache.wait`` on the emulated clock moves it to the next block's end; an end whose
+    milliseconds read back below it (11.608806403150728 s) must still be reached, not waited
+    for forever (an 8x4 replay with write_ms 12 hung so)."""
+    end = 11.608806403150728
+    assert (end * 1e3) / 1e3 < end  # the rounding this test is about
+    machine = SimpleNamespace(cpu=end * 1e3 - 1.0)
+    emulation = rfs.Emulation(machine, rfs.FsSetup(), tmp_path)
+    emulation.tiers.append(SimpleNamespace(model=SimpleNamespace(next_end=lambda: end)))
+    steps: list[float] = []
+
+    class Cache:
+        def step(self) -> int:
+            steps.append(emulation.clock())
+            if len(steps) > 100:
+                raise RuntimeError("the wait does not advance")
+            return 1 if emulation.clock() >= end else 0
+
+    assert emulation.wait(Cache(), 0.01) is True
+    assert emulation.clock() >= end and len(steps) == 2
