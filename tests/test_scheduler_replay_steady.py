@@ -1,0 +1,56 @@
+"""``benchmarks/scheduler_replay_steady.py``: each step's least connector time over replays that
+decide alike, and its table (no vLLM needed)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+from support.scripts import REPO
+
+BENCH_DIR = REPO / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def steady() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import scheduler_replay_steady
+
+        yield scheduler_replay_steady
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+
+def test_each_step_keeps_its_least_time(steady: ModuleType) -> None:
+    assert steady.least_per_step([[3.0, 1.0, 5.0], [2.0, 4.0, 5.5]]) == [2.0, 1.0, 5.0]
+    with pytest.raises(RuntimeError, match="different steps"):
+        steady.least_per_step([[1.0, 2.0], [1.0]])
+
+
+def test_the_table_gives_kvtiers_ratios_to_native(steady: ModuleType) -> None:
+    rows = {
+        "native": {
+            "connector_step_cpu_us": {"p50": 100.0, "p90": 400.0, "p99": 1000.0},
+            "prompt_tokens_cached": 10,
+        },
+        "kvtier": {
+            "connector_step_cpu_us": {"p50": 50.0, "p90": 400.0, "p99": 1200.0},
+            "prompt_tokens_cached": 12,
+        },
+    }
+    lines = steady.point_lines("8x4", rows)
+    assert lines[0].startswith("== 8x4")
+    assert lines[2].endswith("(0.50x / 1.00x / 1.20x native)  cached 12")
+    assert "native)" not in lines[1]
+    assert steady.figures([0.001, 0.002, 0.003]) == {"p50": 2000.0, "p90": 3000.0, "p99": 3000.0}
+
+
+def test_the_emulated_fs_io_inside_a_step_is_taken_out(steady: ModuleType) -> None:
+    class Clock:
+        cpu = [0.004, 0.010, 0.002]
+
+    recorded = steady.Recorded(Clock(), {1: 0.007})
+    assert recorded.cpu() == pytest.approx([0.004, 0.003, 0.002])
