@@ -429,6 +429,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--fs-gib", type=float, default=rfs.DEFAULT_FS_GIB, help="its capacity")
     p.add_argument("--vllm-path", type=Path, default=None, help="an unpacked vLLM wheel")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="the model's directory (default: a new one)"
+    )
     p.add_argument("--measured", type=Path, default=MEASURED_JSON, help="the GPU grid's JSON")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     return p
@@ -510,7 +513,13 @@ def main(argv: list[str] | None = None) -> int:
         "commit": grid.git_commit(REPO),
     }
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
-        settings = settings_of(args, Path(tmp))
+        workdir = Path(tmp)
+        if args.workdir is not None:
+            # kvtier's block keys follow the model's path: the same directory, the same keys,
+            # and (with the fixed hash seed) the same decisions from run to run.
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            workdir = args.workdir
+        settings = settings_of(args, workdir)
         measured = load_measured(args.measured)
         out["points"] = run_points(points, specs, settings, cost, measured, hold, fs)
     if args.json is not None:
