@@ -16,8 +16,9 @@ each configuration's p50 / p90 / p99 and kvtier's ratios to native, and writes J
     PYTHONPATH=src python3 benchmarks/scheduler_replay_steady.py --vllm-path /tmp/vllm0251 \\
         --points 4x2,8x4,16x2 --configs native,kvtier,kvtier_fs --runs 6
 
-``--workdir`` fixes the directory across invocations (the same keys: two code versions decide
-alike and compare step for step); it is emptied before each run.
+``--workdir`` (``scheduler_replay.py``'s) fixes the directory across invocations too (the same
+keys: two versions of kvtier decide alike and compare step for step); it is emptied before each
+run.
 """
 
 from __future__ import annotations
@@ -147,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     p.description = (__doc__ or "").split("\n\n")[0]
     p.set_defaults(points="4x2,8x4,16x2", configs="native,kvtier")
     p.add_argument("--runs", type=int, default=4, help="replays per configuration and point")
-    p.add_argument("--workdir", type=Path, default=None, help="the same across invocations")
     args = p.parse_args(argv)
     specs = [sr.parse_config(c) for c in args.configs.split(",") if c.strip()]
     table = grid.parse_requests(args.requests)
