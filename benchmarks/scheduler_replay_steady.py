@@ -18,7 +18,10 @@ each configuration's p50 / p90 / p99 and kvtier's ratios to native, and writes J
 
 ``--workdir`` (``scheduler_replay.py``'s) fixes the directory across invocations too (the same
 keys: two versions of kvtier decide alike and compare step for step); it is emptied before each
-run.
+run. The JSON keeps each step's least time (``each_step_cpu_s``): with one ``--workdir`` the
+steps of several invocations line up, and ``--merge`` prints and writes the least over the JSON
+files it is given instead of replaying (one machine's invocations spread over time: a quiet
+minute for each step).
 """
 
 from __future__ import annotations
@@ -122,11 +125,14 @@ def run_point(
     if len(decided) != 1:
         raise RuntimeError(f"{point.key} {spec.label}: runs decided differently: {decided}")
     ((steps, cached),) = decided
+    least = least_per_step(cpu_runs)
     return {
         "steps": steps,
         "prompt_tokens_cached": cached,
         "runs": args.runs,
-        "connector_step_cpu_us": figures(least_per_step(cpu_runs)),
+        "connector_step_cpu_us": figures(least),
+        # Each step's, for the least over several invocations (same --workdir: same steps).
+        "each_step_cpu_s": least,
     }
 
 
@@ -143,12 +149,43 @@ def point_lines(key: str, rows: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """The least of each step over invocations' JSON (same points, configurations, steps)."""
+    files = [json.loads(path.read_text()) for path in paths]
+    out = {key: value for key, value in files[0].items() if key != "points"}
+    out["merged"] = [str(path) for path in paths]
+    out["points"] = {}
+    for key, rows in files[0]["points"].items():
+        merged = {}
+        for label, row in rows.items():
+            runs = [f["points"][key][label] for f in files]
+            if len({(r["steps"], r["prompt_tokens_cached"]) for r in runs}) != 1:
+                raise RuntimeError(f"{key} {label}: the invocations decided differently")
+            least = least_per_step([r["each_step_cpu_s"] for r in runs])
+            merged[label] = {
+                **row,
+                "runs": sum(r["runs"] for r in runs),
+                "connector_step_cpu_us": figures(least),
+                "each_step_cpu_s": least,
+            }
+        out["points"][key] = merged
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = sr.parser()
     p.description = (__doc__ or "").split("\n\n")[0]
     p.set_defaults(points="4x2,8x4,16x2", configs="native,kvtier")
     p.add_argument("--runs", type=int, default=4, help="replays per configuration and point")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, help="JSON files to merge")
     args = p.parse_args(argv)
+    if args.merge:
+        merged = merge(args.merge)
+        for key, rows in merged["points"].items():
+            print("\n".join(point_lines(key, rows)))
+        if args.json is not None:
+            args.json.write_text(json.dumps(merged, indent=1) + "\n")
+        return 0
     specs = [sr.parse_config(c) for c in args.configs.split(",") if c.strip()]
     table = grid.parse_requests(args.requests)
     points = [

@@ -3,9 +3,11 @@ decide alike, and its table (no vLLM needed)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 from support.scripts import REPO
@@ -54,3 +56,30 @@ def test_the_emulated_fs_io_inside_a_step_is_taken_out(steady: ModuleType) -> No
 
     recorded = steady.Recorded(Clock(), {1: 0.007})
     assert recorded.cpu() == pytest.approx([0.004, 0.003, 0.002])
+
+
+def test_invocations_merge_step_by_step(steady: ModuleType, tmp_path: Any) -> None:
+    def invocation(name: str, native: list[float], kvtier: list[float], cached: int = 7) -> Any:
+        def row(each: list[float]) -> dict[str, Any]:
+            return {
+                "steps": len(each),
+                "prompt_tokens_cached": cached,
+                "runs": 2,
+                "connector_step_cpu_us": steady.figures(each),
+                "each_step_cpu_s": each,
+            }
+
+        path = tmp_path / name
+        doc = {"vllm": "0.25.1", "points": {"4x2": {"native": row(native), "kvtier": row(kvtier)}}}
+        path.write_text(json.dumps(doc))
+        return path
+
+    a = invocation("a.json", [0.001, 0.004], [0.002, 0.001])
+    b = invocation("b.json", [0.003, 0.002], [0.001, 0.005])
+    merged = steady.merge([a, b])
+    assert merged["vllm"] == "0.25.1" and merged["merged"] == [str(a), str(b)]
+    kvtier = merged["points"]["4x2"]["kvtier"]
+    assert kvtier["each_step_cpu_s"] == [0.001, 0.001] and kvtier["runs"] == 4
+    assert merged["points"]["4x2"]["native"]["each_step_cpu_s"] == [0.001, 0.002]
+    with pytest.raises(RuntimeError, match="decided differently"):
+        steady.merge([a, invocation("c.json", [0.001, 0.004], [0.002, 0.001], cached=8)])
