@@ -63,6 +63,9 @@ class FsTiming:
     """A written block the tier already holds (``Put.KEPT``: an index touch, no file)."""
     threads: int = 4
     """I/O threads (the fs tier's default)."""
+    engine_ms: float = 0.0
+    """The engine thread's time per block a job moves (file blocks, not kept ones), charged when
+    the job is submitted: the tier's threads taking the GIL from the scheduler (0: none)."""
 
 
 @dataclass(slots=True)
@@ -376,6 +379,10 @@ class ReplayFsTier(FsTier):
             self._unseen[key] = self._unseen.get(key, 0) + 1
         self._writing[job.job_id] = fresh
         self._jobs[job.job_id] = state
+        engine_ms = self.model.timing.engine_ms
+        if engine_ms and self.emulation is not None:
+            machine = self.emulation.machine
+            machine.cpu += engine_ms * (state.blocks - len(state.kept))
         self.model.submit(state)
         self.model.advance(now)
 

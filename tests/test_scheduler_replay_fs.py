@@ -169,3 +169,25 @@ def test_a_wait_reaches_a_job_end_that_rounds_below_in_milliseconds(
 
     assert emulation.wait(Cache(), 0.01) is True
     assert emulation.clock() >= end and len(steps) == 2
+
+
+def test_engine_ms_charges_the_engine_thread_per_file_block(
+    rfs: ModuleType, make_pool: Callable[..., HostPool], namespace: Namespace, tmp_path: Path
+) -> None:
+    pool = make_pool(4, 4096)
+    machine = SimpleNamespace(cpu=0.0)
+    timing = rfs.FsTiming(read_ms=1.0, write_ms=4.0, threads=1, engine_ms=0.5)
+    emulation = rfs.Emulation(machine, rfs.FsSetup(timing, 1.0), tmp_path)
+    options = Options(path=str(tmp_path / "fs"), capacity=4 * (rfs.REAL_BLOCK_BYTES + 64))
+    with rfs.emulated(emulation):
+        tier = rfs.ReplayFsTier.create("fs", namespace, pool, options)
+    try:
+        keys = [bytes([1]) * 16, bytes([2]) * 16]
+        tier.submit(TierJob(1, TierJobKind.WRITE, keys, [0, 1]))
+        assert machine.cpu == pytest.approx(1.0)  # two blocks written
+        machine.cpu = 10.0
+        assert len(tier.poll()) == 1
+        tier.submit(TierJob(2, TierJobKind.WRITE, keys[:1], [0]))  # kept: no file, no charge
+        assert machine.cpu == pytest.approx(10.0)
+    finally:
+        tier.close()
