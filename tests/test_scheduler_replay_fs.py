@@ -191,3 +191,18 @@ def test_engine_ms_charges_the_engine_thread_per_file_block(
         assert machine.cpu == pytest.approx(10.0)
     finally:
         tier.close()
+
+
+def test_kvtier_fs_configs_get_the_replays_fs_tier(rfs: ModuleType, tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import scheduler_replay as sr
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    spec = sr.parse_config("kvtier_fs+pool.promotion_budget=0.25")
+    assert (spec.kind, spec.measured_as) == ("kvtier_fs", "kvtier_fs")
+    emulation = rfs.Emulation(SimpleNamespace(cpu=0.0), rfs.FsSetup(gib=2.0), tmp_path)
+    (tier,) = emulation.tier_configs()
+    assert tier["kind"] == rfs.TIER_KIND and tier["name"] == "fs" and tier["capacity"] == 2 << 30
+    extra = sr.kvtier_extra(1 << 20, spec.overrides, [tier])
+    assert extra["tiers"] == [tier] and extra["pool"] == {"size": 1 << 20, "promotion_budget": 0.25}
