@@ -55,7 +55,7 @@ class FsTiming:
     read_ms: float = 0.25
     """One block read by one I/O thread (fitted: see ``docs/vllm.md``, kvtier + fs in the
     replay)."""
-    write_ms: float = 4.0
+    write_ms: float = 8.0
     """One block written by one I/O thread (fitted)."""
     job_ms: float = 0.0
     """Added once per job (its first block's start)."""
@@ -63,9 +63,10 @@ class FsTiming:
     """A written block the tier already holds (``Put.KEPT``: an index touch, no file)."""
     threads: int = 4
     """I/O threads (the fs tier's default)."""
-    engine_ms: float = 0.0
+    engine_ms: float = 0.1
     """The engine thread's time per block a job moves (file blocks, not kept ones), charged when
-    the job is submitted: the tier's threads taking the GIL from the scheduler (0: none)."""
+    the job is submitted: the tier's threads taking the GIL from the scheduler (fitted to the
+    grid's wall time and tokens/s)."""
 
 
 @dataclass(slots=True)

@@ -70,7 +70,7 @@ def test_threads_serve_blocks_in_parallel_and_jobs_in_order(rfs: ModuleType) -> 
 
 def test_timing_parses_fields(rfs: ModuleType) -> None:
     timing = rfs.parse_timing("read_ms=0.5, threads=8")
-    assert (timing.read_ms, timing.write_ms, timing.threads) == (0.5, 4.0, 8)
+    assert (timing.read_ms, timing.write_ms, timing.threads) == (0.5, 8.0, 8)
     for bad in ("speed=1", "read_ms=x", "threads=0", "write_ms=-1"):
         with pytest.raises(ValueError, match="--fs"):
             rfs.parse_timing(bad)
@@ -82,7 +82,7 @@ def emulated_tier(
 ) -> Iterator[tuple[object, SimpleNamespace, HostPool]]:
     pool = make_pool(4, 4096)
     machine = SimpleNamespace(cpu=0.0)
-    setup = rfs.FsSetup(rfs.FsTiming(read_ms=1.0, write_ms=4.0, threads=1), 1.0)
+    setup = rfs.FsSetup(rfs.FsTiming(read_ms=1.0, write_ms=4.0, threads=1, engine_ms=0.0), 1.0)
     emulation = rfs.Emulation(machine, setup, tmp_path)
     blocks = 3
     options = Options(
