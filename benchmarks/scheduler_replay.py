@@ -126,53 +126,18 @@ def kvtier_extra(
     return extra
 
 
-class ConnectorClock:
-    """Wraps the scheduler-side connector's hooks (``eng.SCHEDULER_HOOKS``, as the grid's
-    ``HookTimer``) and keeps each engine step's wall and CPU seconds in them; a step ends with
-    ``build_connector_meta``, a hook called inside another counts once."""
+def connector_figures(timer: eng.HookTimer) -> dict[str, Any]:
+    """The row's keys from the connector's hooks (``eng.HookTimer``, as the grid times them):
+    p50/p90/p99 and mean per step in microseconds, wall and CPU."""
+    if not timer.cpu_steps:
+        return {}
 
-    def __init__(self, connector: Any) -> None:
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
-        self._now = (0.0, 0.0)
-        self._depth = 0
-        for name in eng.SCHEDULER_HOOKS:
-            method = getattr(connector, name, None)
-            if callable(method):
-                setattr(connector, name, self._wrap(name, method))
+    def of(seconds: list[float]) -> dict[str, float]:
+        us = [s * 1e6 for s in seconds]
+        out = {f"p{q}": round(gr.percentile(us, q), 1) for q in (50, 90, 99)}
+        return {**out, "mean": round(statistics.fmean(us), 1), "steps": len(us)}
 
-    def _wrap(self, name: str, method: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self._depth += 1
-            wall, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    w, c = self._now
-                    self._now = (
-                        w + time.perf_counter() - wall,
-                        c + time.thread_time() - cpu,
-                    )
-                    if name == "build_connector_meta":
-                        self.wall.append(self._now[0])
-                        self.cpu.append(self._now[1])
-                        self._now = (0.0, 0.0)
-
-        return timed
-
-    def figures(self) -> dict[str, Any]:
-        """The row's keys: p50/p99 per step in microseconds, wall and CPU."""
-        if not self.cpu:
-            return {}
-
-        def of(seconds: list[float]) -> dict[str, float]:
-            us = [s * 1e6 for s in seconds]
-            out = {f"p{q}": round(gr.percentile(us, q), 1) for q in (50, 90, 99)}
-            return {**out, "mean": round(statistics.fmean(us), 1), "steps": len(us)}
-
-        return {"connector_step_us": of(self.wall), "connector_step_cpu_us": of(self.cpu)}
+    return {"connector_step_us": of(timer.steps), "connector_step_cpu_us": of(timer.cpu_steps)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +178,8 @@ def run_config(
         engine = rv.make_engine(shape, model.path, rv.ConnectorChoice(kind, host_bytes, extra))
     worker = replay.make_worker(kind, machine, engine.version)
     loop = replay.EngineLoop(engine, machine, worker)
-    clock = ConnectorClock(engine.connector) if engine.connector is not None else None
+    connector = engine.connector
+    timer = eng.HookTimer(connector, enabled=True) if connector is not None else None
     started = time.perf_counter()
     try:
         convs = prompts.conversations()
@@ -227,7 +193,7 @@ def run_config(
     row = row_of(done, counters, time.perf_counter() - started)
     if emulation is not None:
         row["fs_model"] = emulation.summary()
-    return {**row, **(clock.figures() if clock is not None else {})}, summary
+    return {**row, **(connector_figures(timer) if timer is not None else {})}, summary
 
 
 def connector_counters(connector: Any) -> dict[str, int] | None:

@@ -3,7 +3,8 @@
 least over several runs: kvtier's against vLLM's native connector on a shared machine.
 
 ``scheduler_replay.py`` times every scheduler-side connector call per step
-(``ConnectorClock``); on a shared 2-core VM other processes make one run's p99 swing by a third.
+(``vllm_bench_engine.HookTimer``); on a shared 2-core VM other processes make one run's p99
+swing by a third.
 Here each configuration runs ``--runs`` times at each point in one work directory: kvtier's keys
 depend on the model's path, so with the same directory (and the replay's fixed hash seed) every
 run makes the same decisions step by step (checked: the same steps and cached tokens, else it
@@ -64,18 +65,20 @@ class Recorded:
 
     def cpu(self) -> list[float]:
         """Each step's CPU seconds in the connector's hooks, less the emulated I/O."""
-        return [cpu - self.io_s.get(i, 0.0) for i, cpu in enumerate(self.clock.cpu)]
+        return [cpu - self.io_s.get(i, 0.0) for i, cpu in enumerate(self.clock.cpu_steps)]
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[Recorded]:
-    """While open, the ``ConnectorClock`` the replay makes (one per ``run_config``) is kept,
+    """While open, the ``HookTimer`` the replay makes (one per ``run_config``) is kept,
     with the emulated fs tier's I/O time inside its hooks."""
     made = Recorded()
 
-    class Kept(sr.ConnectorClock):
-        def __init__(self, connector: Any) -> None:
-            super().__init__(connector)
+    original = sr.eng.HookTimer
+
+    class Kept(original):  # type: ignore[misc,valid-type]
+        def __init__(self, connector: Any, enabled: bool = False) -> None:
+            super().__init__(connector, enabled)
             made.clock = self
 
     run_blocks = rfs.ReplayFsTier._run_blocks
@@ -87,16 +90,15 @@ def recording() -> Iterator[Recorded]:
         finally:
             clock = made.clock
             if clock is not None and clock._depth > 0:  # inside a hook of the step in flight
-                step = len(clock.cpu)
+                step = len(clock.cpu_steps)
                 made.io_s[step] = made.io_s.get(step, 0.0) + time.thread_time() - started
 
-    original = sr.ConnectorClock
-    sr.ConnectorClock = Kept  # type: ignore[misc]
+    sr.eng.HookTimer = Kept  # type: ignore[misc,attr-defined]
     rfs.ReplayFsTier._run_blocks = timed_io  # type: ignore[method-assign]
     try:
         yield made
     finally:
-        sr.ConnectorClock = original  # type: ignore[misc]
+        sr.eng.HookTimer = original  # type: ignore[misc,attr-defined]
         rfs.ReplayFsTier._run_blocks = run_blocks  # type: ignore[method-assign]
 
 

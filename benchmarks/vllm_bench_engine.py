@@ -544,15 +544,17 @@ def engine_kwargs(spec: RunSpec, model: ModelSpec) -> dict[str, Any]:
 
 
 class HookTimer:
-    """Wraps the scheduler-side connector's methods; a step ends with ``build_connector_meta``.
-    A hook called from inside another (a base class's default delegating to a wrapped method)
-    counts once, in the outer call."""
+    """Wraps the scheduler-side connector's methods and keeps each engine step's seconds in them,
+    wall (``steps``) and the thread's CPU (``cpu_steps``); a step ends with
+    ``build_connector_meta``. A hook called from inside another (a base class's default
+    delegating to a wrapped method) counts once, in the outer call."""
 
-    def __init__(self, connector: Any) -> None:
+    def __init__(self, connector: Any, enabled: bool = False) -> None:
         self.steps: list[float] = []
-        self._current = 0.0
+        self.cpu_steps: list[float] = []
+        self._current = self._current_cpu = 0.0
         self._depth = 0
-        self.enabled = False
+        self.enabled = enabled
         for name in SCHEDULER_HOOKS:
             method = getattr(connector, name, None)
             if callable(method):
@@ -561,17 +563,19 @@ class HookTimer:
     def _wrap(self, name: str, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             self._depth += 1
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
                 self._depth -= 1
                 if self._depth == 0:
                     self._current += time.perf_counter() - started
+                    self._current_cpu += time.thread_time() - started_cpu
                     if name == "build_connector_meta":
                         if self.enabled:
                             self.steps.append(self._current)
-                        self._current = 0.0
+                            self.cpu_steps.append(self._current_cpu)
+                        self._current = self._current_cpu = 0.0
 
         return timed
 

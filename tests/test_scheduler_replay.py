@@ -102,7 +102,7 @@ def test_against_native_ties_within_three_percent(sr: ModuleType) -> None:
     assert not ok  # 4% fewer cached tokens
 
 
-def test_connector_clock_sums_a_steps_hooks_once_each(sr: ModuleType) -> None:
+def test_hook_timer_sums_a_steps_hooks_once_each_wall_and_cpu(sr: ModuleType) -> None:
     class Connector:
         def get_num_new_matched_tokens(self) -> int:
             return self.update_state_after_alloc()  # nested: counted in the outer call
@@ -115,15 +115,17 @@ def test_connector_clock_sums_a_steps_hooks_once_each(sr: ModuleType) -> None:
             return "meta"
 
     connector = Connector()
-    clock = sr.ConnectorClock(connector)
-    assert clock.figures() == {}
+    clock = sr.eng.HookTimer(connector, enabled=True)
+    assert sr.connector_figures(clock) == {}
     for _ in range(3):
         assert connector.get_num_new_matched_tokens() == 1
         assert connector.build_connector_meta() == "meta"
     connector.update_state_after_alloc()  # a step not yet ended is not counted
-    assert len(clock.cpu) == len(clock.wall) == 3
-    assert all(0 < cpu <= wall * 1.5 for cpu, wall in zip(clock.cpu, clock.wall, strict=True))
-    figures = clock.figures()
+    assert len(clock.cpu_steps) == len(clock.steps) == 3
+    assert all(
+        0 < cpu <= wall * 1.5 for cpu, wall in zip(clock.cpu_steps, clock.steps, strict=True)
+    )
+    figures = sr.connector_figures(clock)
     assert figures["connector_step_us"]["steps"] == 3
     assert set(figures["connector_step_cpu_us"]) == {"p50", "p90", "p99", "mean", "steps"}
     rows = {"native": figures, "kvtier": {"connector_step_cpu_us": {"p50": 1.0, "p99": 2.0}}}

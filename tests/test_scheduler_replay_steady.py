@@ -52,7 +52,7 @@ def test_the_table_gives_kvtiers_ratios_to_native(steady: ModuleType) -> None:
 
 def test_the_emulated_fs_io_inside_a_step_is_taken_out(steady: ModuleType) -> None:
     class Clock:
-        cpu = [0.004, 0.010, 0.002]
+        cpu_steps = [0.004, 0.010, 0.002]
 
     recorded = steady.Recorded(Clock(), {1: 0.007})
     assert recorded.cpu() == pytest.approx([0.004, 0.003, 0.002])
