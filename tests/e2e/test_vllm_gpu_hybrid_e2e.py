@@ -166,6 +166,18 @@ def _rounds(
     return out, info
 
 
+def _kvtier_matches(
+    reference: list[list[list[int]]], alone: dict[str, Any], model: Path, case: Case, tmp_path: Path
+) -> dict[str, Any]:
+    """The same rounds with kvtier: the hybrid manager on, vLLM's groups as without kvtier, the
+    outputs vLLM alone gave; returns kvtier's stats."""
+    ours, info = _rounds(model, tmp_path / "stats.json", case)
+    assert info["hybrid_off"] is False
+    assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
+    assert ours == reference
+    return jobs.read_stats(tmp_path / "stats.json")
+
+
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models.write_tiny_gemma2(tmp_path_factory.mktemp("gpu-gemma2"))
@@ -182,11 +194,7 @@ def test_sliding_window_model_identical_with_hits(gemma2: Path, tmp_path: Path) 
     expected = ["SlidingWindowSpec", "FullAttentionSpec"]
     assert _kinds(alone["groups"]) == expected, f"vLLM alone built {alone['groups']}"
     assert f"sliding_window={models.GEMMA2_WINDOW}" in alone["groups"][0], alone["groups"]
-    ours, info = _rounds(gemma2, tmp_path / "stats.json", TINY_GEMMA2)
-    assert info["hybrid_off"] is False
-    assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
-    assert ours == reference
-    stats = jobs.read_stats(tmp_path / "stats.json")
+    stats = _kvtier_matches(reference, alone, gemma2, TINY_GEMMA2, tmp_path)
     window, full = stats["groups"]["0"], stats["groups"]["1"]
     assert (window["kind"], full["kind"]) == ("window", "full")
     assert full["hit_blocks"] >= 2 * 31 and window["hit_blocks"] >= 2 * 2
@@ -204,11 +212,7 @@ def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path
     )
     states = [g for g in alone["groups"] if g.startswith("MambaSpec")]
     assert all("mamba_cache_mode='all'" in g for g in states), alone["groups"]
-    ours, info = _rounds(nemotron_h, tmp_path / "stats.json", TINY_NEMOTRON_H)
-    assert info["hybrid_off"] is False
-    assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
-    assert ours == reference
-    stats = jobs.read_stats(tmp_path / "stats.json")
+    stats = _kvtier_matches(reference, alone, nemotron_h, TINY_NEMOTRON_H, tmp_path)
     assert stats["groups_refused"] is None
     kinds = {g["kind"] for g in stats["groups"].values()}
     assert kinds == {"full", "state"}
@@ -245,11 +249,7 @@ def test_released_hybrid_architecture_identical_with_hits_in_every_group(
     if kind == "nemotronh" and alone["mode"] != "all":
         pytest.skip(f"vLLM keeps Mamba states in mode {alone['mode']!r} here (kvtier: 'all')")
     assert len(alone["groups"]) > 1, f"vLLM alone built {alone['groups']}"
-    ours, info = _rounds(model, tmp_path / "stats.json", case)
-    assert info["hybrid_off"] is False
-    assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
-    assert ours == reference
-    stats = jobs.read_stats(tmp_path / "stats.json")
+    stats = _kvtier_matches(reference, alone, model, case, tmp_path)
     assert stats["groups_refused"] is None
     hits: dict[str, int] = {}
     for group in stats["groups"].values():
