@@ -63,11 +63,6 @@ class TieredCache(CacheReports):
     ) -> None:
         self._pool = pool
         self._policy = policy
-        # A run of keys touched or inserted in one call where the policy can (``HintedPolicy``).
-        each: Callable[[Callable[[BlockKey], None]], Callable[[Sequence[BlockKey]], object]]
-        each = lambda method: lambda keys: list(map(method, keys))  # noqa: E731
-        self._access_all = getattr(policy, "access_many", None) or each(policy.access)
-        self._insert_all = getattr(policy, "insert_many", None) or each(policy.insert)
         self._secondary = list(secondary)
         self._tiers = [s.tier for s in self._secondary]
         modes = [s.write_mode for s in self._secondary]
@@ -182,7 +177,7 @@ class TieredCache(CacheReports):
             loading[key] = loading.get(key, 0) + 1
         # The policy reads no pins: touched after pinning, deepest first (the eviction order
         # takes a prefix's tail before its head: a tail without its head is never hit).
-        self._access_all(found[::-1])
+        self._policy.access_many(found[::-1])
         if owner is not None:
             self.forget(owner)
         return list(map(index.__getitem__, found))
@@ -225,7 +220,7 @@ class TieredCache(CacheReports):
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark visible keys as recently used, deepest first (``prepare_load``)."""
         index = self._index
-        self._access_all([key for key in reversed(keys) if key in index])
+        self._policy.access_many([key for key in reversed(keys) if key in index])
 
     def hint_request(self, keys: Sequence[BlockKey], hint: RequestHint) -> None:
         """Tell the eviction policy about a served request: its blocks in order and what the
@@ -244,7 +239,8 @@ class TieredCache(CacheReports):
         enough unpinned slots the leading keys get the slots there are; each to ``complete_store``.
         """
         index, inflight = self._index, self._inflight
-        self._access_all([key for key in reversed(keys) if key in index])  # as ``prepare_load``
+        # Touched deepest first, as ``prepare_load`` does.
+        self._policy.access_many([key for key in reversed(keys) if key in index])
         todo = [key for key in keys if key not in index and key not in inflight]
         counters = self._counters
         counters.store_skipped_present += len(keys) - len(todo)
@@ -279,7 +275,7 @@ class TieredCache(CacheReports):
                 stored.append(key)
             else:
                 failed_slots.append(slot)
-        self._insert_all(stored)
+        self._policy.insert_many(stored)
         stored.reverse()
         if failed_slots:
             self._pool.free(failed_slots)
@@ -536,7 +532,7 @@ class TieredCache(CacheReports):
                 free.append(slot)
                 rules.dropped(key)
                 self._failed_promotions.remember(job.tier_index, key, now)
-        self._insert_all(landed)
+        self._policy.insert_many(landed)
         promoted = len(job.keys) - len(free)
         self._promoted[self._tiers[job.tier_index].name] += promoted
         counters.promoted_blocks += promoted

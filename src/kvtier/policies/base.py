@@ -47,6 +47,18 @@ class EvictionPolicy(ABC):
     def coldest(self, n: int) -> list[BlockKey]:
         """Up to ``n`` keys in the order they would be evicted, pins ignored; nothing changes."""
 
+    def insert_many(self, keys: Sequence[BlockKey]) -> None:
+        """``insert`` of each key in turn (a store or a promotion lands a run of blocks).
+        Optional: a policy may do it in one pass, deciding exactly as the loop would."""
+        for key in keys:
+            self.insert(key)
+
+    def access_many(self, keys: Sequence[BlockKey]) -> None:
+        """``access`` of each key in turn (a lookup or a store touches a request's run).
+        Optional, as ``insert_many``."""
+        for key in keys:
+            self.access(key)
+
     def admit_store(self, n: int, free: int) -> int:
         """How many of ``n`` new blocks (the leading ones) a store may bring into a pool that
         has ``free`` free slots; the rest are not stored. Optional: the default admits all.

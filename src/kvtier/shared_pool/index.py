@@ -181,9 +181,8 @@ class SharedIndex(LockedIndex):
         few or would be as large as the pool."""
         a = self.a
         draws = EVICT_SAMPLE * n
-        if draws >= self.num_slots:  # a sample as large as the pool may still miss the oldest
-            candidates = self._evictable(np.arange(self.num_slots))
-        else:
+        candidates = np.empty(0, dtype=np.int64)
+        if draws < self.num_slots:  # else scanned whole: a sample may miss the oldest block
             candidates = self._evictable(np.unique(self._rng.integers(0, self.num_slots, draws)))
         if candidates.size < n:
             candidates = self._evictable(np.arange(self.num_slots))
