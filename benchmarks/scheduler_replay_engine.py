@@ -10,6 +10,7 @@ Everything the scheduler decides is vLLM's and the connector's own code; only ti
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,13 +65,20 @@ class Cost:
         return t
 
 
+def field_settings(text: str, record: type, flag: str) -> Iterator[tuple[str, str, str]]:
+    """The ``FIELD=VALUE`` items of ``text`` (comma-separated) that name fields of the dataclass
+    ``record``, as (item, field, value); ``ValueError`` naming ``flag`` for any other."""
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in record.__dataclass_fields__:
+            raise ValueError(f"{flag} {item!r}: expected FIELD=NUMBER, fields of {record.__name__}")
+        yield item, name, value
+
+
 def parse_cost(text: str) -> Cost:
     """``base_ms=7,load_gate=0``: a ``Cost`` with those fields changed."""
     cost = Cost()
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name not in Cost.__dataclass_fields__:
-            raise ValueError(f"--cost {item!r}: expected FIELD=NUMBER, fields of Cost")
+    for _, name, value in field_settings(text, Cost, "--cost"):
         setattr(cost, name, value not in ("0", "false") if name == "load_gate" else float(value))
     return cost
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import scheduler_replay_engine as replay
+
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobResult, TierJob, TierJobKind
@@ -171,10 +173,7 @@ TIER_KIND = "scheduler_replay_fs:ReplayFsTier"
 def parse_timing(text: str) -> FsTiming:
     """``read_ms=1,write_ms=4,threads=4``: an ``FsTiming`` with those fields changed."""
     timing = FsTiming()
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name not in FsTiming.__dataclass_fields__:
-            raise ValueError(f"--fs {item!r}: expected FIELD=NUMBER, fields of FsTiming")
+    for item, name, value in replay.field_settings(text, FsTiming, "--fs"):
         try:
             number = float(value)
         except ValueError:
