@@ -4,27 +4,19 @@ installed vLLM (the CPU build) whose figures follow from the workload exactly.""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import pytest
 from support import require
-from support.scripts import REPO
-
-BENCH_DIR = REPO / "benchmarks"
+from support.scripts import benchmark_modules
 
 
 @pytest.fixture(scope="module")
 def sr() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import scheduler_replay
-
-        yield scheduler_replay
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    with benchmark_modules("scheduler_replay") as (module,):
+        yield module
 
 
 @pytest.fixture(scope="module")

@@ -5,31 +5,23 @@ clock; no vLLM needed."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
-from support.scripts import REPO
+from support.scripts import benchmark_modules
 
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.fs.tier import Options
 
-BENCH_DIR = REPO / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def rfs() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import scheduler_replay_fs
-
-        yield scheduler_replay_fs
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    with benchmark_modules("scheduler_replay_fs") as (module,):
+        yield module
 
 
 def _job(rfs: ModuleType, job_id: int, reading: bool, at: float, blocks: int) -> object:
@@ -194,12 +186,8 @@ def test_engine_ms_charges_the_engine_thread_per_file_block(
 
 
 def test_kvtier_fs_configs_get_the_replays_fs_tier(rfs: ModuleType, tmp_path: Path) -> None:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import scheduler_replay as sr
-    finally:
-        sys.path.remove(str(BENCH_DIR))
-    spec = sr.parse_config("kvtier_fs+pool.promotion_budget=0.25")
+    with benchmark_modules("scheduler_replay") as (sr,):
+        spec = sr.parse_config("kvtier_fs+pool.promotion_budget=0.25")
     assert (spec.kind, spec.measured_as) == ("kvtier_fs", "kvtier_fs")
     emulation = rfs.Emulation(SimpleNamespace(cpu=0.0), rfs.FsSetup(gib=2.0), tmp_path)
     (tier,) = emulation.tier_configs()

@@ -4,26 +4,18 @@ decide alike, and its table (no vLLM needed)."""
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import pytest
-from support.scripts import REPO
-
-BENCH_DIR = REPO / "benchmarks"
+from support.scripts import benchmark_modules
 
 
 @pytest.fixture(scope="module")
 def steady() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import scheduler_replay_steady
-
-        yield scheduler_replay_steady
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    with benchmark_modules("scheduler_replay_steady") as (module,):
+        yield module
 
 
 def test_each_step_keeps_its_least_time(steady: ModuleType) -> None:

@@ -14,20 +14,15 @@ from types import ModuleType
 
 import pytest
 from support import require
-from support.scripts import REPO
+from support.scripts import REPO, benchmark_modules
 
 BENCH = REPO / "benchmarks" / "shared_pool_gpu_bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import shared_pool_gpu_bench
-
-        yield shared_pool_gpu_bench
-    finally:
-        sys.path.remove(str(BENCH.parent))
+    with benchmark_modules("shared_pool_gpu_bench") as (module,):
+        yield module
 
 
 def test_summary_compares_b_hit_with_a_reload_and_checks_first_tokens(bench: ModuleType) -> None:

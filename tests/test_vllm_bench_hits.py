@@ -4,35 +4,20 @@ per cached token against full attention (no vLLM needed)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from support.scripts import REPO
-
-BENCH_DIR = REPO / "benchmarks"
+from support.scripts import benchmark_modules
 
 
 @pytest.fixture(scope="module")
 def mods() -> Iterator[dict[str, ModuleType]]:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import vllm_bench_engine
-        import vllm_bench_hits
-        import vllm_bench_kv
-        import vllm_gpu_bench
-
-        yield {
-            "eng": vllm_bench_engine,
-            "hits": vllm_bench_hits,
-            "kv": vllm_bench_kv,
-            "bench": vllm_gpu_bench,
-        }
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    names = ("vllm_bench_engine", "vllm_bench_hits", "vllm_bench_kv", "vllm_gpu_bench")
+    with benchmark_modules(*names) as (eng, hits, kv, bench):
+        yield {"eng": eng, "hits": hits, "kv": kv, "bench": bench}
 
 
 def _toy(kv: ModuleType) -> Any:

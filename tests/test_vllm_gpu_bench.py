@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -15,28 +14,14 @@ from typing import Any
 
 import pytest
 from support import require
-from support.scripts import REPO
-
-BENCH_DIR = REPO / "benchmarks"
+from support.scripts import benchmark_modules
 
 
 @pytest.fixture(scope="module")
 def modules() -> Iterator[dict[str, ModuleType]]:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import vllm_bench_engine
-        import vllm_gpu_bench
-        import vllm_grid
-        import vllm_grid_report
-
-        yield {
-            "grid": vllm_grid,
-            "report": vllm_grid_report,
-            "engine": vllm_bench_engine,
-            "bench": vllm_gpu_bench,
-        }
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    names = ("vllm_grid", "vllm_grid_report", "vllm_bench_engine", "vllm_gpu_bench")
+    with benchmark_modules(*names) as (grid, report, engine, bench):
+        yield {"grid": grid, "report": report, "engine": engine, "bench": bench}
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ loads and stores per group come from kvtier's stats file. Skipped without a CUDA
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import pytest
 from support import require
-from support.scripts import REPO
+from support.scripts import benchmark_modules
 
 GPU_MISSING = require.vllm_missing() or require.cuda_missing()
 pytestmark = [
@@ -230,13 +229,8 @@ def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path
 @pytest.fixture(scope="module")
 def released_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """``make_model(kind, dir)`` of the GPU benchmark: a released architecture's config.json."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import vllm_bench_engine
-
-        yield lambda kind: vllm_bench_engine.make_model(kind, tmp_path_factory.mktemp(kind)).path
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    with benchmark_modules("vllm_bench_engine") as (engine,):
+        yield lambda kind: engine.make_model(kind, tmp_path_factory.mktemp(kind)).path
 
 
 @pytest.mark.parametrize("kind", sorted(RELEASED))
