@@ -3,10 +3,11 @@
 
 ``ReplayFsTier`` is an ``FsTier`` (its files, index, capacity and eviction, header and checksum)
 that does each job's I/O inside ``submit`` (no I/O threads: ``threads`` = 0) and holds the job's
-report back until the emulated clock reaches the job's end in ``FsModel``: ``fs_threads`` servers
+report back until the emulated clock reaches the job's end in ``FsModel``: ``threads`` servers
 taking a job's blocks one at a time, reads before writes (the real tier queues reads in its
 workers' first line and a write lets queued reads run between its blocks), first come first
-served within each kind, ``fs_read_ms`` / ``fs_write_ms`` per block and ``fs_job_ms`` per job.
+served within each kind, ``read_ms`` / ``write_ms`` per block and ``job_ms`` per job
+(``FsTiming``, set with ``--fs``).
 A report's ``JobResult.busy_s`` is the model's time from the job's first block to its last (the
 real tier's measure), so the promotion rules' cost model (``kvtier.cache.promotion``) sees
 emulated times. A block a write has not finished in emulated time is not visible to ``lookup``
@@ -45,10 +46,6 @@ try:
 except ImportError:  # kvtier before the fs tier became a package (replaying a measured commit)
     from kvtier.tiers.fs import FsTier  # type: ignore[attr-defined,no-redef]
 from kvtier.tiers.payload import HEADER_BYTES
-
-REAL_BLOCK_BYTES = 2 << 20
-"""A grid block (Llama-3.1-8B, 16 tokens, 32 layers, bf16; ``scheduler_replay_engine``'s)."""
-
 
 @dataclass(slots=True)
 class FsTiming:
@@ -318,7 +315,7 @@ class ReplayFsTier(FsTier):
         emulation = CURRENT
         if emulation is None:
             raise RuntimeError("ReplayFsTier outside an emulation (scheduler_replay_fs.CURRENT)")
-        blocks = options.capacity // (REAL_BLOCK_BYTES + HEADER_BYTES)
+        blocks = options.capacity // (replay.BLOCK_BYTES + HEADER_BYTES)
         scaled = dataclasses.replace(
             options, threads=0, capacity=max(1, blocks) * (pool.slot_bytes + HEADER_BYTES)
         )
