@@ -47,6 +47,7 @@ except ImportError:  # kvtier before the fs tier became a package (replaying a m
     from kvtier.tiers.fs import FsTier  # type: ignore[attr-defined,no-redef]
 from kvtier.tiers.payload import HEADER_BYTES
 
+
 @dataclass(slots=True)
 class FsTiming:
     """The fs tier's service times (milliseconds of the grid's blocks)."""

@@ -78,7 +78,7 @@ def emulated_tier(
     emulation = rfs.Emulation(machine, setup, tmp_path)
     blocks = 3
     options = Options(
-        path=str(tmp_path / "fs"), capacity=blocks * (rfs.REAL_BLOCK_BYTES + 64), threads=4
+        path=str(tmp_path / "fs"), capacity=blocks * (rfs.replay.BLOCK_BYTES + 64), threads=4
     )
     with rfs.emulated(emulation):
         tier = rfs.ReplayFsTier.create("fs", namespace, pool, options)
@@ -170,7 +170,7 @@ def test_engine_ms_charges_the_engine_thread_per_file_block(
     machine = SimpleNamespace(cpu=0.0)
     timing = rfs.FsTiming(read_ms=1.0, write_ms=4.0, threads=1, engine_ms=0.5)
     emulation = rfs.Emulation(machine, rfs.FsSetup(timing, 1.0), tmp_path)
-    options = Options(path=str(tmp_path / "fs"), capacity=4 * (rfs.REAL_BLOCK_BYTES + 64))
+    options = Options(path=str(tmp_path / "fs"), capacity=4 * (rfs.replay.BLOCK_BYTES + 64))
     with rfs.emulated(emulation):
         tier = rfs.ReplayFsTier.create("fs", namespace, pool, options)
     try:
