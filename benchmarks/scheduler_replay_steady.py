@@ -114,12 +114,12 @@ def run_point(
     cpu_runs: list[list[float]] = []
     decided: set[tuple[int, int]] = set()
     fs = rfs.FsSetup(rfs.parse_timing(args.fs), args.fs_gib)
+    cost, hold = replay.parse_cost(args.cost), sr.parse_hold(args.hold)
     for _ in range(args.runs):
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
         settings = sr.settings_of(args, workdir)
         with recording() as recorded:
-            cost, hold = replay.parse_cost(args.cost), sr.parse_hold(args.hold)
             row, _ = sr.run_config(point, spec, settings, cost, workdir, hold, fs)
         cpu_runs.append(recorded.cpu())
         decided.add((len(cpu_runs[-1]), int(row["prompt_tokens_cached"])))
