@@ -22,10 +22,10 @@ load that is never reported would otherwise keep the loop stepping forever)."""
 BLOCK_BYTES = 2 << 20
 """A Llama-3.1-8B block of 16 tokens, bf16, all 32 layers: what the real copy engines move."""
 WAIT_KINDS = ("first_waiting", "behind", "async_or_skipped")
-"""Where a request not yet scheduled waits (``EngineLoop.waits``): first of the WAITING requests
-in vLLM's queue (not scheduled: at the grid's points its blocks do not fit the free GPU blocks),
-behind such a request, or in ``skipped_waiting`` (an asynchronous load in flight, a deferred
-lookup)."""
+"""Where a request not yet scheduled waits (``EngineLoop.request_waits``): first of the WAITING
+requests in vLLM's queue (not scheduled: at the grid's points its blocks do not fit the free GPU
+blocks), behind such a request, or in ``skipped_waiting`` (an asynchronous load in flight, a
+deferred lookup)."""
 
 
 @dataclass(slots=True)
@@ -215,10 +215,8 @@ class EngineLoop:
         self.m = machine
         self.worker = worker
         self.queue: deque[tuple[float, Any, Any]] = deque()
-        self.waits = dict.fromkeys(WAIT_KINDS, 0.0)
-        """Milliseconds requests spent waiting, summed over requests, by ``WAIT_KINDS``."""
         self.request_waits: dict[str, dict[str, float]] = {}
-        """The same per request."""
+        """Milliseconds each request spent waiting, by ``WAIT_KINDS``."""
         self._waiting: dict[str, str] = {}
         self._since = 0.0
 
@@ -227,17 +225,16 @@ class EngineLoop:
         where the requests this step leaves unscheduled wait (``WAIT_KINDS``)."""
         now, sched = self.m.cpu, self.engine.scheduler
         for req_id, kind in self._waiting.items():
-            self.waits[kind] += now - self._since
             mine = self.request_waits.setdefault(req_id, dict.fromkeys(WAIT_KINDS, 0.0))
             mine[kind] += now - self._since
         self._since = now
         where: dict[str, str] = {}
+        first = "first_waiting"
         for req in sched.waiting:
             if req.status.name != "WAITING":
                 where[req.request_id] = "async_or_skipped"
             else:
-                first = "first_waiting" not in where.values()
-                where[req.request_id] = "first_waiting" if first else "behind"
+                where[req.request_id], first = first, "behind"
         for req in getattr(sched, "skipped_waiting", ()):
             where[req.request_id] = "async_or_skipped"
         for req_id in scheduled:
@@ -324,12 +321,15 @@ class Replayed:
     steps: int
     sync_wait_ms: float
     output_tokens: int
-    waits_ms: dict[str, float] = field(default_factory=dict)
-    """``EngineLoop.waits``."""
     held: int = 0
     """Requests held back (``replay``'s ``hold``)."""
     request_waits: dict[str, dict[str, float]] = field(default_factory=dict)
     """``EngineLoop.request_waits``."""
+
+    @property
+    def waits_ms(self) -> dict[str, float]:
+        """Milliseconds requests spent waiting, summed over requests, by ``WAIT_KINDS``."""
+        return {k: sum(w[k] for w in self.request_waits.values()) for k in WAIT_KINDS}
 
 
 def replay(
@@ -410,7 +410,6 @@ def replay(
         m.steps,
         m.sync_wait_ms,
         len(served) * max_tokens,
-        dict(loop.waits),
         sent_count[1],
         loop.request_waits,
     )
