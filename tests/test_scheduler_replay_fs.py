@@ -110,6 +110,16 @@ def test_a_job_reports_and_a_write_shows_at_its_emulated_end(
     assert bytes(pool.view(1)) == b"\x07" * 4096
 
 
+def test_a_replay_tier_outside_an_emulation_is_refused(
+    rfs: ModuleType, make_pool: Callable[..., HostPool], namespace: Namespace, tmp_path: Path
+) -> None:
+    """Built without ``emulated`` (no clock to hold its reports on), the tier refuses to start."""
+    assert rfs.CURRENT is None
+    options = Options(path=str(tmp_path / "fs"), capacity=4 * (rfs.replay.BLOCK_BYTES + 64))
+    with pytest.raises(RuntimeError, match="outside an emulation"):
+        rfs.ReplayFsTier.create("fs", namespace, make_pool(4, 4096), options)
+
+
 def test_capacity_is_the_grids_blocks_scaled(
     emulated_tier: tuple[object, SimpleNamespace, HostPool],
 ) -> None:
