@@ -295,3 +295,17 @@ def test_sensitivity_poisoned_pool_changes_outputs(
     stats = jobs.read_stats(stats_path)
     assert stats["cache"]["loaded_blocks"] >= 27
     assert all(p != r for p, r in zip(poisoned, reference["basic"], strict=True)), poisoned
+
+
+def test_an_engine_may_capture_cuda_graphs_after_another_engine_in_this_process() -> None:
+    """vLLM 0.25.1's first model runner leaves the process-wide capture flag off after its
+    capture; the harness turns it back on before each GPU engine (the H100 hybrid tests start a
+    Gemma-3 engine, on vLLM's second runner, after Nemotron-H engines in one process)."""
+    from vllm.compilation import monitor
+
+    monitor.set_cudagraph_capturing_enabled(False)
+    try:
+        h.allow_cuda_graph_capture()
+        monitor.validate_cudagraph_capturing_enabled()
+    finally:
+        monitor.set_cudagraph_capturing_enabled(True)

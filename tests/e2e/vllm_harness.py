@@ -244,6 +244,8 @@ def build_llm(
     from vllm import LLM
 
     _forget_cached_env()
+    if gpu:
+        allow_cuda_graph_capture()
     kwargs: dict[str, Any] = {
         "model": str(model_path),
         "load_format": load_format,
@@ -278,6 +280,17 @@ def _forget_cached_env() -> None:
     clear = getattr(getattr(vllm.envs, "__getattr__", None), "cache_clear", None)
     if clear is not None:
         clear()
+
+
+def allow_cuda_graph_capture() -> None:
+    """vLLM 0.25.1's first model runner turns the process-wide CUDA graph capture flag off after
+    its capture and the second (Gemma-3 and other models it runs) never turns it on: an engine on
+    the second runner after one on the first fails its start in this process ("CUDA graph
+    capturing detected at an inappropriate time"). Each engine starts as in a fresh process."""
+    import vllm.compilation.monitor as monitor
+
+    if hasattr(monitor, "cudagraph_capturing_enabled"):
+        monitor.cudagraph_capturing_enabled = True
 
 
 def greedy_params(max_tokens: int = 8, **kwargs: Any) -> Any:
