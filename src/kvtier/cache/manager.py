@@ -239,9 +239,12 @@ class TieredCache(CacheReports):
         enough unpinned slots the leading keys get the slots there are; each to ``complete_store``.
         """
         index, inflight = self._index, self._inflight
-        # Touched deepest first, as ``prepare_load`` does.
-        self._policy.access_many([key for key in reversed(keys) if key in index])
-        todo = [key for key in keys if key not in index and key not in inflight]
+        # Touched deepest first, as ``prepare_load`` does; a leading run present found in C.
+        lead = len(list(takewhile(index.__contains__, keys)))
+        present = [key for key in reversed(keys[lead:]) if key in index]
+        present.extend(reversed(keys[:lead]))
+        self._policy.access_many(present)
+        todo = [key for key in keys[lead:] if key not in index and key not in inflight]
         counters = self._counters
         counters.store_skipped_present += len(keys) - len(todo)
         if not todo:
@@ -379,7 +382,7 @@ class TieredCache(CacheReports):
 
     def _evict(self, victims: list[BlockKey]) -> None:
         index = self._index
-        slots = [index.pop(key) for key in victims]
+        slots = list(map(index.pop, victims))
         if self._origin:
             for key in victims:
                 self._origin.pop(key, None)

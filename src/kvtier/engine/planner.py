@@ -334,10 +334,12 @@ class Planner:
         bs = self.engine_block_size
         first = plan.first_token // bs
         computed = plan.num_computed // bs
-        engine_blocks = [
-            SKIP if first + i < computed else block_ids[first + i]
-            for i in range(len(plan.slots) * self.blocks_per_slot)
-        ]
+        total = len(plan.slots) * self.blocks_per_slot
+        skipped = max(0, min(total, computed - first))
+        engine_blocks = [SKIP] * skipped
+        engine_blocks += block_ids[first + skipped : first + total]  # slices, not a loop
+        if len(engine_blocks) < total:
+            raise IndexError("the allocation has fewer blocks than the plan loads")
         return engine_blocks, None, True
 
     def take_hit_sources(self, req_id: str) -> dict[str, int]:
@@ -409,10 +411,12 @@ class Planner:
         block_ids = tables.get(req_id)
         bps = self.blocks_per_slot
         engine_blocks: list[int]
-        if len(reservation.keys) == len(wanted):
-            # The reserved keys are an ordered subsequence of ``wanted``: here all of it, so
-            # their engine blocks are one slice (a loop per block: 80 us for 512 blocks).
-            engine_blocks = list(block_ids[offered * bps : full * bps])
+        reserved = len(reservation.keys)
+        if reserved == len(wanted) or reservation.keys == wanted[len(wanted) - reserved :]:
+            # The reserved keys are an ordered subsequence of ``wanted``: here all of it or its
+            # tail (a new turn's first store: its hits are present), so their engine blocks are
+            # one slice (a loop per block: 80 us for 512 blocks).
+            engine_blocks = list(block_ids[(full - reserved) * bps : full * bps])
         else:
             position = {key: offered + i for i, key in enumerate(wanted)}
             engine_blocks = []

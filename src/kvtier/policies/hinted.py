@@ -46,8 +46,9 @@ above the mean, a reserve for blocks waiting for hints): docs/policies.md.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
+from itertools import repeat
 from operator import itemgetter
 
 from kvtier.keys import BlockKey
@@ -222,8 +223,7 @@ class HintedPolicy(EvictionPolicy):
             _take(self._kept, n - len(victims), pinned, victims)
         unranked = self._unranked
         if unranked:
-            for key in victims:
-                unranked.pop(key, None)
+            deque(map(unranked.pop, victims, repeat(None)), maxlen=0)
         remember_evicted(self._ghost, victims, self.ghost_capacity)
         return victims
 
@@ -306,9 +306,9 @@ class HintedPolicy(EvictionPolicy):
         first = min(hint.hit_blocks, n)
         unranked = self._unranked
         if unranked:
-            # Blocks the request found (hits, promotions) were not computed by it: not ranked.
-            for key in keys[:first]:
-                unranked.pop(key, None)
+            # Blocks the request found (hits, promotions) were not computed by it: not ranked
+            # (in C: a request's hits are hundreds).
+            deque(map(unranked.pop, keys[:first], repeat(None)), maxlen=0)
         if first >= n:
             return
         start = first_class(hint)
