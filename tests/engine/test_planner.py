@@ -188,3 +188,26 @@ def test_the_next_turn_of_a_conversation_reuses_the_earlier_prompts_keys(tmp_pat
         planner.close()
         for copier in copiers:
             copier.close()
+
+
+def test_a_store_after_stored_leading_blocks_copies_only_the_new_tail(tmp_path: Path) -> None:
+    planner, copiers, _ = _engine(tmp_path)
+    tables = Tables()
+    try:
+        prompt = list(range(100, 117))
+        first = ToyRequest("a", prompt, blocks=list(range(9)))
+        tables["a"] = first.blocks
+        planner.on_new_request(first)
+        _run_step(planner, copiers, {"a": len(prompt)}, tables)
+        planner.request_finished(first)
+        # The next turn: its first 4 kvtier blocks are the pool's, 2 new ones follow.
+        turn = ToyRequest("c", [*prompt[:16], *range(600, 609)], blocks=list(range(12, 25)))
+        tables["c"] = turn.blocks
+        planner.on_new_request(turn)
+        (store,) = _run_step(planner, copiers, {"c": len(turn.tokens)}, tables).stores
+        assert store.engine_blocks == turn.blocks[8:12]  # kvtier blocks 4 and 5, BPS each
+        assert len(store.slots) == 2
+    finally:
+        planner.close()
+        for copier in copiers:
+            copier.close()

@@ -41,3 +41,10 @@ def test_the_ghost_history_forgets_its_oldest_beyond_capacity():
     assert list(ghost) == [k(2), k(3)]
     remember_evicted(ghost, [k(4)], 0)  # no history
     assert list(ghost) == [k(2), k(3)]
+
+
+def test_a_key_remembered_again_keeps_its_place_in_the_ghost_history():
+    ghost: OrderedDict[bytes, None] = OrderedDict()
+    remember_evicted(ghost, [k(1), k(2)], 3)
+    remember_evicted(ghost, [k(3), k(1), k(4)], 3)  # k(1) is not made newer: k(1) goes first
+    assert list(ghost) == [k(2), k(3), k(4)]
