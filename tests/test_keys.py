@@ -4,11 +4,20 @@ import dataclasses
 import os
 import subprocess
 import sys
+from typing import Any
 
+import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.keys import KEY_BYTES, Namespace, chain_keys, chain_root, keys_from_hashes
+from kvtier.keys import (
+    KEY_BYTES,
+    Namespace,
+    chain_keys,
+    chain_root,
+    keys_from_hashes,
+    token_bytes,
+)
 
 BASE = Namespace(model="llama", dtype="bfloat16", block_tokens=4, layout="nhd", tp_size=2)
 TOKENS = list(range(17))
@@ -167,3 +176,16 @@ def test_a_generation_roots_a_new_chain_that_no_salt_can_spell():
         chain_root(BASE, salt="x\0gen=1"),
     }
     assert None not in roots and len(roots) == 8
+
+
+def test_token_bytes_of_a_list_are_numpys_int64_bytes_whatever_the_items() -> None:
+    def numpy_bytes(tokens: Any) -> bytes:
+        return np.asarray(tokens, dtype="<i8").tobytes()
+
+    cases: list[Any] = [[], [0], [-5, 2**63 - 1, -(2**63)], [np.int64(7), 3, True], [1.5, 2]]
+    cases.append(list(range(5000)))
+    for tokens in cases:  # a list goes through struct, a float list through numpy
+        assert token_bytes(tokens) == numpy_bytes(tokens)
+    assert token_bytes((1, 2)) == numpy_bytes([1, 2])
+    with pytest.raises(OverflowError):
+        token_bytes([2**63])

@@ -14,9 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
-
-from kvtier.keys import KEY_BYTES, BlockKey
+from kvtier.keys import BlockKey
 from kvtier.policies.hints import RequestHint
 
 SAMPLE = 4
@@ -66,7 +64,7 @@ class ReuseRates:
         if not followed:
             return
         reused = self._reused
-        for key in _sampled(keys):
+        for key in keys:
             if key and key[-1] % SAMPLE == 0:
                 cls = followed.pop(key, None)
                 if cls is not None:
@@ -109,12 +107,3 @@ class ReuseRates:
     def __len__(self) -> int:
         """Keys followed now."""
         return len(self._followed)
-
-
-def _sampled(keys: Sequence[BlockKey]) -> Sequence[BlockKey]:
-    """The keys whose last byte is a multiple of ``SAMPLE`` where all have ``KEY_BYTES`` bytes
-    (picked in numpy: a request's keys are hundreds, 3 in 4 not sampled), else all of them."""
-    if len(keys) < 16 or set(map(len, keys)) != {KEY_BYTES}:
-        return keys
-    last = np.frombuffer(b"".join(keys), dtype=np.uint8)[KEY_BYTES - 1 :: KEY_BYTES]
-    return list(map(keys.__getitem__, np.flatnonzero(last % SAMPLE == 0).tolist()))
