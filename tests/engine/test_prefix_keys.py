@@ -77,26 +77,35 @@ def test_short_prompts_and_the_bound():
     assert prefixes.reused_blocks == 0
 
 
-def test_a_next_turn_converts_only_its_first_and_new_blocks(monkeypatch):
-    # Comparing the remembered tokens as lists: turning the whole prompt into bytes to compare
-    # it cost more than hashing its new blocks.
+def test_a_next_turn_converts_its_prompt_once_and_hashes_only_its_new_blocks(monkeypatch):
+    # The prompt is compared as bytes (``token_bytes`` packs a list faster than two lists
+    # compare) and the new blocks hash from the same bytes.
     from kvtier.engine import prefix_keys
 
     converted: list[int] = []
-    real = prefix_keys.token_bytes
+    hashed: list[int] = []
+    real, real_hash = prefix_keys.token_bytes, prefix_keys.chain_keys_of_bytes
 
     def counting(tokens):
         converted.append(len(tokens))
         return real(tokens)
 
+    def hashing(namespace, data, start=None):
+        keys = real_hash(namespace, data, start)
+        hashed.append(len(keys))
+        return keys
+
     monkeypatch.setattr(prefix_keys, "token_bytes", counting)
+    monkeypatch.setattr(prefix_keys, "chain_keys_of_bytes", hashing)
     prefixes = PrefixKeys(NS)
     turn1 = tokens(400, 1)
     turn2 = turn1 + tokens(42, 2)
     prefixes.keys(turn1, None)
     converted.clear()
+    hashed.clear()
     assert prefixes.keys(turn2, None) == chain_keys(NS, turn2)
-    assert converted == [4, 40]  # the first block, then the 10 blocks after the 100 reused
+    assert converted == [440]  # its full blocks, once
+    assert hashed == [1, 10]  # the first block, then the 10 blocks after the 100 reused
 
 
 def test_other_sequences_and_int_types_key_as_lists():
@@ -112,12 +121,8 @@ def test_other_sequences_and_int_types_key_as_lists():
     assert prefixes.reused_blocks == 20
 
 
-def test_an_owned_prompt_is_remembered_without_a_copy_others_are_copied():
+def test_a_remembered_prompt_is_a_copy_the_caller_may_change():
     prefixes = PrefixKeys(NS)
-    owned = tokens(40, 1)
-    prefixes.keys(owned, None, owned=True)
-    assert [entry[0] for entry in prefixes._prompts.values()] == [owned]
-    assert next(iter(prefixes._prompts.values()))[0] is owned
     lent = tokens(40, 2)
     prefixes.keys(lent, None)
     lent[5] += 1  # the caller's list changes after the call: what was remembered does not

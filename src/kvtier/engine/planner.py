@@ -527,7 +527,7 @@ class Planner:
             if have:
                 keys.extend(chain_keys(self.namespace, cut, keys[-1]))
             else:  # a new prompt: an earlier prompt's keys may cover its start
-                keys = self._keys[req_id] = self._prefixes.keys(cut, self._roots[req_id], True)
+                keys = self._keys[req_id] = self._prefixes.keys(cut, self._roots[req_id])
         return keys
 
     # -- reporting ------------------------------------------------------------------------------
