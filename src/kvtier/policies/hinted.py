@@ -176,6 +176,8 @@ class HintedPolicy(EvictionPolicy):
             return
         if self._pending:
             self._rank_pending()
+        if self._newest(keys) and type(self).access is HintedPolicy.access:
+            return  # touching them would change nothing
         if type(self).access is not HintedPolicy.access or (
             self.pressure and (self._kept or self._new)
         ):
@@ -197,6 +199,23 @@ class HintedPolicy(EvictionPolicy):
                 move(key)
                 lru[key] = now
                 unranked.pop(key, None)
+
+    def _newest(self, keys: Sequence[BlockKey]) -> bool:
+        """Whether ``keys`` are the newest blocks of the LRU order already, in this order, used at
+        this request, none unranked: what ``access`` of each would leave. Checked in C: vLLM asks
+        for a waiting request every step and a new request's first store touches its hits again,
+        with nothing touched in between (9 in 10 keys touched in the 8x4 vLLM 0.25.1 replay)."""
+        lru, n = self._lru, len(keys)
+        if n > len(lru) or next(reversed(lru)) != keys[-1]:
+            return False
+        tail = list(itertools.islice(reversed(lru), n))
+        tail.reverse()
+        if tail != list(keys):
+            return False
+        used = list(itertools.islice(reversed(lru.values()), n))
+        if used.count(self.gauge.requests) != n:
+            return False
+        return not self._unranked or self._unranked.keys().isdisjoint(keys)
 
     def remove(self, key: BlockKey) -> None:
         if self._pending:
