@@ -334,11 +334,19 @@ class ReplayFsTier(FsTier):
         """Keys a write stored for real that its emulated job has not finished: not visible."""
         self._writing: dict[int, list[BlockKey]] = {}
         self._submitting: _Job | None = None
+        self._shown = 0
+        """Bumped after each change of ``_unseen`` (what ``lookup`` answers: ``generation``)."""
         super().__init__(name, namespace, pool, options)
 
     def _now(self) -> float:
         e = self.emulation
         return float("inf") if e is None or e.draining else e.clock()
+
+    def generation(self) -> int | None:
+        """The index's changes and ``_unseen``'s (both only grow: their sum changes with either;
+        a kvtier before ``Tier.generation`` never calls this)."""
+        changes = super().generation()
+        return None if changes is None else changes + self._shown
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool | None]:
         out = super().exists(keys)
@@ -375,6 +383,7 @@ class ReplayFsTier(FsTier):
             return
         for key in fresh:
             self._unseen[key] = self._unseen.get(key, 0) + 1
+        self._shown += 1
         self._writing[job.job_id] = fresh
         self._jobs[job.job_id] = state
         engine_ms = self.model.timing.engine_ms
@@ -401,6 +410,7 @@ class ReplayFsTier(FsTier):
                     self._unseen[key] = left
                 else:
                     self._unseen.pop(key, None)
+            self._shown += 1
             busy = None if state.first is None else max(0.0, state.end - state.first)
             self._done.append(JobResult(state.job_id, state.ok, busy))
         return super().poll()

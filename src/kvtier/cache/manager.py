@@ -91,6 +91,7 @@ class TieredCache(CacheReports):
             len(self._tiers), promotion, pool.num_slots, job_timeout_s
         )
         self._failed_promotions = FailedPromotions()
+        self._answers = promo.KeptAnswers(self._tiers, ask_tier)
         self._refused = RefusedWrites(self._tiers)
         self._events = EventLog(max_events)
         self._counters = CacheCounters()
@@ -126,10 +127,9 @@ class TieredCache(CacheReports):
         waits = None if owner is None else rules.waits(owner, self._promoting, self._clock())
         if waits:
             return self._pending(hits)
-        if waits is None and hits < len(keys) and self._secondary:
-            final = self._promote(keys, hits, owner)
-            if not final:
-                return self._pending(hits)
+        promote = waits is None and hits < len(keys) and self._secondary
+        if promote and not self._promote(keys, hits, owner):
+            return self._pending(hits)
         counters.lookup_blocks += len(keys)
         counters.hit_blocks += hits
         return LookupResult(hits, True)
@@ -185,6 +185,7 @@ class TieredCache(CacheReports):
     def forget(self, owner: promo.Owner) -> None:
         """The request stopped waiting (it left, or loaded): unpin what was promoted for it."""
         self._unpin_all(self._rules.end(owner))
+        self._answers.forget(owner)
 
     def engine_step(self, tokens: int, requests: int = 1) -> None:
         """An engine step computing ``tokens`` for ``requests`` requests starts: how fast a
@@ -436,7 +437,7 @@ class TieredCache(CacheReports):
         inflight, index = self._inflight, self._index
         if rest[0] in self._promoting:
             return False
-        answers = promo.tier_answers(self._tiers, rest, ask_tier)
+        answers = self._answers.answers(rest, owner)
         if answers is None:
             return True
         failed = self._failed_promotions

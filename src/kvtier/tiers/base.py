@@ -95,6 +95,13 @@ class Tier(ABC):
         """True only when the tier surely holds no block (the manager then skips its lookup)."""
         return False
 
+    def generation(self) -> int | None:
+        """A number that changes after every change of what ``lookup`` would answer (a block
+        stored, dropped, evicted or found gone): while it stays the same, the manager reuses a
+        waiting request's answers instead of asking again. None (the default): answers are not
+        kept, the tier is asked every time. Called on the manager's thread; never blocks."""
+        return None
+
     @abstractmethod
     def submit(self, job: TierJob) -> None:
         """Start a job; its result arrives through ``poll``."""

@@ -89,6 +89,8 @@ class FsIndex:
         self.deleting: set[BlockKey] = set()
         self.seq = 0
         """Bumped by every commit."""
+        self.changes = 0
+        """Bumped after every change of ``entries`` (``FsTier.generation``)."""
         self.scans = 0
         """Rescans running; while any does, deleted keys are remembered in ``deleted``."""
         self.deleted: set[BlockKey] = set()
@@ -217,11 +219,13 @@ class FsIndex:
         self.entries[key] = entry
         self.indexed += entry.size
         self.largest = max(self.largest, entry.size)
+        self.changes += 1
 
     def _pop(self, key: BlockKey) -> Entry | None:
         """Unindex ``key`` for a reason other than eviction (None when it is not indexed)."""
         entry = self.entries.pop(key, None)
         if entry is not None:
+            self.changes += 1
             self.indexed -= entry.size
             if key in self.unused:
                 del self.unused[key]
@@ -263,6 +267,8 @@ class FsIndex:
             else:
                 self.deleting.add(key)
                 own.append((key, size))
+        if victims:
+            self.changes += 1
         return own
 
     # -- rescans --------------------------------------------------------------------------------

@@ -77,6 +77,9 @@ class SharedFsTier(FsTier):
             return [False] * len(keys)
         return list(self.share_index.present(list(keys)))
 
+    def generation(self) -> int | None:
+        return None  # the other engines change the shared index: no answer may be kept
+
     def _touch(self, key: BlockKey) -> bool:
         index = self.share_index
         if not index.present([key])[0]:

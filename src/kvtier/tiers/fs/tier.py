@@ -262,6 +262,10 @@ class FsTier(BlockTier):
     def is_empty(self) -> bool:
         return len(self) == 0
 
+    def generation(self) -> int | None:
+        # Bumped under the lock after each change of the index (an int read: atomic without it).
+        return self._index.changes
+
     def __len__(self) -> int:
         return len(self._index)  # atomic; asked per lookup through is_empty (see exists)
 
