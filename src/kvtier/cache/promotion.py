@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from itertools import repeat, takewhile
+from operator import neg, or_, truth
 
 from kvtier.cache.retry import FailedPromotions
 from kvtier.keys import BlockKey
@@ -344,6 +345,10 @@ def tier_run(
     flight; and whether that end is unknown (a tier could not tell, or another request's
     promotion brings it). A tier whose promotion of a key failed lately (``failed``) does not
     count for it."""
+    if len(answers) == 1 and not failed:
+        found = _one_tier_run(rest, answers[0], index, inflight, promoting)
+        if found is not None:
+            return found
     run: list[tuple[BlockKey, int]] = []
     unknown = False
     check_failed = bool(failed)
@@ -367,6 +372,30 @@ def tier_run(
         unknown = False
         run.append((key, chosen))
     return run, unknown
+
+
+def _one_tier_run(
+    rest: Sequence[BlockKey],
+    answer: Answer,
+    index: Container[BlockKey],
+    inflight: Container[BlockKey],
+    promoting: Container[BlockKey],
+) -> tuple[list[tuple[BlockKey, int]], bool] | None:
+    """``tier_run`` of one tier with no failed promotion, in C (a waiting request's tail is
+    hundreds of blocks, asked every step): the leading keys each in the pool or held by the tier,
+    each -1 (pool) or 0 (the tier); None when one of them is in flight (``tier_run`` decides)."""
+    in_pool = index.__contains__
+    held = map(or_, map(in_pool, rest), map(truth, answer))
+    n = len(list(takewhile(truth, held)))
+    keys = rest[:n]
+    if any(map(inflight.__contains__, keys)):
+        return None
+    run = list(zip(keys, map(neg, map(in_pool, keys)), strict=True))
+    if n == len(rest):
+        return run, False
+    # The key that ends the run is neither in the pool nor held (False or None) by the tier.
+    key = rest[n]
+    return run, key in promoting if key in inflight else answer[n] is None
 
 
 def tier_answers(

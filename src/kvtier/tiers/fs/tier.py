@@ -142,8 +142,7 @@ class FsTier(BlockTier):
         # misses the pool, while the I/O threads take the lock for every block they move; a
         # dict's membership test is atomic by itself (the GIL, or the dict's own lock in a
         # free-threaded build), and the answer may go stale right after either way.
-        entries = self._index.entries
-        return [key in entries for key in keys]
+        return list(map(self._index.entries.__contains__, keys))
 
     def get(self, key: BlockKey, header: memoryview, payload: memoryview) -> Got:
         if not self._touch(key):
