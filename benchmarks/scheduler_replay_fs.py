@@ -383,7 +383,8 @@ class ReplayFsTier(FsTier):
             return
         for key in fresh:
             self._unseen[key] = self._unseen.get(key, 0) + 1
-        self._shown += 1
+        if fresh:
+            self._shown += 1
         self._writing[job.job_id] = fresh
         self._jobs[job.job_id] = state
         engine_ms = self.model.timing.engine_ms
@@ -404,13 +405,15 @@ class ReplayFsTier(FsTier):
         self.model.advance(self._now())
         for state in self.model.take_finished():
             self._jobs.pop(state.job_id, None)
-            for key in self._writing.pop(state.job_id, ()):
+            written = self._writing.pop(state.job_id, ())
+            for key in written:
                 left = self._unseen.get(key, 0) - 1
                 if left > 0:
                     self._unseen[key] = left
                 else:
                     self._unseen.pop(key, None)
-            self._shown += 1
+            if written:
+                self._shown += 1
             busy = None if state.first is None else max(0.0, state.end - state.first)
             self._done.append(JobResult(state.job_id, state.ok, busy))
         return super().poll()

@@ -99,6 +99,23 @@ def test_an_unchanged_tier_is_not_asked_again_and_counts_as_asked(fs, ns):
     assert asked.keys == 20
 
 
+def test_answers_are_kept_across_asks_that_pin_the_hits(fs, ns):
+    """vLLM asks through ``lookup_and_pin``, whose final answer ends the request's promotion
+    (``prepare_load``): its kept answers stay until the request is forgotten."""
+    pool, tier = fs
+    keys = keys_for(ns, 4, seed=1)
+    write(pool, tier, keys[:2])
+    cache = declining(pool, tier)
+    asked = Asked(tier)
+    for _ in range(3):
+        result, slots = cache.lookup_and_pin(keys, "a")
+        assert (result, slots) == ((0, True), [])
+    assert asked.keys == 5  # the first key alone, then all 4: once
+    cache.forget("a")
+    cache.lookup_and_pin(keys, "a")
+    assert asked.keys == 10
+
+
 def test_a_block_written_deleted_or_evicted_between_two_asks_changes_the_answer(fs, ns):
     """Each step's answer is what a fresh ask finds: a kept answer reused after any of these
     would count the run the tier held before."""

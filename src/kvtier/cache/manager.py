@@ -178,8 +178,8 @@ class TieredCache(CacheReports):
         # The policy reads no pins: touched after pinning, deepest first (the eviction order
         # takes a prefix's tail before its head: a tail without its head is never hit).
         self._policy.access_many(found[::-1])
-        if owner is not None:
-            self.forget(owner)
+        if owner is not None:  # its promotion ends; its kept answers stay until ``forget``
+            self._unpin_all(self._rules.end(owner))
         return list(map(index.__getitem__, found))
 
     def forget(self, owner: promo.Owner) -> None:
