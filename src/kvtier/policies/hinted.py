@@ -46,7 +46,7 @@ above the mean, a reserve for blocks waiting for hints): docs/policies.md.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Container, Sequence
 from itertools import repeat
 from operator import itemgetter
@@ -62,7 +62,7 @@ from kvtier.policies.reuse_rates import (
     block_class,
     first_class,
 )
-from kvtier.policies.segments import GHOST_FACTOR, remember_evicted
+from kvtier.policies.segments import GHOST_FACTOR, drain, remember_evicted
 from kvtier.policies.segments import take as _take
 
 DEMOTE_RATIO = 0.7
@@ -176,11 +176,10 @@ class HintedPolicy(EvictionPolicy):
             return
         if self._pending:
             self._rank_pending()
-        if self._newest(keys) and type(self).access is HintedPolicy.access:
+        overridden = type(self).access is not HintedPolicy.access
+        if not overridden and self._newest(keys):
             return  # touching them would change nothing
-        if type(self).access is not HintedPolicy.access or (
-            self.pressure and (self._kept or self._new)
-        ):
+        if overridden or (self.pressure and (self._kept or self._new)):
             for key in keys:
                 self.access(key)
             return
@@ -242,7 +241,7 @@ class HintedPolicy(EvictionPolicy):
             _take(self._kept, n - len(victims), pinned, victims)
         unranked = self._unranked
         if unranked:
-            deque(map(unranked.pop, victims, repeat(None)), maxlen=0)
+            drain(map(unranked.pop, victims, repeat(None)))
         remember_evicted(self._ghost, victims, self.ghost_capacity)
         return victims
 
@@ -327,7 +326,7 @@ class HintedPolicy(EvictionPolicy):
         if unranked:
             # Blocks the request found (hits, promotions) were not computed by it: not ranked
             # (in C: a request's hits are hundreds).
-            deque(map(unranked.pop, keys[:first], repeat(None)), maxlen=0)
+            drain(map(unranked.pop, keys[:first], repeat(None)))
         if first >= n:
             return
         start = first_class(hint)
