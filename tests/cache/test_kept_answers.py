@@ -194,3 +194,44 @@ def test_a_block_evicted_by_a_write_that_failed_changes_the_answer(fs, ns, monke
     pool.free([slot])
     assert tier.counters.evictions == 1
     assert run_found(cache, keys) == held_run(tier, keys) < 4
+
+
+class FixedGeneration(ScriptedTier):
+    """Claims that nothing ever changes (a generation of 0), or fails to say (``broken``): an
+    answer kept for it would be reused whatever it holds later."""
+
+    broken = False
+
+    def generation(self) -> int | None:
+        if self.broken:
+            raise RuntimeError("scripted generation failure")
+        return 0
+
+
+def fixed_generation_cache(ns: Namespace, make_pool) -> tuple[TieredCache, FixedGeneration]:
+    pool = make_pool(8)
+    tier = FixedGeneration("plugin", ns, pool)
+    settings = PromotionSettings(budget=0.0)
+    return TieredCache(pool, LRUPolicy(), [TierBinding(tier)], promotion=settings), tier
+
+
+def test_a_tier_whose_generation_raises_is_asked_every_time(ns, make_pool):
+    cache, tier = fixed_generation_cache(ns, make_pool)
+    tier.broken = True
+    keys = keys_for(ns, 3, seed=1)
+    tier.stored = {key: b"" for key in keys[:2]}
+    assert run_found(cache, keys) == 2
+    tier.stored[keys[2]] = b""
+    assert run_found(cache, keys) == 3
+
+
+def test_an_answer_a_tier_cannot_give_yet_is_not_kept(ns, make_pool):
+    cache, tier = fixed_generation_cache(ns, make_pool)
+    keys = keys_for(ns, 3, seed=1)
+    tier.stored = {key: b"" for key in keys[:2]}
+    tier.unknown = {keys[2]}
+    assert run_found(cache, keys) == 2
+    assert "a" not in cache._answers._kept
+    tier.unknown.clear()
+    tier.stored[keys[2]] = b""
+    assert run_found(cache, keys) == 3
