@@ -126,20 +126,6 @@ def kvtier_extra(
     return extra
 
 
-def connector_figures(timer: eng.HookTimer) -> dict[str, Any]:
-    """The row's keys from the connector's hooks (``eng.HookTimer``, as the grid times them):
-    p50/p90/p99 and mean per step in microseconds, wall and CPU."""
-    if not timer.cpu_steps:
-        return {}
-
-    def of(seconds: list[float]) -> dict[str, float]:
-        us = [s * 1e6 for s in seconds]
-        out = {f"p{q}": round(gr.percentile(us, q), 1) for q in (50, 90, 99)}
-        return {**out, "mean": round(statistics.fmean(us), 1), "steps": len(us)}
-
-    return {"connector_step_us": of(timer.steps), "connector_step_cpu_us": of(timer.cpu_steps)}
-
-
 @dataclass(frozen=True, slots=True)
 class Point:
     key: str
@@ -193,7 +179,7 @@ def run_config(
     row = row_of(done, counters, time.perf_counter() - started)
     if emulation is not None:
         row["fs_model"] = emulation.summary()
-    return {**row, **(connector_figures(timer) if timer is not None else {})}, summary
+    return {**row, **(eng.connector_figures(timer) if timer is not None else {})}, summary
 
 
 def connector_counters(connector: Any) -> dict[str, int] | None:

@@ -6,6 +6,7 @@ Imports vLLM only inside the functions that start or drive an engine.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib
 import importlib.util
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import vllm_grid_report as gr
 from vllm_bench_kv import KVPool, gemma3_pool, nemotron_h_pool
 
 from kvtier.demo import FIRST_TOKEN, MODELS, ModelSize, Workload, build_workload, write_model
@@ -547,18 +549,38 @@ class HookTimer:
     """Wraps the scheduler-side connector's methods and keeps each engine step's seconds in them,
     wall (``steps``) and the thread's CPU (``cpu_steps``); a step ends with
     ``build_connector_meta``. A hook called from inside another (a base class's default
-    delegating to a wrapped method) counts once, in the outer call."""
+    delegating to a wrapped method) counts once, in the outer call. Where a slow step's time
+    goes: per step, each hook's wall seconds (``hook_steps``) and the garbage collector's pauses
+    that began inside a hook (``gc_steps``; the connector's allocations can set them off, and a
+    full collection walks every object made since vLLM froze its startup heap)."""
 
     def __init__(self, connector: Any, enabled: bool = False) -> None:
         self.steps: list[float] = []
         self.cpu_steps: list[float] = []
-        self._current = self._current_cpu = 0.0
+        self.gc_steps: list[float] = []
+        self.hook_steps: list[dict[str, float]] = []
+        self._current = self._current_cpu = self._current_gc = 0.0
+        self._current_hooks: dict[str, float] = {}
+        self._gc_started: float | None = None
         self._depth = 0
         self.enabled = enabled
         for name in SCHEDULER_HOOKS:
             method = getattr(connector, name, None)
             if callable(method):
                 setattr(connector, name, self._wrap(name, method))
+        gc.callbacks.append(self._on_gc)
+
+    def close(self) -> None:
+        """Stop watching the garbage collector (the hooks stay wrapped)."""
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter() if self._depth > 0 else None
+        elif self._gc_started is not None:
+            self._current_gc += time.perf_counter() - self._gc_started
+            self._gc_started = None
 
     def _wrap(self, name: str, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -569,15 +591,60 @@ class HookTimer:
             finally:
                 self._depth -= 1
                 if self._depth == 0:
-                    self._current += time.perf_counter() - started
+                    took = time.perf_counter() - started
+                    self._current += took
                     self._current_cpu += time.thread_time() - started_cpu
+                    self._current_hooks[name] = self._current_hooks.get(name, 0.0) + took
                     if name == "build_connector_meta":
-                        if self.enabled:
-                            self.steps.append(self._current)
-                            self.cpu_steps.append(self._current_cpu)
-                        self._current = self._current_cpu = 0.0
+                        self._end_step()
 
         return timed
+
+    def _end_step(self) -> None:
+        if self.enabled:
+            self.steps.append(self._current)
+            self.cpu_steps.append(self._current_cpu)
+            self.gc_steps.append(self._current_gc)
+            self.hook_steps.append(self._current_hooks)
+        self._current = self._current_cpu = self._current_gc = 0.0
+        self._current_hooks = {}
+
+
+def connector_figures(timer: HookTimer) -> dict[str, Any]:
+    """A row's keys from the connector's hooks: per step in microseconds, wall
+    (``connector_step_us``) and CPU (``connector_step_cpu_us``), p50/p90/p99 and mean; and the
+    slowest 1% of steps by wall time (``connector_slowest_steps``): their mean wall, CPU and GC
+    pause, and each hook's mean share."""
+    if not timer.steps:
+        return {}
+
+    def of(seconds: list[float]) -> dict[str, float]:
+        us = [s * 1e6 for s in seconds]
+        out = {f"p{q}": round(gr.percentile(us, q), 1) for q in (50, 90, 99)}
+        return {**out, "mean": round(sum(us) / len(us), 1), "steps": len(us)}
+
+    count = max(1, len(timer.steps) // 100)
+    slowest = sorted(range(len(timer.steps)), key=timer.steps.__getitem__)[-count:]
+
+    def mean_us(values: Iterable[float]) -> float:
+        return round(sum(values) * 1e6 / count, 1)
+
+    hooks = sorted({name for i in slowest for name in timer.hook_steps[i]})
+    return {
+        "connector_step_us": of(timer.steps),
+        "connector_step_cpu_us": of(timer.cpu_steps),
+        "connector_slowest_steps": {
+            "steps": count,
+            "wall_us": mean_us(timer.steps[i] for i in slowest),
+            "cpu_us": mean_us(timer.cpu_steps[i] for i in slowest),
+            "gc_us": mean_us(timer.gc_steps[i] for i in slowest),
+            "with_gc": sum(1 for i in slowest if timer.gc_steps[i] > 0),
+            "by_hook_us": {
+                name: mean_us(timer.hook_steps[i].get(name, 0.0) for i in slowest) for name in hooks
+            },
+        },
+        "steps_with_gc": sum(1 for g in timer.gc_steps if g > 0),
+    }
 
 
 class DiskFloorReached(RuntimeError):

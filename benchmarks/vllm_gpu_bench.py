@@ -231,15 +231,14 @@ def output_digest(tokens: list[int]) -> str:
     return hashlib.blake2b(repr(tokens).encode(), digest_size=6).hexdigest()
 
 
-def summarize(timed: list[Timed], wall: float, steps: list[float]) -> dict[str, Any]:
-    """A configuration's row from its timed requests and the connector's time per step."""
+def summarize(timed: list[Timed], wall: float) -> dict[str, Any]:
+    """A configuration's row from its timed requests."""
     ttft = [t.ttft * 1e3 for t in timed]
     hits = [t.ttft * 1e3 for t in timed if t.cached]
     misses = [t.ttft * 1e3 for t in timed if not t.cached]
     prompt_tokens = sum(t.prompt for t in timed)
     cached = sum(t.cached for t in timed)
     out_tokens = sum(len(t.output) for t in timed)
-    step_us = [s * 1e6 for s in steps]
     records = [
         gr.RequestRecord(t.id, round(t.ttft * 1e3, 2), t.prompt, t.cached, output_digest(t.output))
         for t in sorted(timed, key=lambda t: t.id)
@@ -255,13 +254,6 @@ def summarize(timed: list[Timed], wall: float, steps: list[float]) -> dict[str, 
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_cached": cached,
         "prompt_tokens_computed": prompt_tokens - cached,
-        "connector_step_us": {
-            "p50": round(gr.percentile(step_us, 50), 1),
-            "p99": round(gr.percentile(step_us, 99), 1),
-            "steps": len(step_us),
-        }
-        if step_us
-        else None,
         "per_request": gr.per_request(records),
     }
 
@@ -312,7 +304,10 @@ def run_config(
         used_after = meminfo_used()
     finally:
         shutdown(llm)
-    row = summarize(timed, wall, timer.steps if timer is not None else [])
+    row = summarize(timed, wall)
+    if timer is not None:
+        timer.close()
+        row.update(eng.connector_figures(timer))
     row["host_used_gib_delta"] = round((used_after - used_before) / (1 << 30), 2)
     row["peak_rss_gib"] = round(peak_rss() / (1 << 30), 2)
     row["engine_start_s"] = round(start_s, 1)

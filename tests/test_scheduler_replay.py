@@ -108,7 +108,7 @@ def test_hook_timer_sums_a_steps_hooks_once_each_wall_and_cpu(sr: ModuleType) ->
 
     connector = Connector()
     clock = sr.eng.HookTimer(connector, enabled=True)
-    assert sr.connector_figures(clock) == {}
+    assert sr.eng.connector_figures(clock) == {}
     for _ in range(3):
         assert connector.get_num_new_matched_tokens() == 1
         assert connector.build_connector_meta() == "meta"
@@ -117,7 +117,7 @@ def test_hook_timer_sums_a_steps_hooks_once_each_wall_and_cpu(sr: ModuleType) ->
     assert all(
         0 < cpu <= wall * 1.5 for cpu, wall in zip(clock.cpu_steps, clock.steps, strict=True)
     )
-    figures = sr.connector_figures(clock)
+    figures = sr.eng.connector_figures(clock)
     assert figures["connector_step_us"]["steps"] == 3
     assert set(figures["connector_step_cpu_us"]) == {"p50", "p90", "p99", "mean", "steps"}
     rows = {"native": figures, "kvtier": {"connector_step_cpu_us": {"p50": 1.0, "p99": 2.0}}}

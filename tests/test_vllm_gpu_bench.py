@@ -4,6 +4,7 @@ skipped, the time budget, the request pairing, the acceptance verdicts, the JSON
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
@@ -464,6 +465,44 @@ def test_hook_timer_counts_nested_hooks_once_and_ends_a_step_at_build_meta(
     timer.enabled = False
     conn.build_connector_meta()  # 21..25, not recorded
     assert timer.steps == [7.0, 9.0]
+
+
+def test_hook_timer_keeps_gc_pauses_inside_hooks_and_each_hooks_share_of_the_slowest_steps(
+    eng: ModuleType,
+) -> None:
+    class Connector:
+        def get_num_new_matched_tokens(self, collect: bool) -> None:
+            if collect:
+                gc.collect()
+
+        def build_connector_meta(self) -> None:
+            pass
+
+    conn = Connector()
+    timer = eng.HookTimer(conn, enabled=True)
+    enabled = gc.isenabled()
+    gc.disable()  # only the collections the test asks for
+    try:
+        for step in range(150):
+            conn.get_num_new_matched_tokens(collect=step == 7)
+            conn.build_connector_meta()
+            if step == 9:
+                gc.collect()  # between hooks: not the connector's time
+    finally:
+        if enabled:
+            gc.enable()
+        timer.close()
+    assert timer._on_gc not in gc.callbacks
+    assert [i for i, g in enumerate(timer.gc_steps) if g > 0] == [7]
+    assert timer.gc_steps[7] <= timer.steps[7]
+    figures = eng.connector_figures(timer)
+    slowest = figures["connector_slowest_steps"]
+    assert figures["steps_with_gc"] == 1 and slowest["steps"] == 1
+    # the slowest step is the one that collected, and its time is in the hook that did
+    assert slowest["with_gc"] == 1 and slowest["gc_us"] > 0
+    assert slowest["wall_us"] == round(timer.steps[7] * 1e6, 1)
+    assert slowest["by_hook_us"]["get_num_new_matched_tokens"] >= slowest["gc_us"]
+    assert set(slowest["by_hook_us"]) == {"get_num_new_matched_tokens", "build_connector_meta"}
 
 
 def test_conversations_keep_stable_ids_and_drop_what_does_not_fit(eng: ModuleType) -> None:
