@@ -45,6 +45,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.integrations.vllm import KVTierConnector, compat  # noqa: E402
+from kvtier.integrations.vllm import scheduler as scheduler_side  # noqa: E402
 from kvtier.integrations.vllm.metadata import KVTierMetadata  # noqa: E402
 from kvtier.integrations.vllm.worker import FAULT_ENV  # noqa: E402
 from kvtier.pool import HostPool  # noqa: E402
@@ -160,7 +161,9 @@ class Rig:
             "vllm": {"blocks_per_slot": BPS, **(vllm or {})},
         }
         self.step_stats: list[Any] = []
-        """Per step: the merged ``KVConnectorStats`` vLLM's scheduler would hand its loggers."""
+        """Per step: the merged ``KVConnectorStats`` vLLM's scheduler would hand its loggers
+        (every step's: the interval between the scheduler half's payloads is off)."""
+        monkeypatch.setattr(scheduler_side, "STATS_INTERVAL_S", 0.0)
         self.tables: dict[str, list[int]] = {}
         self.sent: dict[str, int] = {}
         self.requests: dict[str, Request] = {}
