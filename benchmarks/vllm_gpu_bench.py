@@ -82,10 +82,12 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import json
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -436,6 +438,57 @@ class VllmPointRunner:
         return run_safely(spec, self.spec_model, prompts, self.settings.max_tokens)
 
 
+class ChildPointRunner(VllmPointRunner):
+    """Runs each configuration in a child process of this script (``--child-row``): an engine
+    that crashes, or leaves GPU memory behind, cannot spoil the configurations after it. In one
+    process, an H100 grid lost a point that way: a kvtier_fs engine started after a kvtier one
+    stopped in PyTorch's CUDA allocator (an internal assert), and the next point's engines found
+    17 GiB still taken and refused to start. A child costs about 10 s more (its imports)."""
+
+    def __init__(
+        self,
+        settings: eng.Settings,
+        model: eng.ModelSpec,
+        requests: dict[int, int],
+        argv: list[str],
+    ) -> None:
+        super().__init__(settings, model, requests)
+        self._argv = argv
+
+    def run(
+        self, point: grid.GridPoint, workload: grid.PointWorkload, config: str, fs_gib: float
+    ) -> dict[str, Any]:
+        shm_before = eng.offload_shm_files()
+        with tempfile.TemporaryDirectory() as tmp:
+            row_path = Path(tmp) / "row.json"
+            command = [
+                sys.executable, str(Path(__file__).resolve()), *self._argv,
+                "--grid-points", point.key, "--configs", config, "--fs-gib", repr(fs_gib),
+                "--child-row", str(row_path),
+            ]  # fmt: skip
+            code = subprocess.run(command, check=False).returncode
+            row = json.loads(row_path.read_text()) if row_path.exists() else None
+        eng.remove_new_shm(shm_before)  # what a child that died left
+        if not isinstance(row, dict):
+            return {"error": f"the configuration's process exited with {code} and wrote no row"}
+        if row.pop("workload_digest", None) != workload.digest:
+            return {"error": "the configuration's process ran another request sequence"}
+        return row
+
+
+def run_child(args: argparse.Namespace, runner: VllmPointRunner, config: str) -> int:
+    """One configuration at one point (``--child-row``): its row, with the workload's digest,
+    to the file the parent named."""
+    points = grid.parse_points(args.grid_points)
+    if len(points) != 1 or args.fs_gib is None:
+        raise grid.GridError("--child-row needs one --grid-points point and --fs-gib")
+    workload = runner.workload(points[0])
+    row = runner.run(points[0], workload, config, args.fs_gib)
+    row["workload_digest"] = workload.digest
+    Path(args.child_row).write_text(json.dumps(row))
+    return 0
+
+
 # -- the two modes ------------------------------------------------------------------------------
 
 
@@ -521,7 +574,13 @@ def run_grid_mode(
     options = grid.GridOptions(configs, selection, args.max_minutes, args.fs_gib)
     if commit == "unknown" or commit.endswith("+dirty"):
         print(f"commit {commit}: a later --skip-done will not trust these rows", file=sys.stderr)
-    runner = VllmPointRunner(settings, model, grid.parse_requests(args.grid_requests))
+    requests = grid.parse_requests(args.grid_requests)
+    if args.child_row:
+        return run_child(args, VllmPointRunner(settings, model, requests), configs[0])
+    if args.in_process:
+        runner = VllmPointRunner(settings, model, requests)
+    else:
+        runner = ChildPointRunner(settings, model, requests, args.argv)
     data = grid.run_grid(points, options, runner, out)
     report_grid(data, out)
     return 0
@@ -565,6 +624,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--reuse-baselines", action="store_true")
     g.add_argument("--rerun", default=None, help="points run again, e.g. 16x4")
     g.add_argument("--max-minutes", type=float, default=None)
+    g.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every configuration in this process (default: each in a child process)",
+    )
+    g.add_argument("--child-row", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -579,6 +644,7 @@ def prepare_env() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if args.report_only:
             out = Path(args.json or (GRID_JSON if args.grid else SINGLE_JSON))

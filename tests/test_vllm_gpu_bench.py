@@ -10,7 +10,7 @@ import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -638,6 +638,37 @@ def test_unknown_configs_and_bad_points_are_one_line_errors(
         bench.main(["--configs", "none,nope", "--workdir", str(tmp_path)])
     assert stop.value.code == 2
     assert "unknown configs ['nope']" in capsys.readouterr().err
+
+
+def test_each_configuration_runs_in_a_child_and_a_dead_child_is_an_error_row(
+    modules: dict[str, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench, eng, grid = modules["bench"], modules["engine"], modules["grid"]
+    settings = eng.Settings(3, 8, 1, 4, 2048, 0.004, tmp_path)
+    model = eng.make_model("tiny", tmp_path)
+    runner = bench.ChildPointRunner(settings, model, {2: 8}, ["--grid", "--model", "tiny"])
+    point = grid.parse_point("2x0.05")
+    workload = runner.workload(point)
+    commands: list[list[str]] = []
+    rows: list[Any] = [{"ttft_ms": {"50": 1.0}, "workload_digest": workload.digest}, None, {}]
+
+    def child(command: list[str], check: bool) -> Any:
+        commands.append(command)
+        row = rows[len(commands) - 1]
+        if row is not None:  # the second child dies before it writes its row
+            Path(command[command.index("--child-row") + 1]).write_text(json.dumps(row))
+        return SimpleNamespace(returncode=0 if row is not None else -11)
+
+    monkeypatch.setattr(bench.subprocess, "run", child)
+    assert runner.run(point, workload, "kvtier", 1.5) == {"ttft_ms": {"50": 1.0}}
+    # The parent's arguments, then the one point and configuration (argparse keeps the last).
+    assert commands[0][2:5] == ["--grid", "--model", "tiny"]
+    tail = commands[0][5:]
+    assert tail[:6] == ["--grid-points", "2x0.05", "--configs", "kvtier", "--fs-gib", "1.5"]
+    assert runner.run(point, workload, "kvtier_fs", 1.5) == {
+        "error": "the configuration's process exited with -11 and wrote no row"
+    }
+    assert "another request sequence" in runner.run(point, workload, "none", 1.5)["error"]
 
 
 # -- one tiny point in vLLM's CPU build ---------------------------------------------------------
