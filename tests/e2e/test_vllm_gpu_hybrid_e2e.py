@@ -20,7 +20,7 @@ loads and stores per group come from kvtier's stats file. Skipped without a CUDA
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,12 +166,20 @@ def _rounds(
     return out, info
 
 
+Rounds = Callable[[Path, Path | None, Case], tuple[list[list[list[int]]], dict[str, Any]]]
+
+
 def _kvtier_matches(
-    reference: list[list[list[int]]], alone: dict[str, Any], model: Path, case: Case, tmp_path: Path
+    reference: list[list[list[int]]],
+    alone: dict[str, Any],
+    model: Path,
+    case: Case,
+    tmp_path: Path,
+    rounds: Rounds = _rounds,
 ) -> dict[str, Any]:
     """The same rounds with kvtier: the hybrid manager on, vLLM's groups as without kvtier, the
     outputs vLLM alone gave; returns kvtier's stats."""
-    ours, info = _rounds(model, tmp_path / "stats.json", case)
+    ours, info = rounds(model, tmp_path / "stats.json", case)
     assert info["hybrid_off"] is False
     assert info["groups"] == alone["groups"], f"with kvtier {info['groups']}"
     assert ours == reference
@@ -227,6 +235,26 @@ def test_mamba_hybrid_identical_with_state_hits(nemotron_h: Path, tmp_path: Path
     assert stats["connector"]["load_blocks_failed"] == 0 and stats["pool_pinned"] == 0
 
 
+def released_rounds(model: str, stats: str | None, kind: str) -> list[Any]:
+    """``_rounds`` of a released architecture, run by ``_fresh_rounds`` in a process of its own:
+    after a Gemma-3-12B engine (vLLM 0.25.1) was shut down, its 23 GiB of weights stayed on the
+    GPU in that process, and the next engine refused to start (too little free memory)."""
+    out, info = _rounds(Path(model), None if stats is None else Path(stats), RELEASED[kind])
+    return [out, info]
+
+
+def _fresh_rounds(kind: str) -> Rounds:
+    def rounds(
+        model: Path, stats: Path | None, case: Case
+    ) -> tuple[list[list[list[int]]], dict[str, Any]]:
+        assert case is RELEASED[kind]
+        job = "e2e.test_vllm_gpu_hybrid_e2e:released_rounds"
+        out, info = h.run_in_fresh_process(job, str(model), stats and str(stats), kind)
+        return out, info
+
+    return rounds
+
+
 @pytest.fixture(scope="module")
 def released_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """``make_model(kind, dir)`` of the GPU benchmark: a released architecture's config.json."""
@@ -238,13 +266,13 @@ def released_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def test_released_hybrid_architecture_identical_with_hits_in_every_group(
     kind: str, released_models: Any, tmp_path: Path
 ) -> None:
-    case = RELEASED[kind]
+    case, rounds = RELEASED[kind], _fresh_rounds(kind)
     model = released_models(kind)
-    reference, alone = _rounds(model, None, case)
+    reference, alone = rounds(model, None, case)
     if kind == "nemotronh" and alone["mode"] != "all":
         pytest.skip(f"vLLM keeps Mamba states in mode {alone['mode']!r} here (kvtier: 'all')")
     assert len(alone["groups"]) > 1, f"vLLM alone built {alone['groups']}"
-    stats = _kvtier_matches(reference, alone, model, case, tmp_path)
+    stats = _kvtier_matches(reference, alone, model, case, tmp_path, rounds)
     assert stats["groups_refused"] is None
     hits: dict[str, int] = {}
     for group in stats["groups"].values():
