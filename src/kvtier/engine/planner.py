@@ -303,9 +303,10 @@ class Planner:
             # the worker report every block of the range as failed so the engine recomputes them.
             self.counters.stale_plans += 1
             log.warning(
-                "the engine allocated %d external tokens, kvtier planned %d: recomputing",
-                external_tokens,
+                "planned %d external tokens, the engine allocated %d in %d blocks: recomputing",
                 plan.external_tokens,
+                external_tokens,
+                len(block_ids),
             )
         async_id = request.request_id if asynchronous else None
         if async_id is not None:
@@ -338,9 +339,8 @@ class Planner:
         skipped = max(0, min(total, computed - first))
         engine_blocks = [SKIP] * skipped
         engine_blocks += block_ids[first + skipped : first + total]  # slices, not a loop
-        if len(engine_blocks) < total:
-            raise IndexError("the allocation has fewer blocks than the plan loads")
-        return engine_blocks, None, True
+        fits = len(engine_blocks) == total  # else the blocks the request has are recomputed
+        return engine_blocks + [SKIP] * (total - len(engine_blocks)), None, fits
 
     def take_hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the request's load by the tier they come from (empty: no load planned)."""

@@ -491,6 +491,29 @@ def test_a_stale_plan_fails_once_with_both_ranks_reporting_it(make_rig: Any) -> 
     rig.assert_no_leaks(stored=3)
 
 
+def test_an_allocation_shorter_than_the_plan_fails_the_load_instead_of_the_scheduler(
+    make_rig: Any,
+) -> None:
+    """vLLM allocates the blocks of the tokens it was told; a block table shorter than the plan's
+    slots (an engine that allocated less than it said) raised IndexError in
+    ``update_state_after_alloc`` before, which would stop vLLM's scheduler. Now the load fails
+    and the blocks the request has are recomputed."""
+    rig = make_rig()
+    store_prompt(rig)
+    rig.poison(B_BLOCKS)
+    rig.add("B", PROMPT)
+    assert rig.admit("B", B_BLOCKS[:4]) == 3 * BLOCK_TOKENS  # 4 engine blocks, the plan loads 6
+    _, outputs = rig.step({"B": len(PROMPT) - 3 * BLOCK_TOKENS})
+    assert all(o.invalid_block_ids == set(B_BLOCKS[:4]) for o in outputs)
+    rig.report(outputs)
+    assert all(torch.isnan(t[B_BLOCKS]).all() for kv in rig.kv for t in kv)  # nothing copied
+    stats = rig.stats()
+    assert stats["connector"]["stale_plans"] == 1
+    assert stats["connector"]["load_blocks_failed"] == 3
+    rig.finish("A", "B")
+    rig.assert_no_leaks(stored=3)
+
+
 @pytest.mark.parametrize(("pcp", "dcp"), [(2, 1), (1, 2)])
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
 def test_context_parallelism_is_refused(
