@@ -11,11 +11,14 @@ offloading and its tiering with an fs tier (``native_fs``) on TTFT p50/p90/p99 (
 tokens/s (higher), within ``TIE_BAND`` a tie; the requests with hits under kvtier + fs against
 the same requests in vLLM alone (mean and p90 strictly lower); promoted blocks at most
 ``PROMOTED_PER_LOADED`` x loaded blocks; kvtier's pool against native on every figure; the
-connector's p99 time per engine step against native's.
+connector's p99 time per engine step against native's. Where native caches under 5% of the
+reusable prompt tokens (the thrash regime), the pool's share of the prompt tokens against half of
+the offline optimum's for the same request sequence and pool size (``OPTIMA_JSON``).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from enum import Enum
@@ -28,6 +31,32 @@ TIE_BAND = 0.03
 PROMOTED_PER_LOADED = 1.1
 REQUEST_FIELDS = ("id", "ttft_ms", "prompt_tokens", "cached_tokens", "output_digest")
 TTFT_FIGURES = (("TTFT p50", "50"), ("TTFT p90", "90"), ("TTFT p99", "99"))
+OPTIMA_JSON = Path(__file__).resolve().parents[1] / "docs" / "results" / "pressure_bench.json"
+"""``benchmarks/pressure_bench.py``'s rows: among them the offline optimum (``kvtier.sim.optimal``)
+of the grid's own request sequence per concurrency and host pool, Llama-3.1-8B's 2 MiB blocks in
+the pool alone, as the share of all prompt blocks it serves."""
+OPTIMA_MODEL = "Llama-3.1-8B"
+"""The model those rows are for (the grid JSON's ``model`` starts with it)."""
+THRASH_SHARE = 0.05
+"""Native caching less than this share of the reusable prompt tokens is the thrash regime."""
+OPTIMUM_SHARE = 0.5
+"""There, the pool must serve at least this share of what the offline optimum serves."""
+
+Optima = dict[tuple[int, float], tuple[int, float]]
+"""(concurrency, host GiB) -> (requests, the optimum's share of the prompt blocks)."""
+
+
+def load_optima(path: Path = OPTIMA_JSON) -> Optima:
+    """The offline optimum of the grid's sequence at each point ``path`` has (none: empty)."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {
+        (int(r["concurrency"]), float(r["pool_gib"])): (int(r["requests"]), float(r["hit_ratio"]))
+        for r in rows
+        if r.get("sequence") == "benchmark" and r.get("policy") == "optimal"
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -240,7 +269,9 @@ def _promotion(configs: dict[str, Any], config: str) -> Check:
     return Check(name, verdict, detail)
 
 
-def _pool_against_native(configs: dict[str, Any], workload: dict[str, Any]) -> list[Check]:
+def _pool_against_native(
+    configs: dict[str, Any], workload: dict[str, Any], optimum: tuple[int, float] | None
+) -> list[Check]:
     name = "kvtier pool vs native"
     ours, native = usable(configs, "kvtier"), usable(configs, "native")
     if ours is None or native is None:
@@ -260,17 +291,34 @@ def _pool_against_native(configs: dict[str, Any], workload: dict[str, Any]) -> l
         )
     )
     reusable = int(workload.get("reusable_prompt_tokens") or 0)
-    if reusable:
-        share = native["prompt_tokens_cached"] / reusable
-        if share < 0.05:
-            mine_share = ours["prompt_tokens_cached"] / reusable
-            detail = (
-                f"native caches {share:.1%} of {reusable:,} reusable tokens, kvtier "
-                f"{mine_share:.1%}: compare with half of `kvtier simulate --concurrency`'s "
-                "offline optimum for this pool"
-            )
-            checks.append(Check(name + " (thrash regime)", Verdict.MISSING, detail))
+    if reusable and native["prompt_tokens_cached"] / reusable < THRASH_SHARE:
+        checks.append(_against_optimum(name, ours, native, reusable, workload, optimum))
     return checks
+
+
+def _against_optimum(
+    name: str,
+    ours: dict[str, Any],
+    native: dict[str, Any],
+    reusable: int,
+    workload: dict[str, Any],
+    optimum: tuple[int, float] | None,
+) -> Check:
+    name += " (thrash regime)"
+    detail = (
+        f"native caches {native['prompt_tokens_cached'] / reusable:.1%} of {reusable:,} "
+        f"reusable tokens, kvtier {ours['prompt_tokens_cached'] / reusable:.1%}"
+    )
+    if optimum is None or optimum[0] != workload.get("requests") or not ours["prompt_tokens"]:
+        return Check(name, Verdict.MISSING, detail + "; no offline optimum of this sequence")
+    hit = ours["prompt_tokens_cached"] / ours["prompt_tokens"]
+    best = optimum[1]
+    verdict = Verdict.BETTER if hit >= OPTIMUM_SHARE * best else Verdict.WORSE
+    detail += (
+        f"; of all prompt tokens kvtier {hit:.3f}, the offline optimum {best:.3f} "
+        f"({hit / best:.2f} of it, at least {OPTIMUM_SHARE} needed)"
+    )
+    return Check(name, verdict, detail)
 
 
 def _connector_p99(configs: dict[str, Any], config: str) -> Check:
@@ -283,15 +331,17 @@ def _connector_p99(configs: dict[str, Any], config: str) -> Check:
     return _ratio_check(name, "p99 us", float(mine["p99"]), float(theirs["p99"]), False)
 
 
-def point_checks(point: dict[str, Any]) -> list[Check]:
-    """Issue 24's acceptance checks at one grid point."""
+def point_checks(point: dict[str, Any], optima: Optima | None = None) -> list[Check]:
+    """Issue 24's acceptance checks at one grid point (``optima``: ``load_optima``'s)."""
     configs: dict[str, Any] = point.get("configs", {})
     workload: dict[str, Any] = point.get("workload", {})
+    at = (int(point.get("concurrency") or 0), float(point.get("host_gib") or 0))
+    optimum = (optima or {}).get(at)
     checks = _fs_against_native(configs)
     checks += _hits_against_none(configs, "kvtier_fs")
     checks.append(_promotion(configs, "kvtier_fs"))
     checks.append(_promotion(configs, "kvtier"))
-    checks += _pool_against_native(configs, workload)
+    checks += _pool_against_native(configs, workload, optimum)
     checks.append(_connector_p99(configs, "kvtier"))
     checks.append(_connector_p99(configs, "kvtier_fs"))
     return checks
@@ -353,8 +403,9 @@ def grid_lines(data: dict[str, Any]) -> list[str]:
                 lines.append(table_row(key, config, configs[config], base))
     lines.append("")
     lines.append(f"acceptance (issue 24; ratios ours/reference, within {TIE_BAND:.0%} a tie):")
+    optima = load_optima() if str(data.get("model")).startswith(OPTIMA_MODEL) else {}
     for key, point in sorted_points(data):
-        checks = point_checks(point)
+        checks = point_checks(point, optima)
         passed = sum(c.verdict.passes for c in checks)
         decided = sum(c.verdict is not Verdict.MISSING for c in checks)
         lines.append(f"  {key}: {passed} of {decided} checks pass")

@@ -220,8 +220,36 @@ def test_pool_and_connector_checks_against_native(rep: ModuleType) -> None:
     pool = checks_named(checks, "kvtier pool vs native")
     cached = next(c for c in pool if c.detail.startswith("prompt tokens cached"))
     assert cached.verdict.value == "worse"  # 0 against 10
-    # native cached 1% of the reusable tokens: the thrash regime is named.
-    assert any("thrash" in c.name and "native caches 1.0%" in c.detail for c in pool)
+    # native cached 1% of the reusable tokens: the thrash regime is named; without the offline
+    # optimum of this sequence it cannot be decided.
+    (thrash,) = [c for c in pool if "thrash" in c.name]
+    assert "native caches 1.0%" in thrash.detail and thrash.verdict.value == "n/a"
+
+
+def test_the_pool_in_the_thrash_regime_against_half_of_the_offline_optimum(
+    rep: ModuleType,
+) -> None:
+    def point(kvtier_cached: int, requests: int = 2) -> dict[str, Any]:
+        configs = {
+            "native": make_row({"a": 1.0, "b": 1.0}, {"a": 10}),
+            "kvtier": make_row({"a": 1.0, "b": 1.0}, {"a": kvtier_cached}),
+        }
+        workload = {"reusable_prompt_tokens": 1000, "requests": requests}
+        return {"configs": configs, "workload": workload, "concurrency": 8, "host_gib": 2.0}
+
+    def verdict(p: dict[str, Any], optima: Any) -> str:
+        (check,) = [c for c in rep.point_checks(p, optima) if "thrash" in c.name]
+        return str(check.verdict.value)
+
+    optima = {(8, 2.0): (2, 0.4)}  # the optimum serves 0.4 of the 2,000 prompt tokens
+    assert verdict(point(400), optima) == "better"  # 0.2: half of it
+    assert verdict(point(398), optima) == "worse"
+    assert verdict(point(400, requests=3), optima) == "n/a"  # another sequence's optimum
+    assert verdict(point(400), {}) == "n/a"
+    # The recorded optima: the grid's sequence at 8 and 16 in flight with 2 GiB.
+    recorded = rep.load_optima()
+    assert recorded[(8, 2.0)][0] == 160 and recorded[(16, 2.0)][0] == 240
+    assert 0 < recorded[(16, 2.0)][1] < recorded[(8, 2.0)][1] < 1
 
 
 # -- the JSON and the loop ----------------------------------------------------------------------
