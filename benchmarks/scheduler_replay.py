@@ -172,6 +172,8 @@ def run_config(
         done = replay.replay(loop, convs, point.concurrency, settings.max_tokens, hold)
         counters = connector_counters(engine.connector)
     finally:
+        if timer is not None:
+            timer.close()
         if emulation is not None:
             emulation.draining = True  # shutdown settles every job at once
         if engine.connector is not None:

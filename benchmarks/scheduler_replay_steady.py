@@ -10,8 +10,9 @@ depend on the model's path, so with the same directory (and the replay's fixed h
 run makes the same decisions step by step (checked: the same steps and cached tokens, else it
 stops), and each step's time is its least over the runs, what the step costs without
 interference (``scheduler_step_bench.py --steady`` does the same without vLLM). For
-``kvtier_fs`` the emulated fs tier's I/O, which it does inline on the scheduler thread where
-kvtier's fs tier has threads of its own, is taken out of each step (``Recorded``). Prints per point
+``kvtier_fs`` the fs tier's emulation, which runs inline on the scheduler thread where kvtier's
+fs tier has threads of its own (its I/O and the queue model timing it), is taken out of each
+step (``Recorded``). Prints per point
 each configuration's p50 / p90 / p99 and kvtier's ratios to native, and writes JSON.
 
     PYTHONPATH=src python3 benchmarks/scheduler_replay_steady.py --vllm-path /tmp/vllm0251 \\
@@ -56,22 +57,38 @@ def least_per_step(runs: list[list[float]]) -> list[float]:
 
 @dataclass(slots=True)
 class Recorded:
-    """A replay's connector clock and, per step, the CPU seconds its hooks spent in the emulated
-    fs tier's I/O (``ReplayFsTier`` does a job's I/O inline in ``submit``; kvtier's real fs
-    tier does it on its own threads, off the scheduler's)."""
+    """A replay's connector clock and, per step, the CPU seconds its hooks spent emulating the fs
+    tier: the job's I/O (``ReplayFsTier`` does it inline in ``submit``) and the queue model that
+    times it (``FsModel.advance``). kvtier's real fs tier does its I/O on its own threads, and
+    has no queue model, so neither is kvtier's time on the scheduler thread."""
 
     clock: Any = None
     io_s: dict[int, float] = field(default_factory=dict)
 
     def cpu(self) -> list[float]:
-        """Each step's CPU seconds in the connector's hooks, less the emulated I/O."""
+        """Each step's CPU seconds in the connector's hooks, less the fs tier's emulation."""
         return [cpu - self.io_s.get(i, 0.0) for i, cpu in enumerate(self.clock.cpu_steps)]
+
+    def timed(self, method: Any) -> Any:
+        """``method``, its CPU time inside a hook of the step in flight kept in ``io_s``."""
+
+        def run(*args: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return method(*args)
+            finally:
+                clock = self.clock
+                if clock is not None and clock._depth > 0:
+                    step = len(clock.cpu_steps)
+                    self.io_s[step] = self.io_s.get(step, 0.0) + time.thread_time() - started
+
+        return run
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[Recorded]:
     """While open, the ``HookTimer`` the replay makes (one per ``run_config``) is kept,
-    with the emulated fs tier's I/O time inside its hooks."""
+    with the fs tier's emulation time inside its hooks."""
     made = Recorded()
 
     original = sr.eng.HookTimer
@@ -81,25 +98,16 @@ def recording() -> Iterator[Recorded]:
             super().__init__(connector, enabled)
             made.clock = self
 
-    run_blocks = rfs.ReplayFsTier._run_blocks
-
-    def timed_io(tier: Any, state: Any) -> None:
-        started = time.thread_time()
-        try:
-            run_blocks(tier, state)
-        finally:
-            clock = made.clock
-            if clock is not None and clock._depth > 0:  # inside a hook of the step in flight
-                step = len(clock.cpu_steps)
-                made.io_s[step] = made.io_s.get(step, 0.0) + time.thread_time() - started
-
+    run_blocks, advance = rfs.ReplayFsTier._run_blocks, rfs.FsModel.advance
     sr.eng.HookTimer = Kept  # type: ignore[misc,attr-defined]
-    rfs.ReplayFsTier._run_blocks = timed_io  # type: ignore[method-assign]
+    rfs.ReplayFsTier._run_blocks = made.timed(run_blocks)  # type: ignore[method-assign]
+    rfs.FsModel.advance = made.timed(advance)  # type: ignore[method-assign]
     try:
         yield made
     finally:
         sr.eng.HookTimer = original  # type: ignore[misc,attr-defined]
         rfs.ReplayFsTier._run_blocks = run_blocks  # type: ignore[method-assign]
+        rfs.FsModel.advance = advance  # type: ignore[method-assign]
 
 
 def figures(seconds: list[float]) -> dict[str, float]:

@@ -4,6 +4,7 @@ decide alike, and its table (no vLLM needed)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -48,6 +49,36 @@ def test_the_emulated_fs_io_inside_a_step_is_taken_out(steady: ModuleType) -> No
 
     recorded = steady.Recorded(Clock(), {1: 0.007})
     assert recorded.cpu() == pytest.approx([0.004, 0.003, 0.002])
+
+
+def test_the_fs_queue_model_inside_a_hook_is_taken_out_too(
+    steady: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, only the emulated I/O was: the queue model timing it (``FsModel.advance``, 150-460
+    us of a slow 8x4 step) counted as kvtier's time, which the real fs tier does not spend."""
+    rfs = steady.rfs
+
+    def busy(model: Any, now: float) -> None:  # the queue model's work
+        started = time.thread_time()
+        while time.thread_time() - started < 0.003:
+            pass
+
+    monkeypatch.setattr(rfs.FsModel, "advance", busy)
+
+    class Connector:
+        def build_connector_meta(self) -> None:
+            rfs.FsModel.advance(None, 0.0)
+
+    conn = Connector()
+    with steady.recording() as made:
+        timer = steady.sr.eng.HookTimer(conn, enabled=True)
+        conn.build_connector_meta()
+        rfs.FsModel.advance(None, 0.0)  # between steps: no step's
+        conn.build_connector_meta()
+    timer.close()
+    assert rfs.FsModel.advance is busy  # put back
+    assert sorted(made.io_s) == [0, 1] and min(made.io_s.values()) >= 0.003
+    assert all(cpu < 0.002 for cpu in made.cpu())  # the steps did nothing else
 
 
 def test_invocations_merge_step_by_step(steady: ModuleType, tmp_path: Any) -> None:
