@@ -473,38 +473,27 @@ def test_a_rank_that_cannot_copy_fails_every_store(make_rig: Any) -> None:
     rig.assert_no_leaks(stored=0)
 
 
-def test_a_stale_plan_fails_once_with_both_ranks_reporting_it(make_rig: Any) -> None:
-    rig = make_rig()
-    store_prompt(rig)
-    rig.poison(B_BLOCKS)
-    rig.add("B", PROMPT)
-    # vLLM allocates for fewer external tokens than kvtier offered: the plan is stale.
-    rig.admit("B", B_BLOCKS, external=2 * BLOCK_TOKENS)
-    _, outputs = rig.step({"B": len(PROMPT) - 2 * BLOCK_TOKENS})
-    assert all(o.invalid_block_ids == set(B_BLOCKS[:6]) for o in outputs)
-    rig.report(outputs)
-    assert all(torch.isnan(t[B_BLOCKS]).all() for kv in rig.kv for t in kv)  # nothing copied
-    stats = rig.stats()
-    assert stats["connector"]["stale_plans"] == 1
-    assert stats["connector"]["load_blocks_failed"] == 3
-    rig.finish("A", "B")
-    rig.assert_no_leaks(stored=3)
-
-
-def test_an_allocation_shorter_than_the_plan_fails_the_load_instead_of_the_scheduler(
-    make_rig: Any,
+@pytest.mark.parametrize(
+    ("blocks", "external", "failed"),
+    [
+        # vLLM allocates for fewer external tokens than kvtier offered.
+        (B_BLOCKS, 2 * BLOCK_TOKENS, B_BLOCKS[:6]),
+        # A block table shorter than the plan's slots (4 engine blocks, the plan loads 6): it
+        # raised IndexError in ``update_state_after_alloc`` before, stopping vLLM's scheduler.
+        (B_BLOCKS[:4], None, B_BLOCKS[:4]),
+    ],
+    ids=["fewer-tokens", "fewer-blocks"],
+)
+def test_a_stale_plan_fails_once_with_both_ranks_reporting_it(
+    make_rig: Any, blocks: list[int], external: int | None, failed: list[int]
 ) -> None:
-    """vLLM allocates the blocks of the tokens it was told; a block table shorter than the plan's
-    slots (an engine that allocated less than it said) raised IndexError in
-    ``update_state_after_alloc`` before, which would stop vLLM's scheduler. Now the load fails
-    and the blocks the request has are recomputed."""
     rig = make_rig()
     store_prompt(rig)
     rig.poison(B_BLOCKS)
     rig.add("B", PROMPT)
-    assert rig.admit("B", B_BLOCKS[:4]) == 3 * BLOCK_TOKENS  # 4 engine blocks, the plan loads 6
-    _, outputs = rig.step({"B": len(PROMPT) - 3 * BLOCK_TOKENS})
-    assert all(o.invalid_block_ids == set(B_BLOCKS[:4]) for o in outputs)
+    loaded = rig.admit("B", blocks, external=external)
+    _, outputs = rig.step({"B": len(PROMPT) - loaded})
+    assert all(o.invalid_block_ids == set(failed) for o in outputs)  # recomputed by vLLM
     rig.report(outputs)
     assert all(torch.isnan(t[B_BLOCKS]).all() for kv in rig.kv for t in kv)  # nothing copied
     stats = rig.stats()
