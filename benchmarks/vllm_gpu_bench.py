@@ -443,7 +443,9 @@ class ChildPointRunner(VllmPointRunner):
     that crashes, or leaves GPU memory behind, cannot spoil the configurations after it. In one
     process, an H100 grid lost a point that way: a kvtier_fs engine started after a kvtier one
     stopped in PyTorch's CUDA allocator (an internal assert), and the next point's engines found
-    17 GiB still taken and refused to start. A child costs about 10 s more (its imports)."""
+    17 GiB still taken and refused to start. A child costs about 10 s more (its imports). One
+    that runs past ``timeout_s`` is killed and its row is an error (an engine that hangs must
+    not hold the rest of the grid)."""
 
     def __init__(
         self,
@@ -451,9 +453,11 @@ class ChildPointRunner(VllmPointRunner):
         model: eng.ModelSpec,
         requests: dict[int, int],
         argv: list[str],
+        timeout_s: float,
     ) -> None:
         super().__init__(settings, model, requests)
         self._argv = argv
+        self.timeout_s = timeout_s
 
     def run(
         self, point: grid.GridPoint, workload: grid.PointWorkload, config: str, fs_gib: float
@@ -466,9 +470,14 @@ class ChildPointRunner(VllmPointRunner):
                 "--grid-points", point.key, "--configs", config, "--fs-gib", repr(fs_gib),
                 "--child-row", str(row_path),
             ]  # fmt: skip
-            code = subprocess.run(command, check=False).returncode
+            try:
+                code = subprocess.run(command, check=False, timeout=self.timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                code = None
             row = json.loads(row_path.read_text()) if row_path.exists() else None
         eng.remove_new_shm(shm_before)  # what a child that died left
+        if code is None:
+            return {"error": f"the configuration's process ran past {self.timeout_s:g} s: killed"}
         if not isinstance(row, dict):
             return {"error": f"the configuration's process exited with {code} and wrote no row"}
         if row.pop("workload_digest", None) != workload.digest:
@@ -580,7 +589,7 @@ def run_grid_mode(
     if args.in_process:
         runner = VllmPointRunner(settings, model, requests)
     else:
-        runner = ChildPointRunner(settings, model, requests, args.argv)
+        runner = ChildPointRunner(settings, model, requests, args.argv, args.config_timeout * 60)
     data = grid.run_grid(points, options, runner, out)
     report_grid(data, out)
     return 0
@@ -628,6 +637,12 @@ def parser() -> argparse.ArgumentParser:
         "--in-process",
         action="store_true",
         help="run every configuration in this process (default: each in a child process)",
+    )
+    g.add_argument(
+        "--config-timeout",
+        type=float,
+        default=30.0,
+        help="minutes a configuration's child process may run before it is killed",
     )
     g.add_argument("--child-row", default=None, help=argparse.SUPPRESS)
     return p

@@ -8,6 +8,7 @@ import gc
 import json
 import math
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -674,14 +675,17 @@ def test_each_configuration_runs_in_a_child_and_a_dead_child_is_an_error_row(
     bench, eng, grid = modules["bench"], modules["engine"], modules["grid"]
     settings = eng.Settings(3, 8, 1, 4, 2048, 0.004, tmp_path)
     model = eng.make_model("tiny", tmp_path)
-    runner = bench.ChildPointRunner(settings, model, {2: 8}, ["--grid", "--model", "tiny"])
+    runner = bench.ChildPointRunner(settings, model, {2: 8}, ["--grid", "--model", "tiny"], 60)
     point = grid.parse_point("2x0.05")
     workload = runner.workload(point)
     commands: list[list[str]] = []
     rows: list[Any] = [{"ttft_ms": {"50": 1.0}, "workload_digest": workload.digest}, None, {}]
 
-    def child(command: list[str], check: bool) -> Any:
+    def child(command: list[str], check: bool, timeout: float) -> Any:
+        assert timeout == 60
         commands.append(command)
+        if len(commands) > len(rows):  # a child that hangs
+            raise subprocess.TimeoutExpired(command, timeout)
         row = rows[len(commands) - 1]
         if row is not None:  # the second child dies before it writes its row
             Path(command[command.index("--child-row") + 1]).write_text(json.dumps(row))
@@ -697,6 +701,9 @@ def test_each_configuration_runs_in_a_child_and_a_dead_child_is_an_error_row(
         "error": "the configuration's process exited with -11 and wrote no row"
     }
     assert "another request sequence" in runner.run(point, workload, "none", 1.5)["error"]
+    assert runner.run(point, workload, "native", 1.5) == {
+        "error": "the configuration's process ran past 60 s: killed"
+    }
 
 
 # -- one tiny point in vLLM's CPU build ---------------------------------------------------------
