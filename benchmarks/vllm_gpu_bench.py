@@ -289,6 +289,7 @@ def run_config(
     started = time.perf_counter()
     llm = LLM(**eng.engine_kwargs(spec, model))
     start_s = time.perf_counter() - started
+    timer: eng.HookTimer | None = None
     try:
         lengths = sorted(len(p) for p in prompts.all())
         eng.warmup(
@@ -305,10 +306,11 @@ def run_config(
         after = kvtier_counters(connector)
         used_after = meminfo_used()
     finally:
+        if timer is not None:
+            timer.close()
         shutdown(llm)
     row = summarize(timed, wall)
     if timer is not None:
-        timer.close()
         row.update(eng.connector_figures(timer))
     row["host_used_gib_delta"] = round((used_after - used_before) / (1 << 30), 2)
     row["peak_rss_gib"] = round(peak_rss() / (1 << 30), 2)
