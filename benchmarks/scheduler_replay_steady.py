@@ -12,8 +12,8 @@ stops), and each step's time is its least over the runs, what the step costs wit
 interference (``scheduler_step_bench.py --steady`` does the same without vLLM). For
 ``kvtier_fs`` the fs tier's emulation, which runs inline on the scheduler thread where kvtier's
 fs tier has threads of its own (its I/O and the queue model timing it), is taken out of each
-step (``Recorded``). Prints per point
-each configuration's p50 / p90 / p99 and kvtier's ratios to native, and writes JSON.
+step (``Recorded``). Prints per point each configuration's p50 / p90 / p99 and kvtier's ratios
+to native, and writes JSON.
 
     PYTHONPATH=src python3 benchmarks/scheduler_replay_steady.py --vllm-path /tmp/vllm0251 \\
         --points 4x2,8x4,16x2 --configs native,kvtier,kvtier_fs --runs 6

@@ -706,6 +706,18 @@ def test_each_configuration_runs_in_a_child_and_a_dead_child_is_an_error_row(
     }
 
 
+def test_a_child_run_needs_one_point_and_its_fs_capacity(
+    modules: dict[str, ModuleType], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--grid", "--model", "tiny", "--workdir", str(tmp_path), "--configs", "kvtier"]
+    for extra in (["--grid-points", "2x0.05,4x1", "--fs-gib", "1"], ["--grid-points", "2x0.05"]):
+        with pytest.raises(SystemExit) as exit_info:
+            modules["bench"].main([*base, *extra, "--child-row", str(tmp_path / "row.json")])
+        assert exit_info.value.code == 2
+        assert "--child-row needs one --grid-points point and --fs-gib" in capsys.readouterr().err
+    assert not (tmp_path / "row.json").exists()
+
+
 # -- one tiny point in vLLM's CPU build ---------------------------------------------------------
 
 

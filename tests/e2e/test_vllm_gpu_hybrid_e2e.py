@@ -249,7 +249,8 @@ def _fresh_rounds(kind: str) -> Rounds:
     ) -> tuple[list[list[list[int]]], dict[str, Any]]:
         assert case is RELEASED[kind]
         job = "e2e.test_vllm_gpu_hybrid_e2e:released_rounds"
-        out, info = h.run_in_fresh_process(job, str(model), stats and str(stats), kind)
+        stats_path = None if stats is None else str(stats)
+        out, info = h.run_in_fresh_process(job, str(model), stats_path, kind)
         return out, info
 
     return rounds

@@ -478,9 +478,8 @@ class KeptAnswers:
         if generations is None:
             return tier_answers(tiers, rest, self._ask)
         keys = rest if type(rest) is list else list(rest)
-        kept, table = None, self._kept
-        if owner in table:
-            kept = table.pop(owner)  # put back last: the table's order is the asking order
+        table = self._kept
+        kept = table.pop(owner, None)  # put back last: the table's order is the asking order
         if kept is not None and kept.generations == generations and kept.rest == keys:
             for tier, (asked, hits) in zip(tiers, kept.counted, strict=True):
                 counters = tier.counters
