@@ -86,13 +86,15 @@ def test_access_many_decides_as_access_per_key(again: bool) -> None:
                 hint = RequestHint(rng.randint(0, len(keys)), rng.choice([8, 64, 500, None]))
                 batch.on_request(keys, hint)
                 each.on_request(keys, hint)
-            else:  # the stable mode on or off, and a predicted last request's blocks dead
+            else:  # the stable mode on or off: a request's blocks filed (kept: the hits, new:
+                # the rest) and a predicted last request's blocks dead
                 on = rng.random() < 0.6
+                found, finished = rng.randint(0, 6), rng.randint(0, 2)
                 for p in (batch, each):
                     p._switch(on)  # type: ignore[attr-defined]
                     if on:
-                        p._file(held[:6], 2)  # type: ignore[attr-defined]
-                        p._finish(held[:2])  # type: ignore[attr-defined]
+                        p._file(held[:6], found)  # type: ignore[attr-defined]
+                        p._finish(held[:finished])  # type: ignore[attr-defined]
             held = [k for k in held if k in each._lru or k in each._dead or k in each._kept
                     or k in each._new]  # fmt: skip
             assert state(batch) == state(each), seed

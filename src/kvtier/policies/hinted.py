@@ -176,16 +176,16 @@ class HintedPolicy(EvictionPolicy):
             return
         if self._pending:
             self._rank_pending()
-        overridden = type(self).access is not HintedPolicy.access
-        if not overridden and self._newest(keys):
-            return  # touching them would change nothing
-        if overridden or (self.pressure and (self._kept or self._new)):
+        if type(self).access is not HintedPolicy.access:
             for key in keys:
                 self.access(key)
             return
+        if self._newest(keys):
+            return  # touching them would change nothing
         lru, dead, unranked, now = self._lru, self._dead, self._unranked, self.gauge.requests
         move = lru.move_to_end
-        if not dead and not unranked:
+        kept, new = (self._kept, self._new) if self.pressure else ({}, {})
+        if not dead and not unranked and not kept and not new:
             for key in keys:
                 move(key)
                 lru[key] = now
@@ -193,11 +193,14 @@ class HintedPolicy(EvictionPolicy):
         for key in keys:
             if key in dead:
                 del dead[key]
-                lru[key] = now
+            elif key in kept:
+                del kept[key]
+            elif key in new:
+                del new[key]
             else:
                 move(key)
-                lru[key] = now
                 unranked.pop(key, None)
+            lru[key] = now
 
     def _newest(self, keys: Sequence[BlockKey]) -> bool:
         """Whether ``keys`` are the newest blocks of the LRU order already, in this order, used at
