@@ -318,7 +318,7 @@ class TieredCache(CacheReports):
                 self._events.add(EventKind.EVICTED, evicted, tier.name)
         if self._jobs:
             self._time_out_jobs()
-        if self._rules.promises:
+        if self._rules.promises or self._rules.room_waits:
             for owner in self._rules.expired(self._clock()):
                 self.forget(owner)
         if self._writeback.due():
@@ -440,15 +440,14 @@ class TieredCache(CacheReports):
         answers = self._answers.answers(rest, owner)
         if answers is None:
             return True
-        failed = self._failed_promotions
+        now, rules, failed = self._clock(), self._rules, self._failed_promotions
         if failed:
-            failed.expire(self._clock())
+            failed.expire(now)
         run, unknown = promo.tier_run(rest, answers, index, inflight, self._promoting, failed)
         wanted = [(key, t) for key, t in run if t >= 0]
         if not wanted:
             return not unknown
-        now = self._clock()
-        claim = self._rules.claim([t for _, t in wanted], len(self._promoting), now)
+        claim = rules.claim([t for _, t in wanted], len(self._promoting), now)
         if claim.blocks < len(wanted):
             self._counters.promotions_declined += len(wanted) - claim.blocks
             wanted = wanted[: claim.blocks]
@@ -457,8 +456,9 @@ class TieredCache(CacheReports):
         slots = self._reserve_protected(len(wanted), keys[:hits], [k for k, t in run if t < 0])
         if not slots:
             # The pool is full of pinned blocks. Tier writes in flight release theirs when they
-            # end: wait for them; with none, nothing frees a slot soon, so go on without.
-            return not self._jobs.any_writes()
+            # end: wait for them until the claim's deadline; with none, go on without.
+            writes = self._jobs.any_writes()
+            return not (writes and rules.waits_for_room(owner, claim.deadline, now))
         wanted = wanted[: len(slots)]
         claimed = [key for key, _ in wanted]
         inflight.update(zip(claimed, slots, strict=True))
@@ -473,10 +473,10 @@ class TieredCache(CacheReports):
                 tier_slots.append(slot)
         for tier_index, (tier_keys, tier_slots) in by_tier.items():
             self._counters.promotions += len(tier_keys)
-            self._rules.reads[tier_index].started(len(tier_keys))
+            rules.reads[tier_index].started(len(tier_keys))
             self._submit(tier_index, TierJobKind.READ, tier_keys, tier_slots, False)
         if owner is not None:
-            self._rules.promise(owner, claimed, claim.deadline, now)
+            rules.promise(owner, claimed, claim.deadline, now)
         return False
 
     def _reserve_protected(

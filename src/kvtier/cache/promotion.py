@@ -19,7 +19,8 @@ that its own prefill would have beaten. So:
   declined again and again, is read again to measure it.
 * **Deadline.** A waiting request stops waiting when computing the claimed tokens would have been
   done by now (but not before two engine steps), and takes what has landed; the rest is
-  recomputed.
+  recomputed. The same deadline bounds a wait for room: a pool pinned full by tier writes frees
+  slots as they end, but under a steady stream of stores there is always another write.
 """
 
 from __future__ import annotations
@@ -185,6 +186,8 @@ class PromotionRules:
         """Claimed blocks still being read -> the request they are read for."""
         self.promised_pins = 0
         """Landed blocks pinned for their requests (``Promise.pinned``, all promises)."""
+        self.room_waits: dict[Owner, float] = {}
+        """Requests that found the pool pinned full -> when they stop waiting for room."""
 
     def claim(self, run_tiers: list[int], in_flight: int, now: float) -> Claim:
         """How many leading blocks of a run (the tier index of each) to promote now.
@@ -262,6 +265,14 @@ class PromotionRules:
         for key in keys:
             claimed.setdefault(key, owner)
 
+    def waits_for_room(self, owner: Owner | None, deadline: float, now: float) -> bool:
+        """Whether ``owner``, whose claim found no free slot (the pool pinned full by tier
+        writes), waits for one: until the deadline of its first such claim. Without an owner,
+        as long as writes run."""
+        if owner is None:
+            return True
+        return now < self.room_waits.setdefault(owner, deadline)
+
     def waits(self, owner: Owner, promoting: Set[BlockKey], now: float) -> bool | None:
         """Whether ``owner`` still waits for its promotion: True while a claimed block is being
         read before the deadline; False once the deadline passed with blocks still being read
@@ -298,6 +309,7 @@ class PromotionRules:
 
     def end(self, owner: Owner) -> list[BlockKey]:
         """The request loaded its blocks or left: its promise ends. Returns the keys to unpin."""
+        self.room_waits.pop(owner, None)
         promise = self.promises.pop(owner, None)
         if promise is None:
             return []
@@ -309,8 +321,9 @@ class PromotionRules:
         return promise.pinned
 
     def expired(self, now: float) -> list[Owner]:
-        """Requests whose promise outlived its lease (they never came back)."""
-        return [owner for owner, p in self.promises.items() if p.lease_end <= now]
+        """Requests whose promise or wait for room outlived its lease (they never came back)."""
+        gone = [owner for owner, p in self.promises.items() if p.lease_end <= now]
+        return gone + [o for o, end in self.room_waits.items() if end + LEASE_S <= now]
 
 
 Answer = list[bool | None]
