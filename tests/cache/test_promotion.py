@@ -374,9 +374,13 @@ def test_a_wait_for_room_in_a_pool_pinned_by_writes_ends_at_the_claims_deadline(
     measure_engine(cache, clock)
     stored = store(cache, pool, keys_for(ns, 8, seed=2))
     assert cache.stats().pool_pinned == 8  # every slot pinned by its write-through copy
+    asked: list[int] = []
+    ask = tier.lookup
+    tier.lookup = lambda keys: asked.append(len(keys)) or ask(keys)  # type: ignore[method-assign]
     for _ in range(2):
         assert cache.lookup(wanted, "a") == (0, False)  # a write may end and free a slot
         clock.now += 0.01
+    assert asked == [1, 4]  # asked again, it waits on without looking the tier up again
     assert cache.lookup(wanted, "a") == (0, True)  # past the deadline: computed instead
     assert cache.lookup(wanted, "b") == (0, False)  # another request's wait is its own
     assert reads(tier) == 0 and len(stored) == 8

@@ -437,10 +437,12 @@ class TieredCache(CacheReports):
         inflight, index = self._inflight, self._index
         if rest[0] in self._promoting:
             return False
+        now, rules, failed = self._clock(), self._rules, self._failed_promotions
+        if owner in rules.room_waits and self.pinned_full:  # no tier asked: the deadline decides
+            return not (self._jobs.any_writes() and rules.waits_for_room(owner, now, now))
         answers = self._answers.answers(rest, owner)
         if answers is None:
             return True
-        now, rules, failed = self._clock(), self._rules, self._failed_promotions
         if failed:
             failed.expire(now)
         run, unknown = promo.tier_run(rest, answers, index, inflight, self._promoting, failed)
@@ -550,15 +552,13 @@ class TieredCache(CacheReports):
 
     def _finish_write(self, job: OpenTierJob, ok: list[bool]) -> None:
         self._refused.ended(job.tier_index, ok, self._clock())
-        writing = self._writing[job.tier_index]
-        writing.difference_update(job.keys)
+        self._writing[job.tier_index].difference_update(job.keys)
         if job.holds_slots:
             self._release_held(job.slots)
         else:
             self._unpin_all(job.keys)
         if self._writeback.settles(job.tier_index, job.holds_slots):
-            name = self._tiers[job.tier_index].name
-            self._writeback.settle(name, job.keys, ok, self._index)
+            self._writeback.settle(self._tiers[job.tier_index].name, job.keys, ok, self._index)
         good = sum(ok)
         self._counters.cascade_writes += good
         self._counters.cascade_failures += len(ok) - good

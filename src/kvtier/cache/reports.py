@@ -64,6 +64,13 @@ class CacheReports:
         return out
 
     @property
+    def pinned_full(self) -> bool:
+        """No slot free and every visible block pinned: none can be reserved until a pin ends,
+        so a request already waiting for room is not looked up in the tiers again (an engine
+        asks for each waiting request every step, hundreds of keys each time)."""
+        return not self._pool.num_free and len(self._index) <= len(self._pins)
+
+    @property
     def jobs_in_flight(self) -> int:
         """Tier jobs not reported yet, timed-out (abandoned) ones included: their slots stay
         held until their tier really returns."""
