@@ -439,7 +439,7 @@ class TieredCache(CacheReports):
             return False
         now, rules, failed = self._clock(), self._rules, self._failed_promotions
         if owner in rules.room_waits and self.pinned_full:  # no tier asked: the deadline decides
-            return not (self._jobs.any_writes() and rules.waits_for_room(owner, now, now))
+            return not (self._jobs.any_writes() and now < rules.room_waits[owner])
         answers = self._answers.answers(rest, owner)
         if answers is None:
             return True
