@@ -169,3 +169,16 @@ def test_vllm_recorded_order_serves_half_the_optimum(bench: ModuleType, point: s
     served = bench.replay_calls(events, HintedPolicy(blocks), blocks)
     assert served >= optimum / 2
     assert bench.replay_calls(events, LRUPolicy(), blocks) < optimum / 20
+
+
+def test_benchmark_sequence_is_the_grids(bench: ModuleType, tmp_path: Path) -> None:
+    """The sequence whose offline optimum the grid's thrash-regime check compares with is the
+    one the grid sends: at 32 in flight the grid leaves out a conversation whose last prompt
+    exceeds the engine's length (318 requests of 320), and so must the optimum's sequence."""
+    eng = load_script("benchmarks/vllm_bench_engine.py")
+    settings = eng.Settings(5, 40, 4, 64, 16384, None, tmp_path)
+    prompts, summary = eng.build_point(settings, eng.make_model("llama8b", tmp_path), 32, 320)
+    assert summary["dropped_conversations"] == 1
+    sequence = bench.benchmark_sequence(32, 320, 5, 40, 4)
+    assert len(sequence) == summary["requests"] == 318
+    assert sorted(r.input_length for r in sequence) == sorted(len(p) for p in prompts.all())
