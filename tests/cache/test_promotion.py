@@ -395,6 +395,28 @@ def test_a_wait_for_room_in_a_pool_pinned_by_writes_ends_at_the_claims_deadline(
     check_settled(cache, tier)
 
 
+def test_a_wait_for_room_is_spent_once_for_a_request_the_engine_asks_again(ns, make_pool):
+    """Before: the load its final answer prepared ended the wait, so an engine that had no room
+    for the request asked again and it waited anew, each ask till a fresh deadline, while the
+    requests behind it were scheduled first (the 32x2 replay's slowest request waited 2.4 s)."""
+    pool = make_pool(8)
+    wanted = keys_for(ns, 4, seed=1)
+    tier, cache, clock = clocked(ns, pool, wanted)
+    measure_engine(cache, clock)
+    store(cache, pool, keys_for(ns, 8, seed=2))  # every slot pinned by its write-through copy
+    result, slots = cache.lookup_and_pin(wanted, "a")
+    assert (result, slots) == ((0, False), [])
+    clock.now += 0.03  # past the deadline
+    assert cache.lookup_and_pin(wanted, "a") == ((0, True), [])  # the engine has no room yet
+    for _ in range(3):
+        clock.now += 0.01
+        assert cache.lookup_and_pin(wanted, "a") == ((0, True), [])  # no wait again
+    cache.forget("a")  # it left: a later request of the same id may wait again
+    assert cache.lookup_and_pin(wanted, "a") == ((0, False), [])
+    cache.forget("a")
+    check_settled(cache, tier)
+
+
 def test_a_waiting_lookup_sees_what_landed_since_the_last_step(ns, make_pool):
     """Before: a block that landed during the engine's step was seen only at the next step's
     housekeeping, after the lookup that asked again."""

@@ -184,7 +184,7 @@ class TieredCache(CacheReports):
 
     def forget(self, owner: promo.Owner) -> None:
         """The request stopped waiting (it left, or loaded): unpin what was promoted for it."""
-        self._unpin_all(self._rules.end(owner))
+        self._unpin_all(self._rules.leave(owner))
         self._answers.forget(owner)
 
     def engine_step(self, tokens: int, requests: int = 1) -> None:
