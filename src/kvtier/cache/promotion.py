@@ -20,7 +20,9 @@ that its own prefill would have beaten. So:
 * **Deadline.** A waiting request stops waiting when computing the claimed tokens would have been
   done by now (but not before two engine steps), and takes what has landed; the rest is
   recomputed. The same deadline bounds a wait for room: a pool pinned full by tier writes frees
-  slots as they end, but under a steady stream of stores there is always another write.
+  slots as they end, but under a steady stream of stores there is always another write. A
+  request waits for room once: asked again after its answer (the engine had no room for it
+  yet), it takes the pool's hits at once until it leaves.
 """
 
 from __future__ import annotations
