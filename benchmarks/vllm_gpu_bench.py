@@ -70,7 +70,8 @@ step (every scheduler-side connector call timed in this process, nested calls on
 step, p50/p99 over the timed steps; the same hooks for vLLM's OffloadingConnector and kvtier's),
 and kvtier's counters over the timed run (blocks promoted from tiers into the pool, blocks loaded
 into vLLM). Results are merged into ``--json`` per configuration as each finishes;
-``--report-only`` prints the table from that file.
+``--report-only`` prints the table from that file; ``--merge FILE ...`` copies into it the newer
+rows of other grid files (a lent machine's, run from a copy) and prints it.
 
 ``--grid`` runs the grid of issue 24 (``benchmarks/vllm_grid.py``: points, skip/rerun, time
 budget; ``benchmarks/vllm_grid_report.py``: table, acceptance checks, plot) into
@@ -621,6 +622,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help=f"default {SINGLE_JSON} (grid: {GRID_JSON})")
     p.add_argument("--commit", default=None, help="default: git rev-parse HEAD")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="copy into --json the newer rows of these grid files, then report",
+    )
     g = p.add_argument_group("grid")
     g.add_argument("--grid", action="store_true", help="run the grid (issue 24)")
     g.add_argument("--grid-concurrency", default="4,8,16,32")
@@ -663,6 +671,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if args.merge:
+            out = Path(args.json or GRID_JSON)
+            data = grid.load(out)
+            merged = grid.merge_files(data, [grid.load(Path(f)) for f in args.merge])
+            print("\n".join(merged or ["nothing to merge"]))
+            grid.save(out, data)
+            report_grid(data, out)
+            return 0
         if args.report_only:
             out = Path(args.json or (GRID_JSON if args.grid else SINGLE_JSON))
             data = grid.load(out)

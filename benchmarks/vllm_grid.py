@@ -210,6 +210,30 @@ def merge_row(
     entry.setdefault("configs", {})[config] = row
 
 
+def merge_files(data: dict[str, Any], sources: Iterable[dict[str, Any]]) -> list[str]:
+    """Copy into ``data`` the rows of other grid files (a lent GPU's copy, run from a copy of
+    ``data``) that ``data`` lacks or holds older (by ``date``); failed rows stay out, and so do
+    the points whose workload differs from ``data``'s (their rows would not pair). Returns what
+    was copied and what was left out, a line each."""
+    lines: list[str] = []
+    for source in sources:
+        for key, point in source.get("points", {}).items():
+            mine = data.get("points", {}).get(key)
+            digest = point.get("workload", {}).get("digest")
+            if mine is not None and mine.get("workload", {}).get("digest") != digest:
+                lines.append(f"left out {key}: another workload than the file's")
+                continue
+            have = (mine or {}).get("configs", {})
+            for config, row in sorted(point.get("configs", {}).items()):
+                if not isinstance(row, dict) or "error" in row:
+                    continue
+                if config in have and str(have[config].get("date")) >= str(row.get("date")):
+                    continue
+                merge_row(data, parse_point(key), point.get("workload", {}), config, row)
+                lines.append(f"merged {key} {config} ({row.get('commit')}, {row.get('date')})")
+    return lines
+
+
 # -- what to run --------------------------------------------------------------------------------
 
 

@@ -800,3 +800,57 @@ def test_hybrid_gpu_kv_is_sized_in_the_blocks_vllm_allocates(
     _prompts, summary = eng.build_point(settings, llama, 16, 160)
     assert summary["max_model_len"] == 16384 and "block_tokens" not in summary
     assert summary["gpu_kv_bytes"] == 16 * longest * llama.kv_bytes_per_token
+
+
+def test_merge_copies_the_newer_rows_of_another_grid_file(
+    modules: dict[str, ModuleType], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lent GPU runs the grid on a copy of the file: its rows come back with ``--merge``,
+    newer ones replacing older, failed ones and another workload's left out."""
+    grid = modules["grid"]
+
+    def row(date: str, **extra: Any) -> dict[str, Any]:
+        return make_row({"c0.t1": 10.0}, date=date, commit="c1", **extra)
+
+    def point(digest: str, **configs: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "concurrency": 8,
+            "host_gib": 4.0,
+            "workload": {"digest": digest},
+            "configs": configs,
+        }
+
+    ours = {
+        "points": {
+            "8x4": point("w1", native=row("2026-11-26"), kvtier=row("2026-11-27T10")),
+            "16x2": point("w2", native=row("2026-11-26")),
+        }
+    }
+    lent = {
+        "points": {
+            "8x4": point(
+                "w1",
+                native=row("2026-11-25"),  # older than ours: stays ours
+                kvtier=row("2026-11-27T20"),
+                kvtier_fs=row("2026-11-27T21"),
+                native_fs=row("2026-11-27T21", error="disk guard"),
+            ),
+            "16x2": point("w3", kvtier=row("2026-11-27T22")),  # another workload
+            "32x2": point("w4", none=row("2026-11-27T23")),
+        }
+    }
+    path, other = tmp_path / "grid.json", tmp_path / "lent.json"
+    grid.save(path, ours)
+    grid.save(other, lent)
+    assert modules["bench"].main(["--grid", "--json", str(path), "--merge", str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "left out 16x2: another workload than the file's" in out
+    merged = json.loads(path.read_text())["points"]
+    assert merged["8x4"]["configs"]["native"]["date"] == "2026-11-26"
+    assert merged["8x4"]["configs"]["kvtier"]["date"] == "2026-11-27T20"
+    assert set(merged["8x4"]["configs"]) == {"native", "kvtier", "kvtier_fs"}
+    assert merged["16x2"] == ours["points"]["16x2"]
+    assert merged["32x2"]["configs"]["none"]["date"] == "2026-11-27T23"
+    assert grid.merge_files(json.loads(path.read_text()), [lent]) == [
+        "left out 16x2: another workload than the file's"
+    ]  # merged once: nothing newer left
