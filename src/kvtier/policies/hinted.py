@@ -183,8 +183,7 @@ class HintedPolicy(EvictionPolicy):
         if self._newest(keys):
             return  # touching them would change nothing
         lru, dead, unranked, now = self._lru, self._dead, self._unranked, self.gauge.requests
-        move = lru.move_to_end
-        kept, new = (self._kept, self._new) if self.pressure else ({}, {})
+        kept, new, move = self._kept, self._new, lru.move_to_end  # both empty without pressure
         if not dead and not unranked and not kept and not new:
             for key in keys:
                 move(key)
