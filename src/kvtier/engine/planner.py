@@ -34,10 +34,8 @@ log = logging.getLogger(__name__)
 
 DEFERRED_WAIT_S = 0.001
 """After a step that deferred a request and scheduled nothing, the scheduler thread waits up to
-this long for a tier job to end. The engine (vLLM) re-asks a deferred request every step, and
-with nothing else to run its loop spins and holds the GIL: the tier's reader threads then got it
-only every 5 ms (Python's switch interval), so each promotion took several milliseconds more than
-its I/O."""
+this long for a tier job to end: vLLM re-asks a deferred request every step, its idle loop holds
+the GIL, and the tier's readers got it every 5 ms only (the switch interval), promotions later."""
 
 
 class EngineRequest(Protocol):
@@ -122,10 +120,11 @@ class PlannerCounters:
     stale_plans: int = 0
     resets: int = 0
     """Cache resets (``reset``: vLLM's ``reset_prefix_cache(reset_connector=True)``)."""
+    lookups_deferred_for_landed_loads: int = 0
+    """Lookups an engine adapter deferred to let its engine take in landed asynchronous loads."""
     engine_hit_blocks: int = 0
-    """Blocks the engine's own prefix cache held at a lookup (not looked up in kvtier): with
-    ``cache.hit_blocks`` over ``cache.lookup_blocks`` plus these, the engine's whole prefix hit
-    ratio, what ``kvtier simulate`` predicts from a recorded trace."""
+    """Blocks the engine's own prefix cache held at a lookup (not looked up): with ``cache``'s
+    hit_blocks / (lookup_blocks + these), the prefix hit ratio ``kvtier simulate`` predicts."""
 
 
 class Planner:
@@ -432,11 +431,10 @@ class Planner:
 
     # -- completions from the workers -----------------------------------------------------------
 
-    def on_report(self, report: RankReport | None) -> None:
-        """Settle the jobs every tensor-parallel rank has now reported (``JobLedger``)."""
-        if report is None:
-            return
-        for job in self._jobs.settle(report):
+    def on_report(self, report: RankReport | None) -> list[str]:
+        """Settle the jobs all ranks reported (``JobLedger``): requests whose async load ended."""
+        ended: list[str] = []
+        for job in self._jobs.settle(report) if report is not None else ():
             if job.direction is Direction.STORE:
                 self.cache.complete_store(job.keys, ok=job.ok)
                 if not job.ok:
@@ -444,10 +442,13 @@ class Planner:
             else:
                 self.cache.complete_load(job.keys, ok=job.ok)
                 owner = self._async_loads.pop(job.job_id, None)
+                if owner is not None:
+                    ended.append(owner)
                 if not job.ok:
                     self.counters.load_blocks_failed += len(job.keys)
                     if owner is not None and owner in self._requests:
                         self._no_loads.add(owner)
+        return ended
 
     def request_finished(self, request: EngineRequest) -> None:
         req_id = request.request_id

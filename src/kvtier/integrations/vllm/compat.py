@@ -20,6 +20,10 @@ Where they differ:
   drain kvtier's copies before the KV memory is unmapped. Older releases release it without a
   word to connectors while copies may still be queued, so there kvtier refuses
   ``enable_sleep_mode`` at start.
+* **Landed asynchronous loads.** 0.25.1's scheduler can stop every pass at a request that does
+  not fit, in front of the requests whose loads landed and hold the blocks it needs (a stall for
+  good with nothing running); 0.32 takes requests holding blocks first. Before 0.32 the
+  connector defers other lookups while a landed load waits (``landed_loads``).
 * Request block tables come from each step's scheduler output in every release (0.25.1 gives
   connectors no ``KVCacheManager``).
 * **Prefix-cache hits by source** (``vllm:prompt_tokens_cached_by_source``): releases with
@@ -45,6 +49,11 @@ RELIABLE_RECOVERY_VERSION = (0, 32)
 """The first supported release where kvtier's tests saw vLLM recompute a failed load correctly
 (0.32's CPU build). 0.25.1 on an H100 recomputed it into wrong tokens with both of its model
 runners and with async scheduling on and off (vllm-project/vllm issue 49250)."""
+
+HOLDING_FIRST_VERSION = (0, 32)
+"""The first supported release whose scheduler is known to take in requests holding KV blocks
+(landed asynchronous loads) before the others (read in 0.32's scheduler). Before it, kvtier
+defers other lookups while a landed load waits (``landed_loads``)."""
 
 LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 """``vllm.kv_cache_layout`` values besides ``engine``: vLLM 0.32's ``KVCacheLayout`` names."""
@@ -114,6 +123,12 @@ def check_sleep_mode(vllm_config: Any, version: tuple[int, ...]) -> None:
             f"{_dotted(SLEEP_HOOKS_VERSION)} on (earlier releases unmap the KV cache while its "
             "copies may still be queued)",
         )
+
+
+def strands_landed_loads(version: tuple[int, ...]) -> bool:
+    """Whether this release's scheduler can leave landed asynchronous loads behind a request
+    that does not fit (``landed_loads``)."""
+    return version < HOLDING_FIRST_VERSION
 
 
 def warn_recovery(vllm_config: Any, version: tuple[int, ...]) -> str | None:

@@ -36,6 +36,7 @@ from kvtier.errors import ConfigError
 from kvtier.events import EventKind
 from kvtier.integrations.vllm import compat, hybrid_hits
 from kvtier.integrations.vllm import groups as vllm_groups
+from kvtier.integrations.vllm.landed_loads import LandedLoads
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import VllmSettings
@@ -164,6 +165,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             engine_block_size,
             self.tp_size,
             self.groups,
+            LandedLoads() if compat.strands_landed_loads(self.vllm_version) else None,
         )
 
     @classmethod

@@ -19,6 +19,7 @@ from kvtier.engine.groups import CacheGroup
 from kvtier.engine.hybrid import HybridPlanner
 from kvtier.engine.planner import PLAIN, KeyScope
 from kvtier.integrations.vllm.groups import NULL_BLOCK
+from kvtier.integrations.vllm.landed_loads import LandedLoads
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import Namespace
@@ -104,6 +105,7 @@ class SchedulerSide(HybridPlanner):
         engine_block_size: int,
         tp_size: int,
         groups: Sequence[CacheGroup] = (),
+        landed: LandedLoads | None = None,
     ) -> None:
         super().__init__(
             config, settings.planner, namespace, slot_bytes, engine_block_size, tp_size
@@ -112,6 +114,17 @@ class SchedulerSide(HybridPlanner):
         self._tables = BlockTables()
         self._stats_due = 0.0
         self.clock: Callable[[], float] = time.monotonic
+        self._landed = landed
+        """Landed asynchronous loads the other lookups defer to (releases that strand them)."""
+
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: ``HybridPlanner``'s answer, or None (deferred)
+        while an asynchronous load has landed and vLLM has not scheduled its request."""
+        landed = self._landed
+        if landed and landed.defers(request.request_id):
+            self.counters.lookups_deferred_for_landed_loads += 1
+            return None, False
+        return super().matched_tokens(request, num_computed)
 
     def after_alloc_groups(
         self, request: Any, block_ids: Sequence[Sequence[int]], external_tokens: int
@@ -140,18 +153,23 @@ class SchedulerSide(HybridPlanner):
     def build_meta(self, scheduler_output: Any) -> KVTierMetadata:
         """vLLM's ``build_connector_meta``: this step's orders for every worker."""
         self._tables.update(scheduler_output)
-        orders = self.plan_step(
-            scheduler_output.num_scheduled_tokens, self._tables, fresh_blocks(scheduler_output)
-        )
+        scheduled = scheduler_output.num_scheduled_tokens
+        orders = self.plan_step(scheduled, self._tables, fresh_blocks(scheduler_output))
+        if self._landed:
+            self._landed.after_pass(scheduled)
         return KVTierMetadata(orders.pool, orders.loads, orders.stores, orders.fresh_blocks)
 
     def on_worker_meta(self, meta: KVTierWorkerMetadata | None) -> None:
         """vLLM's ``update_connector_output``: the workers' merged reports."""
-        self.on_report(meta)
+        ended = self.on_report(meta)
+        if ended and self._landed is not None:
+            self._landed.landed(ended)
 
     def request_finished(self, request: Any) -> None:
         super().request_finished(request)
         self._tables.drop(request.request_id)
+        if self._landed is not None:
+            self._landed.forget(request.request_id)
 
     def take_stats(self) -> Payload | None:
         """vLLM's ``get_kv_connector_stats``: ``Planner.take_stats`` at most every

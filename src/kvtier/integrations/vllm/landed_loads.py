@@ -1,0 +1,59 @@
+"""Asynchronous loads that ended, until vLLM schedules their requests.
+
+vLLM 0.25.1's scheduler (FCFS) serves its ``skipped_waiting`` queue first and stops its pass at
+the first request it cannot allocate blocks for. A request whose asynchronous load is in flight
+holds its GPU blocks in that queue (``WAITING_FOR_REMOTE_KVS``) and is taken back into the
+schedule only when the pass reaches it after the load ended. A request that a connector deferred
+(its lookup answered ``None``) is put in front of it, holding no blocks; once its answer is final
+and it does not fit, every pass stops there, before the landed loads that hold the blocks it
+needs. With nothing running, nothing ever frees a block: the engine stalls for good (seen in the
+scheduler replay at 32 in flight, 8 GiB, ``vllm.async_loads`` auto, kvtier + fs; vLLM issue
+45388, pull request 57841). 0.32 drains requests holding KV blocks first.
+
+So while a request's load has landed and vLLM has not scheduled it, kvtier defers every other
+lookup: the pass skips those requests and reaches the landed one. For a few passes at most: a
+landed request that does not fit holds the pass with or without the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PASSES = 4
+"""Scheduling passes a landed load defers the other lookups for, unless vLLM schedules its
+request first (the next pass does, when nothing else stops it)."""
+
+
+class LandedLoads:
+    """Requests whose asynchronous load ended (copied or failed), not yet scheduled again."""
+
+    def __init__(self, passes: int = PASSES) -> None:
+        self.passes = passes
+        self._left: dict[str, int] = {}
+        """Request -> passes it still defers the others' lookups for."""
+
+    def __bool__(self) -> bool:
+        return bool(self._left)
+
+    def landed(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._left[req_id] = self.passes
+
+    def defers(self, req_id: str) -> bool:
+        """Whether a lookup of ``req_id`` waits for a landed request to be scheduled first."""
+        return bool(self._left) and req_id not in self._left
+
+    def after_pass(self, scheduled: Iterable[str]) -> None:
+        """A scheduling pass ended (``build_connector_meta``) with ``scheduled`` requests."""
+        if not self._left:
+            return
+        for req_id in scheduled:
+            self._left.pop(req_id, None)
+        for req_id, left in list(self._left.items()):
+            if left <= 1:
+                del self._left[req_id]
+            else:
+                self._left[req_id] = left - 1
+
+    def forget(self, req_id: str) -> None:
+        self._left.pop(req_id, None)

@@ -1,0 +1,119 @@
+"""While an asynchronous load has landed and vLLM has not scheduled its request, the other
+lookups defer (``landed_loads``): vLLM 0.25.1's scheduler otherwise stops every pass at a
+request that does not fit, in front of the landed loads holding the blocks it needs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.config import load_config
+from kvtier.engine.load_mode import LoadMode
+from kvtier.engine.orders import RankReport
+from kvtier.engine.planner import PlannerSettings
+from kvtier.integrations.vllm import compat
+from kvtier.integrations.vllm.landed_loads import PASSES, LandedLoads
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.settings import VllmSettings
+from kvtier.keys import Namespace
+
+PROMPT = list(range(100, 117))  # 4 full blocks of 4 tokens, one token to compute
+
+
+def request(req_id: str, prompt: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id,
+        num_tokens=len(prompt),
+        num_prompt_tokens=len(prompt),
+        num_output_tokens=0,
+        num_computed_tokens=0,
+        all_token_ids=prompt,
+        mm_features=None,
+        prompt_embeds=None,
+        lora_request=None,
+        cache_salt=None,
+    )
+
+
+def scheduled(*req_ids: str) -> SimpleNamespace:
+    """A scheduler output that ran ``req_ids`` (the attributes ``build_meta`` reads)."""
+    return SimpleNamespace(num_scheduled_tokens=dict.fromkeys(req_ids, 1))
+
+
+def make_side(tmp_path: Path, landed: LandedLoads | None) -> SchedulerSide:
+    config = load_config({"pool": {"size": 64 * 16, "shm_dir": str(tmp_path)}})
+    settings = VllmSettings(planner=PlannerSettings(load_mode=LoadMode.ASYNC))
+    ns = Namespace(model="m", dtype="bfloat16", block_tokens=4)
+    side = SchedulerSide(config, settings, ns, 64, 4, 1, (), landed)
+    keys = side._request_keys(request("stored", PROMPT))
+    assert keys is not None
+    side.cache.complete_store(side.cache.prepare_store(keys[:4]).keys)  # the prompt is pooled
+    return side
+
+
+def land_a_load(side: SchedulerSide, ok: bool = True) -> None:
+    """Request ``a`` loads the pooled prompt asynchronously; its worker reports the copy."""
+    a = request("a", PROMPT)
+    assert side.matched_tokens(a, 0) == (16, True)
+    side.after_alloc(a, [10, 11, 12, 13, 14], 16)
+    (order,) = side.build_meta(scheduled()).loads
+    assert order.request_id == "a"
+    job = {order.job_id: 1}
+    side.on_worker_meta(RankReport(job) if ok else RankReport({}, job))
+
+
+@pytest.fixture
+def side(tmp_path: Path) -> Iterator[SchedulerSide]:
+    side = make_side(tmp_path, LandedLoads())
+    yield side
+    side.close()
+
+
+def test_other_lookups_defer_until_vllm_schedules_the_landed_request(side: SchedulerSide) -> None:
+    b = request("b", list(range(200, 217)))
+    assert side.matched_tokens(b, 0) == (0, False)  # nothing landed: answered
+    land_a_load(side)
+    assert side.matched_tokens(b, 0) == (None, False)
+    assert side.matched_tokens(b, 0) == (None, False)  # asked again in the same pass
+    assert side.counters.lookups_deferred_for_landed_loads == 2
+    side.build_meta(scheduled("b"))  # a pass that did not schedule ``a``: still deferred
+    assert side.matched_tokens(b, 0) == (None, False)
+    side.build_meta(scheduled("a"))
+    assert side.matched_tokens(b, 0) == (0, False)
+
+
+def test_a_failed_load_lands_too(side: SchedulerSide) -> None:
+    """vLLM takes a request whose load failed back the same way (its blocks held meanwhile)."""
+    land_a_load(side, ok=False)
+    assert side.matched_tokens(request("b", list(range(200, 217))), 0) == (None, False)
+
+
+def test_the_deferral_ends_after_a_few_passes(side: SchedulerSide) -> None:
+    """A landed request that does not fit stops vLLM's pass whatever the others answer: they
+    are not held back for longer."""
+    land_a_load(side)
+    b = request("b", list(range(200, 217)))
+    for _ in range(PASSES):
+        assert side.matched_tokens(b, 0) == (None, False)
+        side.build_meta(scheduled())
+    assert side.matched_tokens(b, 0) == (0, False)
+
+
+def test_a_landed_request_that_finishes_defers_nothing(side: SchedulerSide) -> None:
+    land_a_load(side)
+    side.request_finished(request("a", PROMPT))  # aborted before vLLM scheduled it again
+    assert side.matched_tokens(request("b", list(range(200, 217))), 0) == (0, False)
+
+
+def test_releases_that_take_requests_holding_blocks_first_defer_nothing(tmp_path: Path) -> None:
+    assert compat.strands_landed_loads((0, 25, 1))
+    assert not compat.strands_landed_loads((0, 32, 0))
+    side = make_side(tmp_path, None)
+    try:
+        land_a_load(side)
+        assert side.matched_tokens(request("b", list(range(200, 217))), 0) == (0, False)
+    finally:
+        side.close()
