@@ -54,15 +54,28 @@ def make_side(tmp_path: Path, landed: LandedLoads | None) -> SchedulerSide:
     return side
 
 
-def land_a_load(side: SchedulerSide, ok: bool = True) -> None:
-    """Request ``a`` loads the pooled prompt asynchronously; its worker reports the copy."""
+def order_a_load(side: SchedulerSide) -> int:
+    """Request ``a`` loads the pooled prompt asynchronously: its job id."""
     a = request("a", PROMPT)
     assert side.matched_tokens(a, 0) == (16, True)
     side.after_alloc(a, [10, 11, 12, 13, 14], 16)
     (order,) = side.build_meta(scheduled()).loads
     assert order.request_id == "a"
-    job = {order.job_id: 1}
+    return order.job_id
+
+
+def land(side: SchedulerSide, job_id: int, ok: bool = True) -> None:
+    """The worker reports the load's copy."""
+    job = {job_id: 1}
     side.on_worker_meta(RankReport(job) if ok else RankReport({}, job))
+
+
+def skipped_request(side: SchedulerSide) -> SimpleNamespace:
+    """``b``, the same prompt, deferred while ``a``'s load of its blocks runs: vLLM puts it in
+    its skipped queue, in front of ``a``."""
+    b = request("b", PROMPT)
+    assert side.matched_tokens(b, 0) == (None, False)
+    return b
 
 
 @pytest.fixture
@@ -72,40 +85,57 @@ def side(tmp_path: Path) -> Iterator[SchedulerSide]:
     side.close()
 
 
-def test_other_lookups_defer_until_vllm_schedules_the_landed_request(side: SchedulerSide) -> None:
-    b = request("b", list(range(200, 217)))
-    assert side.matched_tokens(b, 0) == (0, False)  # nothing landed: answered
-    land_a_load(side)
+def test_skipped_lookups_defer_until_vllm_schedules_the_landed_request(
+    side: SchedulerSide,
+) -> None:
+    job = order_a_load(side)
+    b = skipped_request(side)
+    land(side, job)
     assert side.matched_tokens(b, 0) == (None, False)
     assert side.matched_tokens(b, 0) == (None, False)  # asked again in the same pass
     assert side.counters.lookups_deferred_for_landed_loads == 2
-    side.build_meta(scheduled("b"))  # a pass that did not schedule ``a``: still deferred
+    # A request from vLLM's main queue is reached only after the skipped one: answered.
+    assert side.matched_tokens(request("c", list(range(200, 217))), 0) == (0, False)
+    side.build_meta(scheduled("c"))  # a pass that did not schedule ``a``: still deferred
     assert side.matched_tokens(b, 0) == (None, False)
     side.build_meta(scheduled("a"))
-    assert side.matched_tokens(b, 0) == (0, False)
+    assert side.matched_tokens(b, 0) == (16, True)  # the pool's blocks, no longer loading
+
+
+def test_a_request_scheduled_since_its_deferral_is_not_held_back(side: SchedulerSide) -> None:
+    job = order_a_load(side)
+    b = skipped_request(side)
+    side.build_meta(scheduled("b"))  # scheduled since (say, preempted after): not in the queue
+    land(side, job)
+    assert side.matched_tokens(b, 0) == (16, True)
 
 
 def test_a_failed_load_lands_too(side: SchedulerSide) -> None:
     """vLLM takes a request whose load failed back the same way (its blocks held meanwhile)."""
-    land_a_load(side, ok=False)
-    assert side.matched_tokens(request("b", list(range(200, 217))), 0) == (None, False)
+    job = order_a_load(side)
+    b = skipped_request(side)
+    land(side, job, ok=False)
+    assert side.matched_tokens(b, 0) == (None, False)
 
 
 def test_the_deferral_ends_after_a_few_passes(side: SchedulerSide) -> None:
     """A landed request that does not fit stops vLLM's pass whatever the others answer: they
     are not held back for longer."""
-    land_a_load(side)
-    b = request("b", list(range(200, 217)))
+    job = order_a_load(side)
+    b = skipped_request(side)
+    land(side, job)
     for _ in range(PASSES):
         assert side.matched_tokens(b, 0) == (None, False)
         side.build_meta(scheduled())
-    assert side.matched_tokens(b, 0) == (0, False)
+    assert side.matched_tokens(b, 0) == (16, True)
 
 
 def test_a_landed_request_that_finishes_defers_nothing(side: SchedulerSide) -> None:
-    land_a_load(side)
+    job = order_a_load(side)
+    b = skipped_request(side)
+    land(side, job)
     side.request_finished(request("a", PROMPT))  # aborted before vLLM scheduled it again
-    assert side.matched_tokens(request("b", list(range(200, 217))), 0) == (0, False)
+    assert side.matched_tokens(b, 0) == (16, True)
 
 
 def test_releases_that_take_requests_holding_blocks_first_defer_nothing(tmp_path: Path) -> None:
@@ -113,7 +143,9 @@ def test_releases_that_take_requests_holding_blocks_first_defer_nothing(tmp_path
     assert not compat.strands_landed_loads((0, 32, 0))
     side = make_side(tmp_path, None)
     try:
-        land_a_load(side)
-        assert side.matched_tokens(request("b", list(range(200, 217))), 0) == (0, False)
+        job = order_a_load(side)
+        b = skipped_request(side)
+        land(side, job)
+        assert side.matched_tokens(b, 0) == (16, True)
     finally:
         side.close()

@@ -119,12 +119,17 @@ class SchedulerSide(HybridPlanner):
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: ``HybridPlanner``'s answer, or None (deferred)
-        while an asynchronous load has landed and vLLM has not scheduled its request."""
+        for a request in vLLM's skipped queue while an asynchronous load there has landed and
+        vLLM has not scheduled its request (``landed_loads``)."""
         landed = self._landed
-        if landed and landed.defers(request.request_id):
+        if landed is None:
+            return super().matched_tokens(request, num_computed)
+        if landed.defers(request.request_id):
             self.counters.lookups_deferred_for_landed_loads += 1
             return None, False
-        return super().matched_tokens(request, num_computed)
+        answer = super().matched_tokens(request, num_computed)
+        landed.answered(request.request_id, answer[0] is None)
+        return answer
 
     def after_alloc_groups(
         self, request: Any, block_ids: Sequence[Sequence[int]], external_tokens: int
@@ -155,7 +160,7 @@ class SchedulerSide(HybridPlanner):
         self._tables.update(scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
         orders = self.plan_step(scheduled, self._tables, fresh_blocks(scheduler_output))
-        if self._landed:
+        if self._landed is not None:
             self._landed.after_pass(scheduled)
         return KVTierMetadata(orders.pool, orders.loads, orders.stores, orders.fresh_blocks)
 
