@@ -26,6 +26,8 @@ import vllm_grid_report as gr
 from vllm_bench_kv import KVPool, gemma3_pool, nemotron_h_pool
 
 from kvtier.demo import FIRST_TOKEN, MODELS, ModelSize, Workload, build_workload, write_model
+from kvtier.engine.load_mode import LoadMode
+from kvtier.integrations.vllm.settings import default_load_mode
 
 CONFIGS = ("none", "native", "native_fs", "kvtier", "kvtier_fs")
 FS_CONFIGS = frozenset({"native_fs", "kvtier_fs"})
@@ -430,11 +432,18 @@ def clear_fs(workdir: Path) -> None:
 
 ASYNC_LOADS_ENV = "KVTIER_BENCH_ASYNC_LOADS"
 """``1``: the kvtier configurations load through vLLM's asynchronous path (``vllm.async_loads``);
-``auto``: per request (``vllm.async_loads: auto``); give such a run its own ``--json``."""
+``0``: synchronously; ``auto``: per request (``vllm.async_loads: auto``); unset: kvtier's
+default (``auto`` for the pool alone, synchronous with the fs tier). Give a run that sets it its
+own ``--json``."""
 
 
-def async_loads() -> bool | str:
+def async_loads(tiered: bool) -> bool | str:
+    """``vllm.async_loads`` of a kvtier configuration (``tiered``: with a secondary tier), as
+    the row records it."""
     value = os.environ.get(ASYNC_LOADS_ENV)
+    if value is None:
+        mode = default_load_mode(tiered)
+        return mode.value if mode is LoadMode.AUTO else mode is LoadMode.ASYNC
     return "auto" if value == "auto" else value == "1"
 
 
@@ -456,7 +465,7 @@ def kvtier_extra(spec: RunSpec) -> dict[str, Any]:
     extra: dict[str, Any] = {
         "pool": {"size": f"{spec.host_gib:g}GiB"},
         "tiers": tiers,
-        "vllm": {"stats_path": str(spec.stats_path), "async_loads": async_loads()},
+        "vllm": {"stats_path": str(spec.stats_path), "async_loads": async_loads(bool(tiers))},
     }
     if (policy := eviction()) is not None:
         extra["eviction"] = policy

@@ -320,7 +320,7 @@ def run_config(
     if spec.config in eng.FS_CONFIGS:
         row["fs_gib"] = spec.fs_gib
     if spec.config.startswith("kvtier"):
-        row["async_loads"] = eng.async_loads()
+        row["async_loads"] = eng.async_loads(spec.config in eng.FS_CONFIGS)
         row["eviction"] = eng.eviction() or "default"
         row["kvtier"] = kvtier_delta(before, after)
         row["kvtier_stats"] = after

@@ -114,7 +114,7 @@ def test_empty_mapping_gives_documented_defaults() -> None:
     assert config.events is True
     assert dict(config.copy) == {} and dict(config.vllm) == {}
     assert owned_sections(config) == CopyConfig(CopyStrategy.AUTO, max_sms=0)
-    assert VllmSettings.parse(config.vllm) == VllmSettings()
+    assert VllmSettings.parse(config.vllm, tiered=True) == VllmSettings()
 
 
 FULL: dict[str, Any] = {
@@ -154,8 +154,9 @@ def test_full_config_is_parsed_into_typed_records() -> None:
     assert config.events is False
     assert owned_sections(config) == CopyConfig(CopyStrategy.KERNEL, max_sms=8)
     assert dict(config.vllm) == {"blocks_per_slot": 16, "store_generated": True}
-    planner = VllmSettings.parse(config.vllm).planner
+    planner = VllmSettings.parse(config.vllm, tiered=bool(config.tiers)).planner
     assert (planner.blocks_per_slot, planner.store_generated) == (16, True)
+    assert planner.load_mode is LoadMode.SYNC  # left out, with secondary tiers
 
 
 @pytest.mark.parametrize(
@@ -163,10 +164,22 @@ def test_full_config_is_parsed_into_typed_records() -> None:
     [(False, LoadMode.SYNC), (True, LoadMode.ASYNC), ("auto", LoadMode.AUTO)],
 )
 def test_vllm_async_loads_is_a_load_mode(value: object, mode: LoadMode) -> None:
-    planner = VllmSettings.parse(load_config({"vllm": {"async_loads": value}}).vllm).planner
-    assert planner.load_mode is mode
-    assert planner.async_loads is (mode is LoadMode.ASYNC)
-    assert VllmSettings().planner.load_mode is LoadMode.SYNC
+    for tiered in (False, True):  # as given, whatever the default
+        section = load_config({"vllm": {"async_loads": value}}).vllm
+        planner = VllmSettings.parse(section, tiered=tiered).planner
+        assert planner.load_mode is mode
+        assert planner.async_loads is (mode is LoadMode.ASYNC)
+
+
+def test_vllm_async_loads_left_out_is_auto_for_a_pool_alone_and_sync_with_tiers() -> None:
+    alone = load_config({})
+    assert VllmSettings.parse(alone.vllm, tiered=bool(alone.tiers)).planner.load_mode is (
+        LoadMode.AUTO
+    )
+    tiered = load_config({"tiers": [{"kind": "memory", "capacity": "1GiB"}]})
+    assert VllmSettings.parse(tiered.vllm, tiered=bool(tiered.tiers)).planner.load_mode is (
+        LoadMode.SYNC
+    )
 
 
 def test_config_records_are_frozen() -> None:

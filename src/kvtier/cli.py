@@ -516,7 +516,7 @@ def owned_sections(config: KVTierConfig) -> CopyConfig:
     from kvtier.integrations.vllm.settings import VllmSettings
 
     copy_section = CopyConfig.parse_mapping(config.copy)
-    VllmSettings.parse(config.vllm)
+    VllmSettings.parse(config.vllm, tiered=bool(config.tiers))
     return copy_section
 
 

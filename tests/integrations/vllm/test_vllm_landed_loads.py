@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from integrations.vllm.test_vllm_policy_hint import request as hinted_request
 from kvtier.config import load_config
 from kvtier.engine.load_mode import LoadMode
 from kvtier.engine.orders import RankReport
@@ -24,18 +25,7 @@ PROMPT = list(range(100, 117))  # 4 full blocks of 4 tokens, one token to comput
 
 
 def request(req_id: str, prompt: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=req_id,
-        num_tokens=len(prompt),
-        num_prompt_tokens=len(prompt),
-        num_output_tokens=0,
-        num_computed_tokens=0,
-        all_token_ids=prompt,
-        mm_features=None,
-        prompt_embeds=None,
-        lora_request=None,
-        cache_salt=None,
-    )
+    return hinted_request(req_id, prompt, output=0)
 
 
 def scheduled(*req_ids: str) -> SimpleNamespace:

@@ -158,7 +158,9 @@ class Rig:
                 "promotion_budget": 1.0,
             },
             "tiers": tiers or [],
-            "vllm": {"blocks_per_slot": BPS, **(vllm or {})},
+            # The rig copies a step's loads before its forward pass: synchronous, unless a
+            # test asks otherwise (a pool alone defaults to "auto").
+            "vllm": {"blocks_per_slot": BPS, "async_loads": False, **(vllm or {})},
         }
         self.step_stats: list[Any] = []
         """Per step: the merged ``KVConnectorStats`` vLLM's scheduler would hand its loggers

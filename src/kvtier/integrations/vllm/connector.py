@@ -57,7 +57,8 @@ def _load_config(vllm_config: Any) -> tuple[KVTierConfig, VllmSettings, CopyConf
         # vLLM takes the connector's events every step and drops them unless its KV events are
         # on: recording one per stored and evicted block would only cost scheduler time.
         config = dataclasses.replace(config, events=False)
-    return config, VllmSettings.parse(config.vllm), CopyConfig.parse_mapping(config.copy)
+    settings = VllmSettings.parse(config.vllm, tiered=bool(config.tiers))
+    return config, settings, CopyConfig.parse_mapping(config.copy)
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
