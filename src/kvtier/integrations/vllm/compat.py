@@ -23,7 +23,7 @@ Where they differ:
 * **Landed asynchronous loads.** 0.25.1's scheduler can stop every pass at a request that does
   not fit, in front of the requests whose loads landed and hold the blocks it needs (a stall for
   good with nothing running); 0.32 takes requests holding blocks first. Before 0.32 the
-  connector defers other lookups while a landed load waits (``landed_loads``).
+  connector defers the lookups of the requests in front of a landed load (``landed_loads``).
 * Request block tables come from each step's scheduler output in every release (0.25.1 gives
   connectors no ``KVCacheManager``).
 * **Prefix-cache hits by source** (``vllm:prompt_tokens_cached_by_source``): releases with
@@ -53,7 +53,7 @@ runners and with async scheduling on and off (vllm-project/vllm issue 49250)."""
 HOLDING_FIRST_VERSION = (0, 32)
 """The first supported release whose scheduler is known to take in requests holding KV blocks
 (landed asynchronous loads) before the others (read in 0.32's scheduler). Before it, kvtier
-defers other lookups while a landed load waits (``landed_loads``)."""
+defers the lookups of the requests in front of a landed load (``landed_loads``)."""
 
 LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 """``vllm.kv_cache_layout`` values besides ``engine``: vLLM 0.32's ``KVCacheLayout`` names."""

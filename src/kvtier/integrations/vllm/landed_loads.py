@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 PASSES = 4
-"""Scheduling passes a landed load defers the other lookups for, unless vLLM schedules its
-request first (the next pass does, when nothing else stops it)."""
+"""Scheduling passes a landed load defers the skipped requests' lookups for, unless vLLM
+schedules its request first (the next pass does, when nothing else stops it)."""
 
 
 class LandedLoads:
@@ -35,9 +35,6 @@ class LandedLoads:
         self._left: dict[str, int] = {}
         """Landed request -> passes it still defers the skipped requests' lookups for."""
         self._skipped: set[str] = set()
-
-    def __bool__(self) -> bool:
-        return bool(self._left)
 
     def landed(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
