@@ -235,11 +235,26 @@ def test_check_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     assert main(["check-config", str(good)]) == 0
     out = capsys.readouterr().out
     assert f"{good}: valid" in out and "tier fs: fs, write through" in out
+    assert "vllm loads sync (the default with tiers)" in out
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("tiers: [{kind: fs, path: /x, capacity: 1GiB, fsink: true}]\n")
     err = fails(capsys, "check-config", str(bad))
     assert "tiers[0].fsink=<not shown>" in err
+
+
+def test_check_config_says_how_the_vllm_connector_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "c.yaml"
+    for text, line in [
+        ("pool: {size: 1GiB}\n", "vllm loads auto (the default without tiers)"),
+        ("vllm: {async_loads: false}\n", "vllm loads sync (as given)"),
+        ("vllm: {async_loads: true}\n", "vllm loads async (as given)"),
+    ]:
+        path.write_text(text)
+        assert main(["check-config", str(path)]) == 0
+        assert line in capsys.readouterr().out.splitlines()
 
 
 def test_check_config_never_prints_the_redis_password(

@@ -480,6 +480,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     warnings = capacity_warnings(config, pool=not args.simulate)
     print(f"{printable(str(args.config))}: valid")
     print(describe_config(config, copy_section))
+    print(describe_vllm(config))
     if args.simulate:
         print(
             f"simulate: a pool of {blocks} blocks of {written_size(config.block.bytes)} "
@@ -541,6 +542,18 @@ def describe_config(config: KVTierConfig, copy_section: CopyConfig | None = None
         + (f" (max {copy_section.max_sms} SMs)" if copy_section.max_sms else "")
     )
     return printable("\n".join(lines), keep_newlines=True)  # paths and names may hold escapes
+
+
+def describe_vllm(config: KVTierConfig) -> str:
+    """The vLLM connector's loads as it will run them: ``vllm.async_loads``, or its default
+    (which depends on the tiers: ``settings.default_load_mode``)."""
+    from kvtier.integrations.vllm.settings import VllmSettings
+
+    tiered = bool(config.tiers)
+    mode = VllmSettings.parse(config.vllm, tiered=tiered).planner.load_mode.value
+    given = "async_loads" in config.vllm
+    why = "as given" if given else f"the default {'with' if tiered else 'without'} tiers"
+    return f"vllm loads {mode} ({why})"
 
 
 def describe_options(options: object) -> str:
