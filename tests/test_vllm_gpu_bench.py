@@ -589,6 +589,16 @@ def test_kvtier_variants_from_the_environment(
     assert eng.kvtier_extra(spec)["vllm"]["async_loads"] == "auto"
 
 
+def test_the_pool_alone_runs_and_records_kvtiers_default_loads(
+    eng: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset, the variable leaves the default to kvtier: "auto" without tiers (as the row says)."""
+    monkeypatch.delenv(eng.ASYNC_LOADS_ENV, raising=False)
+    spec = eng.RunSpec("kvtier", 8, 2.5, 10.0, 1 << 30, 4096, tmp_path)
+    assert eng.kvtier_extra(spec)["vllm"]["async_loads"] == "auto"
+    assert eng.async_loads(tiered=False) == "auto" and eng.async_loads(tiered=True) is False
+
+
 @require.unless("vllm", require.vllm_missing())
 def test_native_fs_names_what_this_vllm_lacks(
     eng: ModuleType, monkeypatch: pytest.MonkeyPatch

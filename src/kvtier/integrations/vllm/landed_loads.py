@@ -56,11 +56,7 @@ class LandedLoads:
         for req_id in scheduled:
             self._left.pop(req_id, None)
             self._skipped.discard(req_id)
-        for req_id, left in list(self._left.items()):
-            if left <= 1:
-                del self._left[req_id]
-            else:
-                self._left[req_id] = left - 1
+        self._left = {req_id: left - 1 for req_id, left in self._left.items() if left > 1}
 
     def forget(self, req_id: str) -> None:
         self._left.pop(req_id, None)
