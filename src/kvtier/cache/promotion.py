@@ -106,7 +106,10 @@ class ComputeRate:
     requests sharing it and its duration: a request's prefill gets its share of each step, so
     recomputing its blocks takes longer than the engine's whole rate says (on an H100 at 8
     conversations in flight, comparing with the whole rate declined 40,277 block promotions from an
-    fs tier and started 271, and the run cached 19% fewer tokens than vLLM's own offloading)."""
+    fs tier and started 271, and the run cached 19% fewer tokens than vLLM's own offloading).
+    An engine that schedules a step while the previous one runs (vLLM's asynchronous scheduling)
+    has each interval time the step before the one whose tokens it counts, which overstates the
+    rate (docs/vllm.md, *The compute rate under vLLM's batch queue*)."""
 
     tokens_per_s: float | None = None
     step_s: float = 0.0
