@@ -178,6 +178,8 @@ def run_config(
             emulation.draining = True  # shutdown settles every job at once
         if engine.connector is not None:
             engine.connector.shutdown()
+        if emulation is not None:
+            emulation.remove()
     row = row_of(done, counters, time.perf_counter() - started)
     if emulation is not None:
         row["fs_model"] = emulation.summary()

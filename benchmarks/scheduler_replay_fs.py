@@ -28,6 +28,7 @@ import dataclasses
 import heapq
 import inspect
 import math
+import shutil
 import tempfile
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -207,6 +208,8 @@ class Emulation:
         """At shutdown: every held report is released at once."""
         self.waited_ms = 0.0
         """Emulated time the engine thread spent in ``TieredCache.wait``."""
+        self.paths: list[str] = []
+        """The fs tiers' directories (``remove``)."""
 
     def clock(self) -> float:
         return float(self.machine.cpu) / 1e3
@@ -223,8 +226,17 @@ class Emulation:
     def tier_configs(self) -> list[dict[str, Any]]:
         """The kvtier config's ``tiers``: one fs tier in a new directory under ``workdir``."""
         path = tempfile.mkdtemp(prefix="fs-", dir=self.workdir)
+        self.paths.append(path)
         capacity = int(self.setup.gib * (1 << 30))
         return [{"kind": TIER_KIND, "name": "fs", "path": path, "capacity": capacity}]
+
+    def remove(self) -> None:
+        """Delete the fs tiers' directories, once the engine shut down: each holds up to the
+        tier's capacity (24.3 GiB by default), and replays sharing a ``--workdir`` had left 41
+        GiB behind after ten runs, till the disk was full and the fs tier refused every write."""
+        for path in self.paths:
+            shutil.rmtree(path, ignore_errors=True)
+        self.paths.clear()
 
     def next_end(self) -> float | None:
         ends = [e for e in (t.model.next_end() for t in self.tiers) if e is not None]

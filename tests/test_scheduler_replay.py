@@ -169,6 +169,7 @@ def tiny(sr: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
         point = sr.Point(f"2x{host_gib:g}", 2, host_gib, 8)
         return sr.run_config(point, sr.parse_config(config), settings, Cost(), workdir, hold)
 
+    run.workdir = workdir  # type: ignore[attr-defined]
     return run
 
 
@@ -225,3 +226,10 @@ def test_waits_by_cause_and_held_requests(tiny: Any, engine_mod: ModuleType) -> 
     n = held["held_requests"]
     assert n > 0 and sum(r[1] >= 500 for r in held["per_request"]["rows"]) == n
     assert all(r[0].rsplit(".t", 1)[1] != "1" for r in held["per_request"]["rows"] if r[1] >= 500)
+
+
+@require.unless("vllm", require.vllm_missing())
+def test_a_kvtier_fs_run_leaves_no_tier_files_behind(tiny: Any) -> None:
+    row, _ = tiny("kvtier_fs", GPU_TIGHT)
+    assert row["kvtier"]["tier_write_blocks"] > 0  # the fs tier was written to
+    assert not list(tiny.workdir.glob("fs-*"))
