@@ -75,8 +75,9 @@ def default_load_mode(tiered: bool) -> LoadMode:
     synchronous with secondary tiers. On an H100 (vLLM 0.25.1) the pool alone with ``"auto"``
     was at or within 3% of vLLM's CPU offloading on TTFT p50 at 4 and 8 conversations in
     flight, where synchronous loads kept the engine in lockstep (p50 1.18-1.42x at 4 in
-    flight); with an fs tier, on the same H100, ``"auto"`` fixed the 4 in flight p50 but
-    lengthened p99 at 8x4 and 8x8 (1.16x and 1.04x native's; docs/vllm.md, the grid)."""
+    flight); with an fs tier, on the same H100, ``"auto"`` fixed the p50 at 4 in flight but
+    failed as many of the grid's checks at the 4 and 8 in flight points (10 against 9;
+    docs/vllm.md, the grid)."""
     return LoadMode.SYNC if tiered else LoadMode.AUTO
 
 
