@@ -187,7 +187,10 @@ def inject_file_fault(
             if moved.exists():
                 return False
             shard.rename(moved)
-            shard.symlink_to(moved, target_is_directory=True)
+            try:
+                shard.symlink_to(moved, target_is_directory=True)
+            except FileExistsError:
+                return False  # the tier made the shard again in between: a shard lost, no link
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return False
     return True

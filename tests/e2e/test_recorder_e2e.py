@@ -41,7 +41,12 @@ def test_recorded_trace_replays_to_the_engine_hit_ratio(tmp_path: Path) -> None:
     model = write_model(tmp_path / "model", size)
     trace = tmp_path / "traffic.jsonl"
     stats_path = tmp_path / "stats.json"
-    extra = kvtier_config(tmp_path, POOL_BLOCKS * size.block_bytes, stats_path)
+    # The simulation promotes what a tier holds; the engine's cost rules decline reads that a
+    # 2-core machine under load times as slower than computing (engine 0.644 against the
+    # prediction's 0.670 in one run of the full suite): a timing question, not the recorder's.
+    extra = kvtier_config(
+        tmp_path, POOL_BLOCKS * size.block_bytes, stats_path, promotion_costs=False
+    )
     extra["vllm"]["trace_path"] = str(trace)
     llm = h.build_llm(
         model,
