@@ -301,8 +301,12 @@ def test_chaos_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     report = Report(SEED, SOAK_S)
     requests = read_trace(bundled_trace_path())
     redis_config = [f"maxmemory {REDIS_MAXMEMORY}", "maxmemory-policy allkeys-lru"]
+    # Stopped after the test, also one that failed (a redis-server outlived a soak whose fault
+    # injector raised).
     server = RedisServer(tmp_path / "redis", redis_config).start()
+    request.addfinalizer(server.stop)
     proxy = ChaosProxy(server.port)
+    request.addfinalizer(proxy.close)
     outside = tmp_path / "outside.kvb"
     outside.write_bytes(os.urandom(SLOT_BYTES + 64))
     with small_filesystem(tmp_path / "disk", TMPFS_BYTES) as mounted:
@@ -404,8 +408,6 @@ def test_chaos_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
         stats = cache.stats()
         report.tiers = {name: asdict(c) for name, c in stats.tiers.items()}
         pool.close()
-        proxy.close()
-        server.stop()
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():  # shown under -q too
         report.print()
