@@ -57,7 +57,8 @@ from kvtier.cache import factory
 from kvtier.config import load_config
 from kvtier.engine import planner as planner_module
 from kvtier.engine.orders import RankReport
-from kvtier.engine.planner import Planner, PlannerSettings
+from kvtier.engine.planner import Planner
+from kvtier.engine.planner_settings import PlannerSettings
 from kvtier.keys import BlockKey, Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind

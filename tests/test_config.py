@@ -24,7 +24,7 @@ from kvtier.config import (
 )
 from kvtier.copy.options import CopyConfig, CopyStrategy
 from kvtier.engine.load_mode import LoadMode
-from kvtier.engine.planner import PlannerSettings
+from kvtier.engine.planner_settings import PlannerSettings
 from kvtier.errors import HIDDEN_VALUE, ConfigError, shown
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import BlockKey, Namespace, keys_from_hashes

@@ -118,9 +118,21 @@ def test_compute_rate_ignores_decode_steps():
 def test_claim_is_capped_by_the_budget_and_what_promotions_hold():
     rules = PromotionRules(1, PromotionSettings(1.0, block_tokens=16), 10, 30.0)
     assert rules.claim([0] * 8, in_flight=0, now=0.0).blocks == 8  # nothing measured: claim
-    assert rules.claim([0] * 8, in_flight=6, now=0.0).blocks == 4
+    assert rules.claim([0] * 12, in_flight=0, now=0.0).blocks == 10  # alone: the part that fits
+    assert rules.claim([0] * 4, in_flight=6, now=0.0).blocks == 4
     rules.promised_pins = 4
     assert rules.claim([0] * 8, in_flight=6, now=0.0).blocks == 0
+
+
+@pytest.mark.parametrize("in_flight, pinned", [(6, 0), (0, 6), (3, 3)])
+def test_a_run_that_does_not_fit_beside_other_promotions_is_not_claimed_in_part(
+    in_flight: int, pinned: int
+) -> None:
+    # A part now and the rest in later rounds made the request wait a scheduling pass per round.
+    rules = PromotionRules(1, PromotionSettings(1.0, block_tokens=16), 10, 30.0)
+    rules.promised_pins = pinned
+    assert rules.claim([0] * 5, in_flight=in_flight, now=0.0).blocks == 0
+    assert rules.claim([0] * 4, in_flight=in_flight, now=0.0).blocks == 4
 
 
 def test_claim_stops_where_reading_would_take_longer_than_computing():
@@ -151,6 +163,8 @@ def reference_claim(
     """``PromotionRules.claim`` as it was, trying every prefix from the shortest."""
     room = rules.budget - in_flight - rules.promised_pins
     n = max(0, min(len(run_tiers), room))
+    if n < len(run_tiers) and (in_flight or rules.promised_pins):
+        n = 0
     if not rules.weigh:
         return Claim(n, now + rules.max_wait_s)
     best, wait = 0, 0.0
@@ -292,24 +306,23 @@ def test_promoted_blocks_of_a_request_that_never_returns_are_released_after_the_
 
 def test_the_budget_serves_requests_in_order_and_the_next_one_does_not_wait(ns, make_pool):
     pool = make_pool(16)  # budget 0.5: 8 slots
-    first, second = keys_for(ns, 6, seed=1), keys_for(ns, 6, seed=2)
-    tier, cache = tiered(ns, pool, [*first, *second])
+    first, second, third = (keys_for(ns, n, seed=i) for i, n in ((1, 6), (2, 6), (3, 2)))
+    tier, cache = tiered(ns, pool, [*first, *second, *third])
     assert cache.lookup(first, "a") == (0, False)
-    assert cache.lookup(second, "b") == (0, False)  # gets the 2 slots left
+    assert cache.lookup(second, "b") == (0, True)  # 2 slots left: no part of it, no wait
+    assert cache.lookup(third, "c") == (0, False)  # fits the 2 slots left
     assert [len(job.keys) for job in tier.submitted] == [6, 2]
     tier.release()
     cache.step()
     assert cache.lookup(first, "a") == (6, True)
-    assert cache.lookup(second, "b") == (2, True)  # the part that fit, not a second wait
-    assert cache.stats().cache.promotions_declined == 8  # b's rest, at both of its lookups
-    third = keys_for(ns, 2, seed=3)
-    tier.stored.update({k: payload(k, pool.slot_bytes) for k in third})
-    assert cache.lookup(third, "c") == (0, True)  # budget spent: no wait at all
-    cache.prepare_load(first[:6], "a")
-    cache.complete_load(first[:6])
-    cache.prepare_load(second[:2], "b")
-    cache.complete_load(second[:2])
-    assert cache.lookup(third, "c") == (0, False)  # room again
+    assert cache.lookup(third, "c") == (2, True)
+    assert cache.stats().cache.promotions_declined == 6  # b's run
+    assert cache.lookup(second, "b") == (0, True)  # budget spent on pins: no wait at all
+    cache.prepare_load(first, "a")
+    cache.complete_load(first)
+    cache.prepare_load(third, "c")
+    cache.complete_load(third)
+    assert cache.lookup(second, "b") == (0, False)  # room again
 
 
 def test_a_run_goes_on_past_blocks_a_tier_could_not_tell_yet(ns, make_pool):

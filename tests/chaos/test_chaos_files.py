@@ -31,7 +31,8 @@ import pytest
 
 from kvtier.config import load_config
 from kvtier.engine.orders import SKIP, RankReport, StepOrders
-from kvtier.engine.planner import Planner, PlannerSettings
+from kvtier.engine.planner import Planner
+from kvtier.engine.planner_settings import PlannerSettings
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.recorder import TraceRecorder, salt_path

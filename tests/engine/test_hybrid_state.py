@@ -22,7 +22,7 @@ from support.toy_hybrid import BS, NULL, PAGE, ToyHybridEngine  # noqa: E402
 from engine.test_planner import ToyRequest  # noqa: E402
 from kvtier.engine.groups import CacheGroup, GroupKind  # noqa: E402
 from kvtier.engine.orders import SKIP  # noqa: E402
-from kvtier.engine.planner import PlannerSettings  # noqa: E402
+from kvtier.engine.planner_settings import PlannerSettings  # noqa: E402
 
 BLOCKS = 96
 STATE = CacheGroup(0, GroupKind.STATE, ("m0", "m2"), PAGE, BS)

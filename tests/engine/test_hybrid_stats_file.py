@@ -16,7 +16,7 @@ from support.toy_hybrid import BS, ToyHybridEngine  # noqa: E402
 
 from engine.test_hybrid import FULL, WIN  # noqa: E402
 from engine.test_planner import ToyRequest  # noqa: E402
-from kvtier.engine.planner import PlannerSettings  # noqa: E402
+from kvtier.engine.planner_settings import PlannerSettings  # noqa: E402
 
 
 def test_the_stats_file_names_the_groups_and_their_counters(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ torch = require.importorskip("torch", "vllm")
 from kvtier.config import load_config  # noqa: E402
 from kvtier.engine.copier import Copier  # noqa: E402
 from kvtier.engine.orders import SKIP, RankReport, StepOrders  # noqa: E402
-from kvtier.engine.planner import PLAIN, KeyScope, Planner, PlannerSettings  # noqa: E402
+from kvtier.engine.planner import PLAIN, KeyScope, Planner  # noqa: E402
+from kvtier.engine.planner_settings import PlannerSettings  # noqa: E402
 from kvtier.keys import Namespace, chain_keys, chain_root  # noqa: E402
 
 RANKS, LAYERS, BLOCKS, PAGE = 2, 2, 32, 64

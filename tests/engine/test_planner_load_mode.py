@@ -25,7 +25,7 @@ from engine.test_planner import (  # noqa: E402
 from kvtier.config import load_config  # noqa: E402
 from kvtier.engine.load_mode import AUTO_STEP_REQUESTS, LoadMode, load_async  # noqa: E402
 from kvtier.engine.orders import RankReport  # noqa: E402
-from kvtier.engine.planner import PlannerSettings  # noqa: E402
+from kvtier.engine.planner_settings import PlannerSettings  # noqa: E402
 from kvtier.keys import Namespace  # noqa: E402
 
 PROMPT = list(range(100, 133))  # 8 full kvtier blocks of 4 tokens and one token to compute

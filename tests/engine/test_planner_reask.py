@@ -31,7 +31,7 @@ from kvtier.cache.records import LookupResult  # noqa: E402
 from kvtier.cache.shared import SharedTieredCache  # noqa: E402
 from kvtier.config import load_config  # noqa: E402
 from kvtier.engine.orders import RankReport  # noqa: E402
-from kvtier.engine.planner import PlannerSettings  # noqa: E402
+from kvtier.engine.planner_settings import PlannerSettings  # noqa: E402
 from kvtier.keys import BlockKey, Namespace, chain_keys  # noqa: E402
 
 PROMPT = list(range(100, 133))  # 8 full kvtier blocks of 4 tokens and one token to compute

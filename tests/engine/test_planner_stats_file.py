@@ -15,7 +15,8 @@ import pytest
 
 from kvtier.config import load_config
 from kvtier.engine import stats_file
-from kvtier.engine.planner import Planner, PlannerSettings
+from kvtier.engine.planner import Planner
+from kvtier.engine.planner_settings import PlannerSettings
 from kvtier.keys import Namespace, keys_from_hashes
 from kvtier.stats_report import read_snapshot
 

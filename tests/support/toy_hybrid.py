@@ -17,7 +17,7 @@ from kvtier.engine.copier import Copier
 from kvtier.engine.groups import CacheGroup
 from kvtier.engine.hybrid import HybridPlanner
 from kvtier.engine.orders import RankReport, StepOrders
-from kvtier.engine.planner import PlannerSettings
+from kvtier.engine.planner_settings import PlannerSettings
 from kvtier.keys import Namespace
 
 LAYERS, PAGE, BS = 2, 32, 4

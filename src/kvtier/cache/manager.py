@@ -188,8 +188,8 @@ class TieredCache(CacheReports):
         self._answers.forget(owner)
 
     def engine_step(self, tokens: int, requests: int = 1) -> None:
-        """An engine step computing ``tokens`` for ``requests`` requests starts: how fast a
-        request's tokens are computed decides whether reading a tier's blocks beats that."""
+        """The engine step that runs until the next call computes ``tokens`` for ``requests``
+        requests (the rate decides whether reading a tier's blocks beats computing them)."""
         self._rules.compute.step(tokens, self._clock(), requests)
 
     def complete_load(self, keys: Sequence[BlockKey], ok: bool = True) -> None:

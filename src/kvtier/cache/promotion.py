@@ -10,8 +10,9 @@ that its own prefill would have beaten. So:
 * **Budget.** Promotions hold at most ``budget`` pool slots: blocks being read plus blocks landed
   for a request that has not loaded them yet (those are pinned: no store or other promotion evicts
   them). Requests are served in the order they ask; one whose run does not fit gets the part that
-  fits (a further round once it landed, if there is room then), and one that finds the budget
-  spent gets the pool's hits at once instead of waiting.
+  fits when no other promotion holds the budget (a further round once it landed, if there is
+  room then); while others do, one whose run does not fit, or that finds the budget spent, gets
+  the pool's hits at once instead of waiting.
 * **Cost.** Each tier's read time per block is what the tier reports of its jobs
   (``JobResult.busy_s``; queueing excluded), and the engine's compute rate one request's share of
   its steps. A run is claimed only as far as reading it, behind what the tier still has to read,
@@ -108,8 +109,10 @@ class ComputeRate:
     conversations in flight, comparing with the whole rate declined 40,277 block promotions from an
     fs tier and started 271, and the run cached 19% fewer tokens than vLLM's own offloading).
     An engine that schedules a step while the previous one runs (vLLM's asynchronous scheduling)
-    has each interval time the step before the one whose tokens it counts, which overstates the
-    rate (docs/vllm.md, *The compute rate under vLLM's batch queue*)."""
+    reports each step's tokens when the step runs, not when it is scheduled
+    (``PlannerSettings.steps_in_flight``): paired with the interval after its scheduling, a
+    step's tokens overstated the rate ~20x (docs/vllm.md, *The compute rate under vLLM's batch
+    queue*)."""
 
     tokens_per_s: float | None = None
     step_s: float = 0.0
@@ -119,8 +122,8 @@ class ComputeRate:
     _requests: int = 1
 
     def step(self, tokens: int, now: float, requests: int = 1) -> None:
-        """A step scheduling ``tokens`` for ``requests`` requests starts at ``now`` (the
-        previous one ended)."""
+        """A step computing ``tokens`` for ``requests`` requests runs from ``now`` until the
+        next call (the previous one ended)."""
         last, done, shared = self._last, self._tokens, self._requests
         self._last, self._tokens, self._requests = now, tokens, max(1, requests)
         if last is None or now <= last:
@@ -203,6 +206,11 @@ class PromotionRules:
         """
         room = self.budget - in_flight - self.promised_pins
         n = max(0, min(len(run_tiers), room))
+        if n < len(run_tiers) and (in_flight or self.promised_pins):
+            # Not a part while other promotions hold the budget: the rest would come in further
+            # rounds, each a scheduling pass later than computing it (p99 1.16-1.23x in the
+            # scheduler replay at 8x2 and 16x2; docs/vllm.md).
+            n = 0
         if not self.weigh:
             return Claim(n, now + self.max_wait_s)
         best, wait = self._longest_worth(run_tiers, n, now)

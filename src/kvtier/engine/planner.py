@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,8 +21,9 @@ from kvtier.cache.factory import build_cache
 from kvtier.config import KVTierConfig
 from kvtier.copy.base import Direction
 from kvtier.engine.ledger import JobLedger
-from kvtier.engine.load_mode import LoadMode, load_async
+from kvtier.engine.load_mode import load_async
 from kvtier.engine.orders import SKIP, CopyOrder, RankReport, StepOrders
+from kvtier.engine.planner_settings import PlannerSettings
 from kvtier.engine.prefix_keys import PrefixKeys
 from kvtier.engine.stats_file import Snapshot, StatsFile
 from kvtier.events import POOL_TIER, CacheEvent
@@ -73,23 +74,6 @@ class KeyScope:
 
 
 PLAIN = KeyScope()
-
-
-@dataclass(frozen=True, slots=True)
-class PlannerSettings:
-    blocks_per_slot: int = 1
-    """Engine blocks per kvtier block."""
-    store_generated: bool = False
-    """Also store blocks filled by generated tokens (not only prompt tokens)."""
-    load_mode: LoadMode = LoadMode.SYNC
-    """Which loads are asynchronous (``LoadMode``)."""
-    stats_path: str | None = None
-    """Write the stats as JSON to this file (each second and at ``close``)."""
-
-    @property
-    def async_loads(self) -> bool:
-        """Every load asynchronous (``LoadMode.ASYNC``)."""
-        return self.load_mode is LoadMode.ASYNC
 
 
 @dataclass(slots=True)
@@ -167,6 +151,8 @@ class Planner:
         (``load_async``); a plan made elsewhere (``HybridPlanner``) follows ``async_loads``."""
         self._step_requests = 0
         """Requests the engine's last step ran (``plan_step``)."""
+        self._queued_work: deque[tuple[int, int]] = deque(maxlen=settings.steps_in_flight)
+        """Tokens and prefills of the steps in flight, oldest first (``steps_in_flight``)."""
         self._no_loads: set[str] = set()
         """Requests that get no hit any more: their asynchronous load failed (the engine asks
         again before recomputing, and the same load would fail again), or the engine knew them
@@ -369,7 +355,9 @@ class Planner:
         # Requests computing more than a token this step (prefills) share the step's compute.
         prefills = sum(1 for n in scheduled.values() if n > 1)
         self._step_requests = len(scheduled)
-        self.cache.engine_step(sum(scheduled.values()), prefills)
+        queued = self._queued_work
+        queued.append((sum(scheduled.values()), prefills))
+        self.cache.engine_step(*queued[0])  # the step that runs until the next call
         if self._deferred and not scheduled:  # a step with work runs the model (frees the GIL)
             self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended
         else:

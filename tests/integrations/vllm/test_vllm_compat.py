@@ -148,3 +148,15 @@ def test_a_recovery_warning_where_vllm_recomputes_failed_loads_wrongly() -> None
     assert warning is not None and "49250" in warning
     assert compat.warn_recovery(config("fail"), (0, 25, 1)) is None
     assert compat.warn_recovery(config("recompute"), (0, 32, 0)) is None
+
+
+def test_steps_in_flight_follow_vllms_batch_queue() -> None:
+    require.importorskip("vllm", "vllm")
+    from vllm.config import VllmConfig
+
+    config = VllmConfig()
+    config.scheduler_config.async_scheduling = False
+    assert compat.steps_in_flight(config) == 1
+    config.scheduler_config.async_scheduling = True  # CUDA builds' default: a queue of two
+    assert compat.steps_in_flight(config) == 2
+    assert compat.steps_in_flight(SimpleNamespace()) == 1  # a release without the property

@@ -14,7 +14,7 @@ from integrations.vllm.test_vllm_policy_hint import request as hinted_request
 from kvtier.config import load_config
 from kvtier.engine.load_mode import LoadMode
 from kvtier.engine.orders import RankReport
-from kvtier.engine.planner import PlannerSettings
+from kvtier.engine.planner_settings import PlannerSettings
 from kvtier.integrations.vllm import compat
 from kvtier.integrations.vllm.landed_loads import PASSES, LandedLoads
 from kvtier.integrations.vllm.scheduler import SchedulerSide

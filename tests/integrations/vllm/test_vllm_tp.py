@@ -626,3 +626,17 @@ def test_sleep_hooks_drop_the_copy_backend_and_restore_it(make_rig: Any) -> None
         assert page_bytes(t, B_BLOCKS[5]) == page_bytes(t, A_BLOCKS[5])
     rig.finish("A", "D")
     rig.assert_no_leaks(stored=3)
+
+
+@pytest.mark.parametrize("queue", [1, 2])
+def test_the_scheduler_side_knows_how_many_steps_vllm_queues(tmp_path: Path, queue: int) -> None:
+    # The promotion cost rules time each step from the call after the one that scheduled it
+    # under a batch queue of two (tests/engine/test_planner_compute_rate.py).
+    config = vllm_config({"pool": {"size": POOL_SLOTS * TP * PART, "shm_dir": str(tmp_path)}})
+    config.max_concurrent_batches = queue
+    connector = KVTierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        assert connector._scheduler is not None
+        assert connector._scheduler.settings.steps_in_flight == queue
+    finally:
+        connector.shutdown()

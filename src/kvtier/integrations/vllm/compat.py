@@ -163,6 +163,12 @@ def kv_events_enabled(vllm_config: Any) -> bool:
     return bool(getattr(events, "enable_kv_cache_events", False))
 
 
+def steps_in_flight(vllm_config: Any) -> int:
+    """Steps the engine core runs at once: its batch queue, two under asynchronous scheduling
+    (the CUDA builds' default in 0.25.1 and 0.32; the CPU build turns it off)."""
+    return max(1, int(getattr(vllm_config, "max_concurrent_batches", 1)))
+
+
 def layout_request(setting: str, version: tuple[int, ...]) -> LayoutRequest:
     if setting == "engine":
         return LayoutRequest(None, False)

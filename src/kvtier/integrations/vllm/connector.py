@@ -58,6 +58,10 @@ def _load_config(vllm_config: Any) -> tuple[KVTierConfig, VllmSettings, CopyConf
         # on: recording one per stored and evicted block would only cost scheduler time.
         config = dataclasses.replace(config, events=False)
     settings = VllmSettings.parse(config.vllm, tiered=bool(config.tiers))
+    queue = compat.steps_in_flight(vllm_config)
+    settings = dataclasses.replace(
+        settings, planner=dataclasses.replace(settings.planner, steps_in_flight=queue)
+    )
     return config, settings, CopyConfig.parse_mapping(config.copy)
 
 

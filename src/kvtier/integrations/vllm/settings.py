@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.load_mode import LoadMode
-from kvtier.engine.planner import PlannerSettings
+from kvtier.engine.planner_settings import PlannerSettings
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.compat import LAYOUT_NAMES
 from kvtier.validation import Section
