@@ -115,6 +115,17 @@ def test_compute_rate_ignores_decode_steps():
     assert rate.seconds(4000) == pytest.approx(2.0)
 
 
+def test_compute_rate_shrugs_off_a_step_timed_with_the_wrong_interval():
+    rate = ComputeRate()
+    for i in range(10):
+        rate.step(1000, now=float(i))
+    rate.step(1000, now=10.0)
+    rate.step(1000, now=10.001)  # an engine back from idle schedules two steps 1 ms apart
+    for i in range(3):
+        rate.step(1000, now=11.0 + i)
+    assert rate.tokens_per_s == pytest.approx(1000.0)
+
+
 def test_claim_is_capped_by_the_budget_and_what_promotions_hold():
     rules = PromotionRules(1, PromotionSettings(1.0, block_tokens=16), 10, 30.0)
     assert rules.claim([0] * 8, in_flight=0, now=0.0).blocks == 8  # nothing measured: claim

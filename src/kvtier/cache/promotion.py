@@ -28,11 +28,12 @@ that its own prefill would have beaten. So:
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from itertools import repeat, takewhile
 from operator import neg, or_, truth
+from statistics import median
 
 from kvtier.cache.retry import FailedPromotions
 from kvtier.keys import BlockKey
@@ -42,6 +43,11 @@ EWMA_WEIGHT = 0.2
 """Weight of a new sample in the moving averages (about the last 5-10 jobs or steps count)."""
 MIN_STEP_TOKENS = 64
 """Engine steps computing fewer tokens (pure decode) say little about its prefill rate."""
+RATE_SAMPLES = 15
+"""The compute rate is the median of this many last steps' rates: a step timed with the wrong
+interval (the first after an engine's start or idle spell, while its batch queue fills) reads
+100-1000x the rate, and one such sample in a moving average declined promotions for the next
+~25 prefill steps (the opening burst of the scheduler replay at 8x2)."""
 PROBE_AFTER_S = 1.0
 PROBE_AFTER_DECLINES = 16
 """A tier whose reads were last measured ``PROBE_AFTER_S`` ago, or that was declined this many
@@ -120,6 +126,7 @@ class ComputeRate:
     _last: float | None = None
     _tokens: int = 0
     _requests: int = 1
+    _samples: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
 
     def step(self, tokens: int, now: float, requests: int = 1) -> None:
         """A step computing ``tokens`` for ``requests`` requests runs from ``now`` until the
@@ -131,9 +138,8 @@ class ComputeRate:
         self.step_s += EWMA_WEIGHT * (now - last - self.step_s)
         if done < MIN_STEP_TOKENS:
             return
-        sample = done / shared / (now - last)
-        old = self.tokens_per_s
-        self.tokens_per_s = sample if old is None else old + EWMA_WEIGHT * (sample - old)
+        self._samples.append(done / shared / (now - last))
+        self.tokens_per_s = median(self._samples)
 
     def seconds(self, tokens: int) -> float | None:
         rate = self.tokens_per_s

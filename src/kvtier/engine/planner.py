@@ -357,7 +357,8 @@ class Planner:
         self._step_requests = len(scheduled)
         queued = self._queued_work
         queued.append((sum(scheduled.values()), prefills))
-        self.cache.engine_step(*queued[0])  # the step that runs until the next call
+        # The step that runs until the next call: none while the engine's queue fills.
+        self.cache.engine_step(*queued[0] if len(queued) == queued.maxlen else (0, 0))
         if self._deferred and not scheduled:  # a step with work runs the model (frees the GIL)
             self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended
         else:
