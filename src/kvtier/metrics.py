@@ -80,6 +80,10 @@ class CacheStats:
     share: EngineShare | None = None
     """Over a shared pool (``pool.share``): this engine's line in its table (hits on its own and
     on others' blocks, evictions, blocks stored and held); None over a private pool."""
+    prefill_tokens_per_s: float | None = None
+    """A request's prefill rate as the promotion cost rules measure it from the engine's steps
+    (``promotion.ComputeRate``): reading a tier's blocks must beat computing them at this rate.
+    None until an engine step with a prefill was timed."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

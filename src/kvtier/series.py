@@ -122,6 +122,10 @@ SERIES: tuple[Series, ...] = (
     _g("kvtier_pool_slots", "Host pool capacity in blocks."),
     _g("kvtier_pool_used_slots", "Host pool slots holding a block or reserved for one."),
     _g("kvtier_pool_pinned_slots", "Host pool blocks pinned by loads or cascade writes."),
+    _g(
+        "kvtier_prefill_tokens_per_second",
+        "A request's prefill rate, as the promotion cost rules measure it (0: not yet).",
+    ),
     # The engine connector.
     _c("kvtier_requests_looked_up", "Engine requests looked up in kvtier."),
     _c(
@@ -274,6 +278,7 @@ def pool_gauges(stats: CacheStats) -> Values:
         "kvtier_pool_slots": {"": stats.pool_slots},
         "kvtier_pool_used_slots": {"": stats.pool_used},
         "kvtier_pool_pinned_slots": {"": stats.pool_pinned},
+        "kvtier_prefill_tokens_per_second": {"": round(stats.prefill_tokens_per_s or 0.0)},
     }
 
 

@@ -11,6 +11,7 @@ import pytest
 from support.blocks import keys_for
 from support.scripted_tier import ScriptedTier
 
+from kvtier import series
 from kvtier.cache.manager import TierBinding, TieredCache
 from kvtier.cache.promotion import (
     Claim,
@@ -353,6 +354,20 @@ def test_a_run_goes_on_past_blocks_a_tier_could_not_tell_yet(ns, make_pool):
     assert cache.stats().pool_pinned == 4  # both rounds held for the request
     cache.prepare_load(keys, "a")
     cache.complete_load(keys)
+    check_settled(cache, tier)
+
+
+def test_stats_report_the_prefill_rate_the_rules_measured(ns, make_pool):
+    tier, cache, clock = clocked(ns, make_pool(16), keys_for(ns, 4, seed=1))
+    assert cache.stats().prefill_tokens_per_s is None
+    assert series.pool_gauges(cache.stats())["kvtier_prefill_tokens_per_second"] == {"": 0}
+    cache.engine_step(4000, requests=2)
+    clock.now += 1.0
+    cache.engine_step(0)
+    stats = cache.stats()
+    assert stats.prefill_tokens_per_s == pytest.approx(2000.0)  # each prefill's share
+    assert stats.to_dict()["prefill_tokens_per_s"] == pytest.approx(2000.0)
+    assert series.pool_gauges(stats)["kvtier_prefill_tokens_per_second"] == {"": 2000}
     check_settled(cache, tier)
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from kvtier.cache import invariants
 from kvtier.cache.event_log import EventLog
+from kvtier.cache.promotion import PromotionRules
 from kvtier.cache.tier_jobs import TierJobs
 from kvtier.events import POOL_TIER, CacheEvent
 from kvtier.keys import BlockKey
@@ -33,6 +34,7 @@ class CacheReports:
     _events: EventLog
     _counters: CacheCounters
     _promoted: dict[str, int]
+    _rules: PromotionRules
     _origin: dict[BlockKey, int]
 
     def take_events(self) -> list[CacheEvent]:
@@ -49,6 +51,7 @@ class CacheReports:
             pool_pinned=len(self._pins),
             tiers={t.name: replace(t.counters) for t in self._tiers},
             promoted=dict(self._promoted),
+            prefill_tokens_per_s=self._rules.compute.tokens_per_s,
         )
 
     def origins(self, keys: Sequence[BlockKey]) -> list[str]:

@@ -385,6 +385,7 @@ class SharedTieredCache(TieredCache):
             tiers={t.name: replace(t.counters) for t in self._tiers},
             promoted=dict(self._promoted),
             share=share,
+            prefill_tokens_per_s=self._rules.compute.tokens_per_s,
         )
 
     def engine_share(self) -> EngineShare | None:
