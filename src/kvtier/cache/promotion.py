@@ -214,8 +214,8 @@ class PromotionRules:
         n = max(0, min(len(run_tiers), room))
         if n < len(run_tiers) and (in_flight or self.promised_pins):
             # Not a part while other promotions hold the budget: the rest would come in further
-            # rounds, each a scheduling pass later than computing it (p99 1.16-1.23x in the
-            # scheduler replay at 8x2 and 16x2; docs/vllm.md).
+            # rounds, each a scheduling pass later than computing it (without this rule, p99
+            # 1.16-1.23x the shipped rules' in the scheduler replay at 8x2 and 16x2; docs/vllm.md).
             n = 0
         if not self.weigh:
             return Claim(n, now + self.max_wait_s)
