@@ -390,12 +390,6 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--measured", type=Path, default=MEASURED_JSON, help="the GPU grid's JSON")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
-    p.add_argument(
-        "--hash-seed",
-        type=hash_seed,
-        default=HASH_SEED,
-        help="Python's hash seed: another seed, another schedule of the same workload",
-    )
     return p
 
 
@@ -473,7 +467,6 @@ def main(argv: list[str] | None = None) -> int:
         "fs": fs.describe(),
         "date": grid.now_utc(),
         "commit": grid.git_commit(REPO),
-        "hash_seed": args.hash_seed,
     }
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
         workdir = Path(tmp)
@@ -496,22 +489,10 @@ vLLM's scheduler and the connectors act in that order, so another seed is anothe
 (the same figures within a few percent, not the same table)."""
 
 
-def hash_seed(text: str) -> str:
-    """``--hash-seed``: what ``PYTHONHASHSEED`` takes (0 to 4294967295)."""
-    if not text.isdigit() or int(text) > 4294967295:
-        raise argparse.ArgumentTypeError(f"{text!r}: an integer from 0 to 4294967295")
-    return str(int(text))
-
-
-def fixed_hash_seed(argv: list[str] | None = None) -> None:
-    """Run again with ``PYTHONHASHSEED`` = ``--hash-seed`` (``HASH_SEED`` without it) unless it
-    is set so. A variant's replay differs from another's by the decisions it changes and by the
-    schedule those reorder: compare them over a few seeds."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--hash-seed", type=hash_seed, default=HASH_SEED)
-    seed = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].hash_seed
-    if os.environ.get("PYTHONHASHSEED") != seed:
-        os.environ["PYTHONHASHSEED"] = seed
+def fixed_hash_seed() -> None:
+    """Run again with ``PYTHONHASHSEED`` = ``HASH_SEED`` unless it is set so."""
+    if os.environ.get("PYTHONHASHSEED") != HASH_SEED:
+        os.environ["PYTHONHASHSEED"] = HASH_SEED
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
 

@@ -84,23 +84,6 @@ def test_hold_parses_every_and_milliseconds(sr: ModuleType) -> None:
             sr.parse_hold(bad)
 
 
-def test_the_hash_seed_is_fixed_and_can_be_chosen(
-    sr: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    execs: list[str | None] = []
-    monkeypatch.setattr(sr.os, "execv", lambda *_: execs.append(sr.os.environ["PYTHONHASHSEED"]))
-    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    sr.fixed_hash_seed(["--points", "4x2"])
-    monkeypatch.setenv("PYTHONHASHSEED", "0")
-    sr.fixed_hash_seed(["--points", "4x2"])  # already so: no second start
-    sr.fixed_hash_seed(["--hash-seed", "7"])
-    assert execs == [sr.HASH_SEED, "7"]
-    assert sr.parser().parse_args(["--hash-seed", "0012"]).hash_seed == "12"
-    for bad in ("-1", "x", "4294967296"):
-        with pytest.raises(SystemExit):
-            sr.parser().parse_args(["--hash-seed", bad])
-
-
 def test_against_native_ties_within_three_percent(sr: ModuleType) -> None:
     native = _row(200, 600, 1000, 300.0, 100_000)
     ok, cells = sr.against_native(_row(205, 590, 1000, 295.0, 98_000), native)
