@@ -88,6 +88,27 @@ def test_bad_json_is_one_line(
     one_error_line(capsys, words)
 
 
+@pytest.mark.parametrize(
+    ("rate", "line"),
+    [
+        (12345.6, "costs     a tier read must beat a request's prefill, 12,345 tokens/s"),
+        (None, None),  # nothing measured yet
+        ("fast", None),
+    ],
+)
+def test_the_prefill_rate_the_cost_rules_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rate: object, line: str | None
+) -> None:
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({**SNAPSHOT, "prefill_tokens_per_s": rate}))
+    assert stats_in_time(path) == 0
+    out = capsys.readouterr().out
+    if line is None:
+        assert "costs" not in out
+    else:
+        assert line in out
+
+
 def test_out_of_range_counts_and_hostile_names_print_safely(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -91,6 +91,9 @@ def format_snapshot(data: dict[str, Any]) -> str:
         f"{_int(cache, 'store_skipped_admission')} admission, "
         f"{_int(cache, 'store_skipped_full')} pool full; {_int(cache, 'store_failed')} failed",
     ]
+    rate = _int(data, "prefill_tokens_per_s")
+    if rate > 0:
+        lines.append(f"costs     a tier read must beat a request's prefill, {rate:,} tokens/s")
     tiers = data.get("tiers")
     if isinstance(tiers, dict) and tiers:
         lines.append(
