@@ -5,7 +5,7 @@ rate ~20x in the scheduler replay (most fs promotions declined)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -49,7 +49,7 @@ def batch_queue_schedule(steps: list[dict[str, int]], queue: int) -> list[float]
 
 
 @pytest.fixture
-def make_planner(tmp_path: Path) -> Iterator[type[ToyPlanner]]:
+def make_planner(tmp_path: Path) -> Iterator[Callable[[int], ToyPlanner]]:
     made: list[ToyPlanner] = []
 
     def make(steps_in_flight: int) -> ToyPlanner:
@@ -62,15 +62,17 @@ def make_planner(tmp_path: Path) -> Iterator[type[ToyPlanner]]:
         made.append(planner)
         return planner
 
-    yield make  # type: ignore[misc]
+    yield make
     for planner in made:
         planner.close()
 
 
-def measured_rate(planner: ToyPlanner, queue: int, steps: int = 40) -> float | None:
+def measured_rate(planner: ToyPlanner, queue: int, count: int = 40) -> float | None:
+    """The rate the planner's cache measured after ``count`` steps, alternately a prefill and a
+    decode, under an engine with ``queue`` steps in flight."""
     clock = Clock()
     planner.cache._clock = clock
-    steps = ([PREFILL, DECODE] * steps)[:steps]
+    steps = ([PREFILL, DECODE] * count)[:count]
     for step, at in zip(steps, batch_queue_schedule(steps, queue), strict=True):
         clock.now = at
         planner.plan_step(step, Tables(), None)
@@ -87,7 +89,7 @@ def test_the_rate_is_the_engines_when_the_planner_knows_its_queue(make_planner, 
 def test_the_first_rate_measured_is_the_engines(make_planner, queue) -> None:
     # While the queue fills, steps are scheduled a scheduling pass apart: the first step timed
     # by that read 4,000x the rate.
-    rate = measured_rate(make_planner(queue), queue, steps=queue + 1)
+    rate = measured_rate(make_planner(queue), queue, count=queue + 1)
     assert rate == pytest.approx(TOKENS_PER_S, rel=0.1)
 
 
