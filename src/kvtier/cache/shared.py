@@ -373,20 +373,12 @@ class SharedTieredCache(TieredCache):
         self.index.close()
 
     def stats(self) -> CacheStats:
-        self._counters.events_dropped = self._events.dropped
+        """``TieredCache.stats`` with the shared index's occupancy and this engine's line."""
         share = self.engine_share() or self._last_share
         if share is not None:
             self._counters.pool_evictions = share.evictions
-        return CacheStats(
-            cache=replace(self._counters),
-            pool_slots=self._pool.num_slots,
-            pool_used=self._last_used if self._closed else self.index.used_slots(),
-            pool_pinned=len(self._pins),
-            tiers={t.name: replace(t.counters) for t in self._tiers},
-            promoted=dict(self._promoted),
-            share=share,
-            prefill_tokens_per_s=self._rules.compute.tokens_per_s,
-        )
+        used = self._last_used if self._closed else self.index.used_slots()
+        return replace(super().stats(), pool_used=used, share=share)
 
     def engine_share(self) -> EngineShare | None:
         """This engine's counters in the shared pool (hits on its own and on others' blocks,
