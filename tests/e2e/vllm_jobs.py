@@ -64,6 +64,18 @@ def flush_stats(llm: Any) -> None:
     h.generate_ids(llm, [[5, 6, 7]], max_tokens=1)
 
 
+def settle_tier_writes(llm: Any, timeout_s: float = 60.0) -> None:
+    """Engine steps until kvtier has no tier job in flight (single-process engine): what was
+    stored is on its tiers and the write-through pins are gone. Without it, whether the next
+    prompt set's stores find the pool pinned full depends on how fast the write thread ran."""
+    cache = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.cache
+    end = time.monotonic() + timeout_s
+    while cache.jobs_in_flight:  # finished jobs are collected by the scheduler's next step
+        assert time.monotonic() < end, f"tier jobs still in flight after {timeout_s} s"
+        time.sleep(0.05)
+        h.generate_ids(llm, [[5, 6, 7]], max_tokens=1)
+
+
 def zero_the_pool(llm: Any) -> None:
     """Overwrite every slot of the engine's kvtier host pool with zeros, through a second
     mapping of it (single-process engine: the scheduler lives in this process)."""
@@ -115,15 +127,16 @@ def serve_shared(
     model_dir: str, extra: dict[str, Any], sets: list[str], hold_dir: str | None = None
 ) -> dict[str, Any]:
     """Child job: one engine (engine core in this process) over a shared pool generates each
-    prompt set in turn (vLLM's prefix cache reset between them). With ``hold_dir`` it then writes
-    ``<hold_dir>/ready`` (the outputs) and keeps the engine, and with it the pool, until
-    ``<hold_dir>/release`` exists (at most 300 s). Returns the outputs and the stats file as the
-    engine left it at shutdown."""
+    prompt set in turn (vLLM's prefix cache reset and tier writes settled between them). With
+    ``hold_dir`` it then writes ``<hold_dir>/ready`` (the outputs) and keeps the engine, and with
+    it the pool, until ``<hold_dir>/release`` exists (at most 300 s). Returns the outputs and the
+    stats file as the engine left it at shutdown."""
     llm = h.build_llm(model_dir, kv_transfer_config=transfer_config(extra), multiprocessing=False)
     outputs: list[list[list[int]]] = []
     try:
         for i, name in enumerate(sets):
             if i:
+                settle_tier_writes(llm)
                 h.reset_prefix_cache(llm)
             outputs.append(h.generate_ids(llm, PROMPT_SETS[name], max_tokens=MAX_TOKENS[name]))
         flush_stats(llm)
