@@ -484,13 +484,18 @@ class TieredCache(CacheReports):
     def _reserve_protected(
         self, n: int, hit_keys: Sequence[BlockKey], run_keys: list[BlockKey]
     ) -> list[int]:
-        # A promotion must not evict the very blocks the request is about to hit.
+        # A promotion must not evict the very blocks the request is about to hit: they are
+        # pinned while victims are chosen, which only free slots falling short calls for (the
+        # pins were hundreds of dict updates on a scheduler step's slowest path).
+        slots = self._pool.alloc(n)
+        if len(slots) == n:
+            return slots
         protected = [*hit_keys, *run_keys]
         pins = self._pins
         for key in protected:
             pins[key] = pins.get(key, 0) + 1
         try:
-            return self._reserve(n)
+            return slots + self._reserve(n - len(slots))
         finally:
             self._unpin_all(protected)
 
@@ -521,6 +526,7 @@ class TieredCache(CacheReports):
         now = self._clock()
         self._read_ended(job, now, busy_s)
         # Inserted deepest first, as loads touch (``prepare_load``).
+        tier_index = job.tier_index
         for key, slot, good in zip(
             reversed(job.keys), reversed(job.slots), reversed(ok), strict=True
         ):
@@ -529,15 +535,15 @@ class TieredCache(CacheReports):
             if good:
                 index[key] = slot
                 landed.append(key)
-                if rules.landed(key):  # held for the request that waits for it
-                    pins[key] = pins.get(key, 0) + 1
-                origin[key] = job.tier_index
-                if record:
-                    self._events.add(EventKind.STORED, (key,), POOL_TIER)
+                origin[key] = tier_index
             else:
                 free.append(slot)
                 rules.dropped(key)
-                self._failed_promotions.remember(job.tier_index, key, now)
+                self._failed_promotions.remember(tier_index, key, now)
+        for key in rules.landed(landed):  # held for the requests that wait for them
+            pins[key] = pins.get(key, 0) + 1
+        if record and landed:
+            self._events.add(EventKind.STORED, landed, POOL_TIER)
         self._policy.insert_many(landed)
         promoted = len(job.keys) - len(free)
         self._promoted[self._tiers[job.tier_index].name] += promoted

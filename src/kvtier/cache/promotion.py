@@ -311,16 +311,21 @@ class PromotionRules:
         promise.done = True
         return False
 
-    def landed(self, key: BlockKey) -> bool:
-        """A promoted block arrived: True if a waiting request claimed it (pin it for that
-        request; the caller pins)."""
-        owner = self.claimed_by.pop(key, None)
-        promise = None if owner is None else self.promises.get(owner)
-        if promise is None:
-            return False
-        promise.pinned.append(key)
-        self.promised_pins += 1
-        return True
+    def landed(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Promoted blocks arrived: those a waiting request claimed, in order (the caller pins
+        them for it)."""
+        claimed, promises = self.claimed_by, self.promises
+        if not claimed:
+            return []
+        held: list[BlockKey] = []
+        for key in keys:
+            owner = claimed.pop(key, None)
+            promise = None if owner is None else promises.get(owner)
+            if promise is not None:
+                promise.pinned.append(key)
+                held.append(key)
+        self.promised_pins += len(held)
+        return held
 
     def dropped(self, key: BlockKey) -> None:
         """A promoted block will not arrive (its read failed or timed out)."""

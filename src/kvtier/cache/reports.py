@@ -57,14 +57,11 @@ class CacheReports:
     def origins(self, keys: Sequence[BlockKey]) -> list[str]:
         """For each key in the pool: the secondary tier it was promoted from, or ``pool`` when
         the engine stored it (or it is not in the pool)."""
-        origin, tiers = self._origin, self._tiers
+        origin = self._origin
         if not origin:
             return [POOL_TIER] * len(keys)
-        out: list[str] = []
-        for key in keys:
-            index = origin.get(key)
-            out.append(POOL_TIER if index is None else tiers[index].name)
-        return out
+        names = [tier.name for tier in self._tiers]
+        return [POOL_TIER if i is None else names[i] for i in map(origin.get, keys)]
 
     @property
     def pinned_full(self) -> bool:

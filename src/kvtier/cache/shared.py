@@ -312,17 +312,20 @@ class SharedTieredCache(TieredCache):
             return
         now, rules = self._clock(), self._rules
         self._read_ended(job, now, busy_s)
-        pin: list[BlockKey | None] = []
+        landed: list[BlockKey] = []
         for key, good in zip(job.keys, ok, strict=True):
             self._inflight.pop(key, None)
             self._promoting.discard(key)
             if good:
-                pin.append(key if rules.landed(key) else None)
+                landed.append(key)
                 self._origin[key] = job.tier_index
             else:
-                pin.append(None)
                 rules.dropped(key)
                 self._failed_promotions.remember(job.tier_index, key, now)
+        held = set(rules.landed(landed))
+        pin: list[BlockKey | None] = [
+            key if good and key in held else None for key, good in zip(job.keys, ok, strict=True)
+        ]
         while len(self._origin) > self._pool.num_slots:
             del self._origin[next(iter(self._origin))]  # evicted by some engine long ago
         self._publish(Publication(list(job.slots), list(ok), pin, False))
@@ -331,7 +334,6 @@ class SharedTieredCache(TieredCache):
         self._counters.promoted_blocks += promoted
         self._counters.promotion_failures += len(ok) - promoted
         if self._record and promoted:
-            landed = [key for key, good in zip(job.keys, ok, strict=True) if good]
             self._events.add(EventKind.STORED, landed, POOL_TIER)
 
     def _release_held(self, slots: list[int]) -> None:
