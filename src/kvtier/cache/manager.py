@@ -369,17 +369,27 @@ class TieredCache(CacheReports):
             elif count > 1:
                 pins[key] = count - 1
 
-    def _reserve(self, n: int) -> list[int]:
+    def _reserve(self, n: int, protected: Sequence[BlockKey] = ()) -> list[int]:
         """Up to ``n`` free slots, evicting unpinned visible keys as needed (every pin is on a
-        visible key: the policy is not made to scan a pool that tier writes pinned full)."""
+        visible key: the policy is not made to scan a pool that tier writes pinned full), none
+        of ``protected`` (pinned while victims are chosen, only when free slots fall short: they
+        are a request's hits, hundreds of pins on a scheduler step's slowest path)."""
         slots = self._pool.alloc(n)
-        short = min(n - len(slots), len(self._index) - len(self._pins))
-        if short > 0:
-            victims = self._policy.evict(short, self._pins)
-            if victims:
-                self._evict(victims)
-                slots += self._pool.alloc(short)
-        return slots
+        if len(slots) == n:
+            return slots
+        pins = self._pins
+        for key in protected:
+            pins[key] = pins.get(key, 0) + 1
+        try:
+            short = min(n - len(slots), len(self._index) - len(pins))
+            if short > 0:
+                victims = self._policy.evict(short, pins)
+                if victims:
+                    self._evict(victims)
+                    slots += self._pool.alloc(short)
+            return slots
+        finally:
+            self._unpin_all(protected)
 
     def _evict(self, victims: list[BlockKey]) -> None:
         index = self._index
@@ -455,7 +465,8 @@ class TieredCache(CacheReports):
             wanted = wanted[: claim.blocks]
             if not wanted:
                 return True
-        slots = self._reserve_protected(len(wanted), keys[:hits], [k for k, t in run if t < 0])
+        # A promotion must not evict the very blocks the request is about to hit.
+        slots = self._reserve(len(wanted), [*keys[:hits], *(k for k, t in run if t < 0)])
         if not slots:
             # The pool is full of pinned blocks. Tier writes in flight release theirs when they
             # end: wait for them until the claim's deadline; with none, go on without.
@@ -480,24 +491,6 @@ class TieredCache(CacheReports):
         if owner is not None:
             rules.promise(owner, claimed, claim.deadline, now)
         return False
-
-    def _reserve_protected(
-        self, n: int, hit_keys: Sequence[BlockKey], run_keys: list[BlockKey]
-    ) -> list[int]:
-        # A promotion must not evict the very blocks the request is about to hit: they are
-        # pinned while victims are chosen, which only free slots falling short calls for (the
-        # pins were hundreds of dict updates on a scheduler step's slowest path).
-        slots = self._pool.alloc(n)
-        if len(slots) == n:
-            return slots
-        protected = [*hit_keys, *run_keys]
-        pins = self._pins
-        for key in protected:
-            pins[key] = pins.get(key, 0) + 1
-        try:
-            return slots + self._reserve(n - len(slots))
-        finally:
-            self._unpin_all(protected)
 
     def _submit(
         self, index: int, kind: TierJobKind, keys: list[BlockKey], slots: list[int], holds: bool
@@ -526,7 +519,6 @@ class TieredCache(CacheReports):
         now = self._clock()
         self._read_ended(job, now, busy_s)
         # Inserted deepest first, as loads touch (``prepare_load``).
-        tier_index = job.tier_index
         for key, slot, good in zip(
             reversed(job.keys), reversed(job.slots), reversed(ok), strict=True
         ):
@@ -535,11 +527,11 @@ class TieredCache(CacheReports):
             if good:
                 index[key] = slot
                 landed.append(key)
-                origin[key] = tier_index
+                origin[key] = job.tier_index
             else:
                 free.append(slot)
                 rules.dropped(key)
-                self._failed_promotions.remember(tier_index, key, now)
+                self._failed_promotions.remember(job.tier_index, key, now)
         for key in rules.landed(landed):  # held for the requests that wait for them
             pins[key] = pins.get(key, 0) + 1
         if record and landed:
