@@ -290,6 +290,26 @@ def test_blocks_promoted_for_a_request_are_not_evicted_before_it_loads_them(ns, 
     check_settled(cache, tier)
 
 
+def test_a_promotion_does_not_evict_the_pool_hits_of_its_own_request(ns, make_pool):
+    """The request's hits are the least recently used blocks of a full pool: the promotion of
+    its tail takes its slots from other blocks, so the request then hits all of it."""
+    pool = make_pool(8)
+    head, tail = keys_for(ns, 2, seed=1), keys_for(ns, 2, seed=2)
+    tier, cache = tiered(ns, pool, tail)
+    store(cache, pool, head)
+    store(cache, pool, keys_for(ns, 6, seed=3))  # newer: the pool is full
+    check_settled(cache, tier)  # the write-through copies end, their pins with them
+    request = [*head, *tail]
+    assert cache.lookup(request, "a") == (2, False)
+    assert [job.keys for job in tier.submitted if job.kind is TierJobKind.READ] == [tail]
+    tier.release()
+    cache.step()
+    assert cache.lookup(request, "a") == (4, True)
+    assert cache.stats().cache.pool_evictions == 2
+    cache.forget("a")
+    check_settled(cache, tier)
+
+
 def test_a_request_that_leaves_releases_its_promoted_blocks(ns, make_pool):
     pool = make_pool(8)
     wanted = keys_for(ns, 4, seed=1)
