@@ -64,7 +64,7 @@ def test_recorded_trace_replays_to_the_engine_hit_ratio(tmp_path: Path) -> None:
             h.generate_ids(llm, [prompt], max_tokens=1)
             # The simulation's writes take no time; the engine's fs tier holds each stored block
             # pinned in the pool until it is written, and a store finding the pool pinned full
-            # is skipped (engine 0.644 against 0.670 in one run of the full suite; 0.22-0.33
+            # is skipped (engine 0.644 against 0.670 in one run of the full suite; 0.22-0.64
             # with writes slowed by 30 ms a block).
             settle_tier_writes(llm)
     finally:
