@@ -172,7 +172,7 @@ class HybridPlanner(Planner):
             self.recorder.record(request, chain)
         found = self._boundary(start, limit, req_id)
         if found is None:  # asked again next step
-            self._deferred = True
+            self._deferred = req_id
             self._deferred_since.setdefault(req_id, time.monotonic())
             self.counters.deferred_lookups += 1
             return None, False

@@ -106,6 +106,9 @@ class PlannerCounters:
     """Cache resets (``reset``: vLLM's ``reset_prefix_cache(reset_connector=True)``)."""
     lookups_deferred_for_landed_loads: int = 0
     """Lookups an engine adapter deferred to let its engine take in landed asynchronous loads."""
+    lookups_held_in_order: int = 0
+    """Lookups an engine adapter deferred because one asked before them in the same scheduling
+    pass was deferred (an engine that schedules the requests behind a deferred one)."""
     engine_hit_blocks: int = 0
     """Blocks the engine's own prefix cache held at a lookup (not looked up): with ``cache``'s
     hit_blocks / (lookup_blocks + these), the prefix hit ratio ``kvtier simulate`` predicts."""
@@ -162,7 +165,8 @@ class Planner:
         self._loads: list[CopyOrder] = []
         self._jobs = JobLedger(tp_size)
         self._stats_file = None if settings.stats_path is None else StatsFile(settings.stats_path)
-        self._deferred = False
+        self._deferred: str | None = None
+        """A request whose lookup was deferred in this scheduling pass (the last one)."""
         self.hits_by_tier: dict[str, int] = {POOL_TIER: 0, **{t.name: 0 for t in config.tiers}}
         """Hit blocks of final lookups by the tier that held them (``TieredCache.origins``)."""
         self.hit_tokens_by_tier: dict[str, int] = dict.fromkeys(self.hits_by_tier, 0)
@@ -221,7 +225,7 @@ class Planner:
         result, slots = self.cache.lookup_and_pin(keys[start:limit], req_id, held)
         if not result.final:
             self.counters.deferred_lookups += 1
-            self._deferred = True
+            self._deferred = req_id
             self._deferred_since.setdefault(req_id, time.monotonic())
             return None, False
         self._end_wait(req_id)
@@ -248,6 +252,10 @@ class Planner:
         asynchronous = load_async(self.settings.load_mode, external, left, self._step_requests)
         self._plan_async[req_id] = asynchronous
         return external, asynchronous
+
+    def behind_a_deferral(self, req_id: str) -> bool:
+        """A lookup was deferred in this scheduling pass (since ``plan_step``), not ``req_id``'s."""
+        return self._deferred is not None and self._deferred != req_id
 
     def _kept_pins(self, old: _LoadPlan, keys: list[BlockKey], start: int, limit: int) -> int:
         """How many of the previous plan's pins a lookup of ``keys[start:limit]`` keeps: all of
@@ -359,11 +367,11 @@ class Planner:
         queued.append((sum(scheduled.values()), prefills))
         # The step that runs until the next call: none while the engine's queue fills.
         self.cache.engine_step(*queued[0] if len(queued) == queued.maxlen else (0, 0))
-        if self._deferred and not scheduled:  # a step with work runs the model (frees the GIL)
+        if self._deferred is not None and not scheduled:  # a step with work frees the GIL
             self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended
         else:
             self.cache.step()
-        self._deferred = False
+        self._deferred = None
         stores: list[CopyOrder] = []
         for req_id, num_scheduled in scheduled.items():
             order = self._store_order(req_id, num_scheduled, tables)

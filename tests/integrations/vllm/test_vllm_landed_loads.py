@@ -84,8 +84,13 @@ def test_skipped_lookups_defer_until_vllm_schedules_the_landed_request(
     assert side.matched_tokens(b, 0) == (None, False)
     assert side.matched_tokens(b, 0) == (None, False)  # asked again in the same pass
     assert side.counters.lookups_deferred_for_landed_loads == 2
-    # A request from vLLM's main queue is reached only after the skipped one: answered.
-    assert side.matched_tokens(request("c", list(range(200, 217))), 0) == (0, False)
+    # A request from vLLM's main queue is reached only after the skipped one: in the pass of
+    # ``b``'s own deferral it waits behind it (``keep_order``), in a later pass it is answered.
+    c = request("c", list(range(200, 217)))
+    assert side.matched_tokens(c, 0) == (None, False)
+    side.build_meta(scheduled())
+    assert side.matched_tokens(b, 0) == (None, False)
+    assert side.matched_tokens(c, 0) == (0, False)
     side.build_meta(scheduled("c"))  # a pass that did not schedule ``a``: still deferred
     assert side.matched_tokens(b, 0) == (None, False)
     side.build_meta(scheduled("a"))

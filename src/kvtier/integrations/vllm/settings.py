@@ -38,6 +38,11 @@ class VllmSettings:
     the end of what a request stored and every this many kvtier blocks (the boundaries a later
     request can resume from); 0: four windows (a state: one block), at least 16
     (``kvtier.engine.groups.auto_boundary_blocks``)."""
+    keep_order: bool = True
+    """While a lookup is deferred (a tier read in flight, say), the requests vLLM asks about
+    after it in the same scheduling pass wait too, as they would behind a request vLLM cannot
+    allocate: vLLM moves a deferred request aside and schedules the ones behind it, which then
+    take the GPU KV cache room it needed (``SchedulerSide.matched_tokens``)."""
     kv_cache_layout: str = BLOCK_OUTERMOST_LAYOUT
     """The KV cache layout asked of vLLM (a 0.32 ``KVCacheLayout`` name, translated for older
     releases by ``compat.layout_request``), or ``engine`` to ask for none.
@@ -58,6 +63,7 @@ class VllmSettings:
             planner=planner,
             kv_cache_layout=s.string("kv_cache_layout", BLOCK_OUTERMOST_LAYOUT),
             trace_path=s.optional_file_path("trace_path"),
+            keep_order=s.boolean("keep_order", True),
             window_boundary_blocks=s.integer("window_boundary_blocks", 0, minimum=0),
         )
         if settings.kv_cache_layout not in (ENGINE_LAYOUT, *LAYOUT_NAMES):
