@@ -253,9 +253,11 @@ class Planner:
         self._plan_async[req_id] = asynchronous
         return external, asynchronous
 
-    def behind_a_deferral(self, req_id: str) -> bool:
-        """A lookup was deferred in this scheduling pass (since ``plan_step``), not ``req_id``'s."""
-        return self._deferred is not None and self._deferred != req_id
+    def deferred_in_pass(self) -> tuple[str, float] | None:
+        """A request whose lookup was deferred in this scheduling pass (since ``plan_step``), and
+        when its wait began (``time.monotonic``)."""
+        req_id = self._deferred
+        return None if req_id is None else (req_id, self._deferred_since.get(req_id, 0.0))
 
     def _kept_pins(self, old: _LoadPlan, keys: list[BlockKey], start: int, limit: int) -> int:
         """How many of the previous plan's pins a lookup of ``keys[start:limit]`` keeps: all of

@@ -12,7 +12,7 @@ import pytest
 from integrations.vllm.test_vllm_landed_loads import request, scheduled
 from kvtier.config import load_config
 from kvtier.engine.planner_settings import PlannerSettings
-from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.scheduler import HOLD_BEHIND_S, SchedulerSide
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import Namespace
 
@@ -72,6 +72,19 @@ def test_the_deferred_request_itself_and_the_next_pass_are_not_held(tmp_path: Pa
         side.build_meta(scheduled())
         c = request("c", OTHER)
         assert side.matched_tokens(c, 0) == (16, False)  # asked first in a new pass
+        assert side.counters.lookups_held_in_order == 0
+    finally:
+        side.close()
+
+
+def test_a_long_wait_holds_no_one(tmp_path: Path) -> None:
+    """Without promotion costs, or behind a stuck load, a deferred request can wait for
+    ``job_timeout_s``: the requests behind it are held only for ``HOLD_BEHIND_S`` of that."""
+    side = make_side(tmp_path, keep_order=True)
+    try:
+        deferred_pass(side)
+        side._deferred_since["b"] -= HOLD_BEHIND_S + 0.1  # ``b`` has waited that long
+        assert side.matched_tokens(request("c", OTHER), 0) == (16, False)
         assert side.counters.lookups_held_in_order == 0
     finally:
         side.close()

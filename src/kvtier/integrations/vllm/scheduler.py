@@ -33,6 +33,12 @@ taken at most this often; with none in flight (the step that finished the last o
 Counters are deltas and histograms lists: a skipped step's changes come in a later payload."""
 
 
+HOLD_BEHIND_S = 2.0
+"""How long after a deferred request's wait began the requests behind it are held
+(``vllm.keep_order``): with ``promotion_costs`` a wait ends when computing would have, but
+without them, or behind a stuck load, it can last ``job_timeout_s``, and those behind need not."""
+
+
 def fresh_blocks(scheduler_output: Any) -> list[int] | None:
     """Engine blocks this step's scheduling handed to requests (new requests' blocks, blocks
     added to running or resumed ones, copy-on-write targets): a block freed while a store of it
@@ -133,7 +139,7 @@ class SchedulerSide(HybridPlanner):
         if landed is not None and landed.defers(request.request_id):
             self.counters.lookups_deferred_for_landed_loads += 1
             return None, False
-        if self._keep_order and self.behind_a_deferral(request.request_id):
+        if self._keep_order and self._behind_a_deferral(request.request_id):
             self.counters.lookups_held_in_order += 1
             return None, False
         if landed is None:
@@ -141,6 +147,14 @@ class SchedulerSide(HybridPlanner):
         answer = super().matched_tokens(request, num_computed)
         landed.answered(request.request_id, answer[0] is None)
         return answer
+
+    def _behind_a_deferral(self, req_id: str) -> bool:
+        """Another request's lookup was deferred in this pass less than ``HOLD_BEHIND_S`` after
+        its wait began."""
+        deferred = self.deferred_in_pass()
+        if deferred is None or deferred[0] == req_id:
+            return False
+        return time.monotonic() - deferred[1] < HOLD_BEHIND_S
 
     def after_alloc_groups(
         self, request: Any, block_ids: Sequence[Sequence[int]], external_tokens: int
