@@ -136,6 +136,9 @@ def test_c_shared_prefix_loaded_once(
     shared_blocks = len(jobs.SHARED_PREFIX) // jobs.BLOCK_TOKENS
     assert cache["loaded_blocks"] == shared_blocks, (cache, conn)
     assert cache["pending_lookups"] > 0 or conn["deferred_lookups"] > 0, (cache, conn)
+    # The first request waits for the promotion; the three asked after it in that pass wait
+    # behind it (``vllm.keep_order``) instead of being scheduled ahead of it.
+    assert conn["lookups_held_in_order"] >= 3, conn
 
 
 def test_d_tier_failures_and_corrupt_files(
