@@ -121,8 +121,8 @@ class SchedulerSide(HybridPlanner):
         self._stats_due = 0.0
         self.clock: Callable[[], float] = time.monotonic
         self._landed = landed
-        self._keep_order = settings.keep_order
         """Landed asynchronous loads the other lookups defer to (releases that strand them)."""
+        self._keep_order = settings.keep_order
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: ``HybridPlanner``'s answer, or None (deferred)
@@ -134,18 +134,18 @@ class SchedulerSide(HybridPlanner):
         take the GPU KV cache room the deferred one needs: in the scheduler replay at 16x2 with
         the fs tier, each of the 8 slowest requests had been deferred and passed by 1-3 later
         arrivals (72 passings in all; none without kvtier). Held, the later ones wait as they
-        would behind a request vLLM cannot allocate, for at most the deferred one's wait."""
+        would behind a request vLLM cannot allocate, for at most ``HOLD_BEHIND_S`` of its wait."""
+        req_id = request.request_id
         landed = self._landed
-        if landed is not None and landed.defers(request.request_id):
+        if landed is not None and landed.defers(req_id):
             self.counters.lookups_deferred_for_landed_loads += 1
             return None, False
-        if self._keep_order and self._behind_a_deferral(request.request_id):
+        if self._keep_order and self._behind_a_deferral(req_id):
             self.counters.lookups_held_in_order += 1
             return None, False
-        if landed is None:
-            return super().matched_tokens(request, num_computed)
         answer = super().matched_tokens(request, num_computed)
-        landed.answered(request.request_id, answer[0] is None)
+        if landed is not None:
+            landed.answered(req_id, answer[0] is None)
         return answer
 
     def _behind_a_deferral(self, req_id: str) -> bool:
