@@ -84,17 +84,19 @@ def test_skipped_lookups_defer_until_vllm_schedules_the_landed_request(
     assert side.matched_tokens(b, 0) == (None, False)
     assert side.matched_tokens(b, 0) == (None, False)  # asked again in the same pass
     assert side.counters.lookups_deferred_for_landed_loads == 2
-    # A request from vLLM's main queue is reached only after the skipped one: in the pass of
-    # ``b``'s own deferral it waits behind it (``keep_order``), in a later pass it is answered.
+    # A request reached after the deferred ``b`` in the same pass waits behind it
+    # (``keep_order``): vLLM puts it in its skipped queue too, so it defers to the landed load
+    # as well, until vLLM has scheduled ``a``.
     c = request("c", list(range(200, 217)))
     assert side.matched_tokens(c, 0) == (None, False)
-    side.build_meta(scheduled())
+    assert side.counters.lookups_held_in_order == 1
+    side.build_meta(scheduled())  # a pass that did not schedule ``a``: both still deferred
     assert side.matched_tokens(b, 0) == (None, False)
-    assert side.matched_tokens(c, 0) == (0, False)
-    side.build_meta(scheduled("c"))  # a pass that did not schedule ``a``: still deferred
-    assert side.matched_tokens(b, 0) == (None, False)
+    assert side.matched_tokens(c, 0) == (None, False)
+    assert side.counters.lookups_deferred_for_landed_loads == 4
     side.build_meta(scheduled("a"))
     assert side.matched_tokens(b, 0) == (16, True)  # the pool's blocks, no longer loading
+    assert side.matched_tokens(c, 0) == (0, False)
 
 
 def test_a_request_scheduled_since_its_deferral_is_not_held_back(side: SchedulerSide) -> None:

@@ -140,11 +140,13 @@ class SchedulerSide(HybridPlanner):
         if landed is not None and landed.defers(req_id):
             self.counters.lookups_deferred_for_landed_loads += 1
             return None, False
+        answer: tuple[int | None, bool]
         if self._keep_order and self._behind_a_deferral(req_id):
             self.counters.lookups_held_in_order += 1
-            return None, False
-        answer = super().matched_tokens(request, num_computed)
-        if landed is not None:
+            answer = None, False
+        else:
+            answer = super().matched_tokens(request, num_computed)
+        if landed is not None:  # a held request goes to vLLM's skipped queue too
             landed.answered(req_id, answer[0] is None)
         return answer
 
