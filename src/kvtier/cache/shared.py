@@ -322,10 +322,8 @@ class SharedTieredCache(TieredCache):
             else:
                 rules.dropped(key)
                 self._failed_promotions.remember(job.tier_index, key, now)
-        held = set(rules.landed(landed))
-        pin: list[BlockKey | None] = [
-            key if good and key in held else None for key, good in zip(job.keys, ok, strict=True)
-        ]
+        held = set(rules.landed(landed))  # landed keys only: read good
+        pin: list[BlockKey | None] = [key if key in held else None for key in job.keys]
         while len(self._origin) > self._pool.num_slots:
             del self._origin[next(iter(self._origin))]  # evicted by some engine long ago
         self._publish(Publication(list(job.slots), list(ok), pin, False))
