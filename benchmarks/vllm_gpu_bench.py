@@ -473,6 +473,7 @@ class ChildPointRunner(VllmPointRunner):
                 "--grid-points", point.key, "--configs", config, "--fs-gib", repr(fs_gib),
                 "--child-row", str(row_path),
             ]  # fmt: skip
+            began = time.perf_counter()
             try:
                 code = subprocess.run(command, check=False, timeout=self.timeout_s).returncode
             except subprocess.TimeoutExpired:
@@ -485,6 +486,7 @@ class ChildPointRunner(VllmPointRunner):
             return {"error": f"the configuration's process exited with {code} and wrote no row"}
         if row.pop("workload_digest", None) != workload.digest:
             return {"error": "the configuration's process ran another request sequence"}
+        row["process_s"] = round(time.perf_counter() - began, 1)
         return row
 
 

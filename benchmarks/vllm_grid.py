@@ -13,9 +13,10 @@ invocations. What runs is decided per point and configuration (:func:`plan`):
 * ``none`` (vLLM alone) does not depend on the host pool: a usable ``none`` row of the same
   workload at another host size is copied (``copied_from``) instead of run again.
 
-``--max-minutes`` stops before a point whose estimate does not fit in what is left; estimates
-come from the rows already in the file (same model and GPU: engine start plus seconds per prompt
-token per configuration), else from ``PRIORS``.
+``--max-minutes`` stops before a point whose estimate does not fit in what is left, and before
+a configuration of a started point that would end past it; estimates come from the rows already
+in the file (same model and GPU: a configuration's process time less its timed run, plus seconds
+per prompt token), else from ``PRIORS``.
 """
 
 from __future__ import annotations
@@ -309,7 +310,8 @@ class Estimator:
     def add(self, config: str, row: dict[str, Any]) -> None:
         if "error" in row or "copied_from" in row or not row.get("prompt_tokens"):
             return
-        elapsed = float(row.get("elapsed_s") or 0.0)
+        # A child's whole life where known (its imports and exit too: 20-40 s on an H200).
+        elapsed = float(row.get("process_s") or row.get("elapsed_s") or 0.0)
         wall = float(row.get("wall_s") or 0.0)
         if elapsed <= 0 or wall <= 0:
             return
@@ -407,13 +409,19 @@ def run_grid(
     clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
     """Run the points in order, merging each configuration's row into ``out`` as it finishes;
-    returns the file's data. Stops before a point whose estimate exceeds ``max_minutes``."""
+    returns the file's data. Stops before a point whose estimate exceeds ``max_minutes``, and
+    before a configuration of a started point that would end past it (the estimates learn from
+    each row: an engine's first start in a lending compiles for tens of seconds)."""
     data = load(out)
     if data.get("model") not in (None, runner.model):
         raise GridError(f"{out} holds {data.get('model')!r}, not {runner.model!r}: use --json")
     data["model"] = runner.model
     est = estimator_from(data, runner.model, runner.machine.get("gpu"))
     started = clock()
+
+    def fits(end_s: float) -> bool:
+        return options.max_minutes is None or end_s <= options.max_minutes * 60
+
     for n, point in enumerate(points, 1):
         workload = runner.workload(point)
         todo, copies = [], {}
@@ -432,7 +440,7 @@ def run_grid(
             continue
         estimate = sum(est.seconds(c, workload.prompt_tokens) for c in todo)
         elapsed = clock() - started
-        if options.max_minutes is not None and elapsed + estimate > options.max_minutes * 60:
+        if options.max_minutes is not None and not fits(elapsed + estimate):
             left = options.max_minutes * 60 - elapsed
             _log(
                 f"stopping before {point.key}: it needs ~{estimate / 60:.1f} min "
@@ -446,7 +454,11 @@ def run_grid(
         point_started = clock()
         runner.clear_fs()
         fs_gib = point_fs_gib(runner, options)
-        for config in todo:
+        for i, config in enumerate(todo):
+            if i and not fits(clock() - started + est.seconds(config, workload.prompt_tokens)):
+                _log(f"stopping before {point.key} {config}: --max-minutes would pass")
+                runner.clear_fs()
+                return data
             row = runner.run(point, workload, config, fs_gib)
             sel = options.selection
             row.update(date=now_utc(), commit=sel.commit, machine=runner.machine)

@@ -435,6 +435,22 @@ def test_max_minutes_stops_before_a_point_that_would_not_finish(
     assert set(data["points"]) == {"4x2", "8x2"}
 
 
+def test_max_minutes_stops_before_a_configuration_that_would_not_finish(
+    grid: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "grid.json"
+    clock = FakeClock()
+    runner = FakeRunner(tmp_path, out, clock)
+    runner.seconds = 100.0
+    # The prior's 20.4 s a configuration lets the point start (61 s of 240); after none's row
+    # the estimate is 120 s: kvtier ends at 200 s, kvtier_fs would at 320 s.
+    opts = options(grid, "none,kvtier,kvtier_fs", max_minutes=4.0)
+    data = grid.run_grid(grid.parse_points("4x2"), opts, runner, out, clock)
+    assert runner.ran == [("4x2", "none"), ("4x2", "kvtier")]
+    assert set(data["points"]["4x2"]["configs"]) == {"none", "kvtier"}
+    assert runner.clears == 2  # the point's fs directories go when it stops too
+
+
 def test_estimates_use_the_rows_of_the_same_gpu(grid: ModuleType) -> None:
     est = grid.estimator_from(
         {
@@ -463,6 +479,9 @@ def test_estimates_use_the_rows_of_the_same_gpu(grid: ModuleType) -> None:
     )
     assert est.seconds("none", 2000) == pytest.approx(60 + 0.01 * 2000)
     assert est.seconds("kvtier", 2000) == pytest.approx(80.0)  # falls back on none's samples
+    # A child's whole process time, where recorded, is what a configuration costs.
+    est.add("kvtier", {"prompt_tokens": 1000, "wall_s": 10, "elapsed_s": 40, "process_s": 70})
+    assert est.seconds("kvtier", 2000) == pytest.approx(60 + 0.01 * 2000)
     assert grid.Estimator(grid.PRIORS["llama8b"]).seconds("x", 0) == grid.PRIORS["llama8b"][0]
 
 
@@ -702,7 +721,9 @@ def test_each_configuration_runs_in_a_child_and_a_dead_child_is_an_error_row(
         return SimpleNamespace(returncode=0 if row is not None else -11)
 
     monkeypatch.setattr(bench.subprocess, "run", child)
-    assert runner.run(point, workload, "kvtier", 1.5) == {"ttft_ms": {"50": 1.0}}
+    row = runner.run(point, workload, "kvtier", 1.5)
+    assert row.pop("process_s") >= 0.0  # the child's whole life, for the grid's estimates
+    assert row == {"ttft_ms": {"50": 1.0}}
     # The parent's arguments, then the one point and configuration (argparse keeps the last).
     assert commands[0][2:5] == ["--grid", "--model", "tiny"]
     tail = commands[0][5:]
