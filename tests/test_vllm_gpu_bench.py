@@ -420,19 +420,23 @@ def test_vllm_alone_runs_once_per_concurrency(grid: ModuleType, tmp_path: Path) 
     assert copied["per_request"] == data["points"]["4x2"]["configs"]["none"]["per_request"]
 
 
+def slow_runner(tmp_path: Path) -> FakeRunner:
+    """A fake engine side whose configurations take 100 s of its clock."""
+    runner = FakeRunner(tmp_path, tmp_path / "grid.json", FakeClock())
+    runner.seconds = 100.0
+    return runner
+
+
 def test_max_minutes_stops_before_a_point_that_would_not_finish(
     grid: ModuleType, tmp_path: Path
 ) -> None:
-    out = tmp_path / "grid.json"
-    clock = FakeClock()
-    runner = FakeRunner(tmp_path, out, clock)
-    runner.seconds = 100.0
+    runner = slow_runner(tmp_path)
     points = grid.parse_points("4x2,8x2,16x2")
     # No history: the tiny prior (20 s + 200 us per prompt token, 2000 tokens) = 20.4 s per
     # configuration. After the first point its rows say 80 s start-up (elapsed 100 s less wall
     # 20 s) + 20 ms per token (20 s over a row's 1000 tokens) = 120 s per configuration.
     opts = options(grid, "none,kvtier", max_minutes=8.0)
-    data = grid.run_grid(points, opts, runner, out, clock)
+    data = grid.run_grid(points, opts, runner, runner.out, runner.clock)
     # 4x2 (est. 41 s) ran until 200 s; 8x2 (est. 240 s) fits in 480 s and ran until 400 s;
     # 16x2 would end at 640 s.
     assert [k for k, _ in runner.ran] == ["4x2", "4x2", "8x2", "8x2"]
@@ -442,14 +446,11 @@ def test_max_minutes_stops_before_a_point_that_would_not_finish(
 def test_max_minutes_stops_before_a_configuration_that_would_not_finish(
     grid: ModuleType, tmp_path: Path
 ) -> None:
-    out = tmp_path / "grid.json"
-    clock = FakeClock()
-    runner = FakeRunner(tmp_path, out, clock)
-    runner.seconds = 100.0
+    runner = slow_runner(tmp_path)
     # The prior's 20.4 s a configuration lets the point start (61 s of 240); after none's row
     # the estimate is 120 s: kvtier ends at 200 s, kvtier_fs would at 320 s.
     opts = options(grid, "none,kvtier,kvtier_fs", max_minutes=4.0)
-    data = grid.run_grid(grid.parse_points("4x2"), opts, runner, out, clock)
+    data = grid.run_grid(grid.parse_points("4x2"), opts, runner, runner.out, runner.clock)
     assert runner.ran == [("4x2", "none"), ("4x2", "kvtier")]
     assert set(data["points"]["4x2"]["configs"]) == {"none", "kvtier"}
     assert runner.clears == 2  # the point's fs directories go when it stops too
