@@ -64,6 +64,8 @@ from kvtier.pool import HostPool
 from kvtier.tiers.base import JobResult, Tier, TierJob, TierJobKind
 
 BLOCK_TOKENS = 16
+FULL_DISK_MIN_FREE = "1024TiB"
+"""``--fs-full``'s fs ``min_free``: less room than that on any disk, as on a full one."""
 
 
 @dataclass
@@ -230,8 +232,10 @@ def run(
     """One pass of the workload: each step's wall and CPU seconds and the times the scheduler
     thread blocked in it, and the planner's stats."""
     tiers = []
-    if args.fs:
+    if args.fs or args.fs_full:
         tiers.append({"kind": "fs", "path": str(workdir / "fs"), "capacity": "4GiB"})
+    if args.fs_full:  # more free space asked for than any disk has: every write is refused
+        tiers[0]["min_free"] = FULL_DISK_MIN_FREE
     config = load_config(
         {
             "model": "bench",
@@ -459,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         "waiting request every step)",
     )
     parser.add_argument("--fs", action="store_true", help="an fs tier behind the pool")
+    parser.add_argument(
+        "--fs-full",
+        action="store_true",
+        help="an fs tier on a disk it finds full (it refuses every write and holds nothing)",
+    )
     parser.add_argument("--stats-file", action="store_true", help="vllm.stats_path set")
     parser.add_argument(
         "--events", action="store_true", help="record cache events (vLLM's KV events on)"
@@ -477,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.fs_full and args.steady:
+        parser.error("--fs-full needs the real fs tier: not with --steady")
     result = measure(args)
     profile = result.pop("profile", None)
     each = result.pop("each_step", None)

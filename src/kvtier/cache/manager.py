@@ -443,10 +443,11 @@ class TieredCache(CacheReports):
         """Start promoting the secondary-tier run after the pool hits, as far as the budget and the
         costs allow (``PromotionRules.claim``); True if the answer is final (nothing to promote),
         False if a promotion is in flight or a tier cannot tell yet."""
-        rest = keys[hits:]
-        inflight, index = self._inflight, self._index
-        if rest[0] in self._promoting:
+        if keys[hits] in self._promoting:
             return False
+        if self._answers.hold_nothing():  # each lookup's tier work was 6 us on a full disk
+            return True
+        rest, inflight, index = keys[hits:], self._inflight, self._index
         now, rules, failed = self._clock(), self._rules, self._failed_promotions
         if owner in rules.room_waits and self.pinned_full:  # no tier asked: the deadline decides
             return not (self._jobs.any_writes() and now < rules.room_waits[owner])

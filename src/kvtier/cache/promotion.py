@@ -546,6 +546,11 @@ class KeptAnswers:
             del table[next(iter(table))]
         return kept.answers
 
+    def hold_nothing(self) -> bool:
+        """Every tier surely holds nothing (``Tier.is_empty``: an fs tier on a full disk), so no
+        answer needs asking or keeping."""
+        return all(map(_surely_empty, self._tiers))
+
     def forget(self, owner: Owner) -> None:
         """The request stopped waiting: its answers go."""
         self._kept.pop(owner, None)
