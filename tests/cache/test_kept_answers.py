@@ -235,29 +235,3 @@ def test_an_answer_a_tier_cannot_give_yet_is_not_kept(ns, make_pool):
     tier.unknown.clear()
     tier.stored[keys[2]] = b""
     assert run_found(cache, keys) == 3
-
-
-class EmptyTier(ScriptedTier):
-    """A tier that surely holds nothing (an fs tier on a full disk), counting generation reads."""
-
-    def __init__(self, name: str, namespace: Namespace, pool: HostPool) -> None:
-        super().__init__(name, namespace, pool)
-        self.generations_read = 0
-
-    def is_empty(self) -> bool:
-        return True
-
-    def generation(self) -> int:
-        self.generations_read += 1
-        return 7
-
-
-def test_tiers_that_hold_nothing_cost_no_bookkeeping(ns, make_pool):
-    """Before: each lookup read every tier's generation and kept an empty answer."""
-    pool = make_pool(4)
-    tier = EmptyTier("fs", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
-    keys = keys_for(ns, 3, seed=1)
-    assert cache.lookup(keys, "a") == (0, True)
-    assert cache.lookup(keys) == (0, True)
-    assert tier.generations_read == 0 and tier.counters.lookups == 0

@@ -494,6 +494,7 @@ class CountingTier(ScriptedTier):
     def __init__(self, name: str, namespace: Namespace, pool: HostPool) -> None:
         super().__init__(name, namespace, pool)
         self.asked = 0
+        self.generations_read = 0
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[bool | None]:
         self.asked += len(keys)
@@ -502,15 +503,20 @@ class CountingTier(ScriptedTier):
     def is_empty(self) -> bool:
         return not self.stored
 
+    def generation(self) -> int:
+        self.generations_read += 1
+        return len(self.stored)
+
 
 def test_an_empty_tier_is_not_asked_and_a_miss_asks_one_key(ns, make_pool):
-    """Before: every lookup asked every tier for the request's whole tail."""
+    """Before: every lookup asked every tier for the request's whole tail, and (the tiers all
+    empty, as an fs tier on a full disk) read their generations to keep an empty answer."""
     pool = make_pool(8)
     tier = CountingTier("fs", ns, pool)
     cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
     keys = keys_for(ns, 50, seed=1)
     assert cache.lookup(keys, "a") == (0, True)
-    assert tier.asked == 0
+    assert tier.asked == 0 and tier.generations_read == 0
     tier.stored = {b"x" * 16: b""}
     assert cache.lookup(keys, "a") == (0, True)
     assert tier.asked == 1
