@@ -220,13 +220,13 @@ def _fs_against_native(configs: dict[str, Any]) -> list[Check]:
             if old is None or (value > old[0] if higher else value < old[0]):
                 best[label] = value, ref_name
     note = "" if len(refs) == 2 else " (one reference missing)"
+    spreads = {ref_name: _reference_spread(ours, ref_name, ref) for ref_name, ref in refs}
     checks = []
     for label, value in mine.items():
         theirs, ref_name = best[label]
         check = _ratio_check(name + note, label, value, theirs, label == "output tok/s")
         if label in TTFT_LABELS:
-            spread = _reference_spread(ours, ref_name, configs[ref_name])
-            check = replace(check, detail=check.detail + spread)
+            check = replace(check, detail=check.detail + spreads[ref_name])
         checks.append(check)
     return checks
 
