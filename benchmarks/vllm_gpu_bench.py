@@ -357,10 +357,15 @@ def group_bytes_per_token(stats: dict[str, Any]) -> dict[str, float]:
 
 
 def run_safely(
-    spec: eng.RunSpec, model: eng.ModelSpec, prompts: eng.Prompts, max_tokens: int
+    spec: eng.RunSpec,
+    model: eng.ModelSpec,
+    prompts: eng.Prompts,
+    max_tokens: int,
+    shares_host: bool = False,
 ) -> dict[str, Any]:
     """``run_config``, or a row with the ``error`` when it failed; the fs tiers' directories and
-    any offloading region it left in /dev/shm are removed either way."""
+    any offloading region it left in /dev/shm are removed either way (the regions by the grid
+    when another engine ``shares_host``: a new one may be that engine's)."""
     shm_before = eng.offload_shm_files()
     guard = None
     if spec.config in eng.FS_CONFIGS:
@@ -381,7 +386,8 @@ def run_safely(
         return {"error": f"{type(exc).__name__}: {exc}", "elapsed_s": elapsed}
     finally:
         eng.clear_fs(spec.workdir)
-        eng.remove_new_shm(shm_before)
+        if not shares_host:
+            eng.remove_new_shm(shm_before)
 
 
 # -- provenance and the grid's engine side ------------------------------------------------------
@@ -404,8 +410,15 @@ def machine() -> dict[str, Any]:
 class VllmPointRunner:
     """The grid's engine side: a point's workload and one configuration run at a time."""
 
-    def __init__(self, settings: eng.Settings, model: eng.ModelSpec, requests: dict[int, int]):
+    def __init__(
+        self,
+        settings: eng.Settings,
+        model: eng.ModelSpec,
+        requests: dict[int, int],
+        shares_host: bool = False,
+    ) -> None:
         self.settings = settings
+        self.shares_host = shares_host
         self.spec_model = model
         self.model = model.name
         self.machine = machine()
@@ -424,21 +437,32 @@ class VllmPointRunner:
     def clear_fs(self) -> None:
         eng.clear_fs(self.workdir)
 
-    def run(
-        self, point: grid.GridPoint, workload: grid.PointWorkload, config: str, fs_gib: float
-    ) -> dict[str, Any]:
-        summary = workload.summary
+    def run(self, jobs: list[grid.Job]) -> list[dict[str, Any]]:
+        if len(jobs) != 1:
+            raise grid.GridError("one configuration at a time in this process: drop --gpus")
+        job = jobs[0]
+        summary = job.workload.summary
         spec = eng.RunSpec(
-            config=config,
-            concurrency=point.concurrency,
-            host_gib=point.host_gib,
-            fs_gib=fs_gib,
+            config=job.config,
+            concurrency=job.point.concurrency,
+            host_gib=job.point.host_gib,
+            fs_gib=job.fs_gib,
             kv_bytes=int(summary["gpu_kv_bytes"]),
             max_model_len=int(summary["max_model_len"]),
             workdir=self.workdir,
         )
-        prompts = self._prompts[point.concurrency]
-        return run_safely(spec, self.spec_model, prompts, self.settings.max_tokens)
+        prompts = self._prompts[job.point.concurrency]
+        return [
+            run_safely(spec, self.spec_model, prompts, self.settings.max_tokens, self.shares_host)
+        ]
+
+
+@dataclass(slots=True)
+class Child:
+    job: grid.Job
+    row_path: Path
+    process: subprocess.Popen[bytes]
+    began: float
 
 
 class ChildPointRunner(VllmPointRunner):
@@ -448,7 +472,11 @@ class ChildPointRunner(VllmPointRunner):
     stopped in PyTorch's CUDA allocator (an internal assert), and the next point's engines found
     17 GiB still taken and refused to start. A child costs about 10 s more (its imports). One
     that runs past ``timeout_s`` is killed and its row is an error (an engine that hangs must
-    not hold the rest of the grid)."""
+    not hold the rest of the grid).
+
+    With ``lanes`` above 1 a round's children run at once, lane ``i`` on the ``i``-th visible GPU
+    with its own work directory (``<workdir>/lane<i>``) and vLLM cache; offloading regions left in
+    /dev/shm are removed once the whole round has ended (vLLM's names do not say whose they are)."""
 
     def __init__(
         self,
@@ -457,37 +485,93 @@ class ChildPointRunner(VllmPointRunner):
         requests: dict[int, int],
         argv: list[str],
         timeout_s: float,
+        lanes: int = 1,
     ) -> None:
         super().__init__(settings, model, requests)
         self._argv = argv
         self.timeout_s = timeout_s
+        self.lanes = lanes
+        self._gpus = lane_gpus(lanes)
 
-    def run(
-        self, point: grid.GridPoint, workload: grid.PointWorkload, config: str, fs_gib: float
-    ) -> dict[str, Any]:
+    def lane_workdir(self, lane: int) -> Path:
+        return self.workdir / f"lane{lane}" if self.lanes > 1 else self.workdir
+
+    def clear_fs(self) -> None:
+        for lane in range(self.lanes):
+            eng.clear_fs(self.lane_workdir(lane))
+
+    def command(self, job: grid.Job, row_path: Path) -> list[str]:
+        """The child's command line: this script with the parent's arguments, narrowed."""
+        lane_args = []
+        if self.lanes > 1:
+            lane_args = ["--workdir", str(self.lane_workdir(job.lane)), "--shares-host"]
+        return [
+            sys.executable, str(Path(__file__).resolve()), *self._argv,
+            "--grid-points", job.point.key, "--configs", job.config,
+            "--fs-gib", repr(job.fs_gib), *lane_args, "--child-row", str(row_path),
+        ]  # fmt: skip
+
+    def child_env(self, lane: int) -> dict[str, str] | None:
+        if self.lanes == 1:
+            return None  # the parent's
+        cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
+        # Two engines compiling the same graphs must not write one cache directory at once.
+        extra = {
+            "CUDA_VISIBLE_DEVICES": self._gpus[lane],
+            "VLLM_CACHE_ROOT": str(cache / f"lane{lane}"),
+        }
+        return {**os.environ, **extra}
+
+    def run(self, jobs: list[grid.Job]) -> list[dict[str, Any]]:
         shm_before = eng.offload_shm_files()
         with tempfile.TemporaryDirectory() as tmp:
-            row_path = Path(tmp) / "row.json"
-            command = [
-                sys.executable, str(Path(__file__).resolve()), *self._argv,
-                "--grid-points", point.key, "--configs", config, "--fs-gib", repr(fs_gib),
-                "--child-row", str(row_path),
-            ]  # fmt: skip
-            began = time.perf_counter()
-            try:
-                code = subprocess.run(command, check=False, timeout=self.timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                code = None
-            row = json.loads(row_path.read_text()) if row_path.exists() else None
+            children = []
+            for job in jobs:
+                row_path = Path(tmp) / f"row{job.lane}.json"
+                self.lane_workdir(job.lane).mkdir(parents=True, exist_ok=True)
+                process = subprocess.Popen(
+                    self.command(job, row_path), env=self.child_env(job.lane)
+                )
+                children.append(Child(job, row_path, process, time.perf_counter()))
+            rows = [self._finish(child) for child in children]
         eng.remove_new_shm(shm_before)  # what a child that died left
-        if code is None:
+        return rows
+
+    def _finish(self, child: Child) -> dict[str, Any]:
+        left = self.timeout_s - (time.perf_counter() - child.began)
+        try:
+            code = child.process.wait(timeout=max(0.0, left))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
             return {"error": f"the configuration's process ran past {self.timeout_s:g} s: killed"}
+        row = json.loads(child.row_path.read_text()) if child.row_path.exists() else None
         if not isinstance(row, dict):
             return {"error": f"the configuration's process exited with {code} and wrote no row"}
-        if row.pop("workload_digest", None) != workload.digest:
+        if row.pop("workload_digest", None) != child.job.workload.digest:
             return {"error": "the configuration's process ran another request sequence"}
-        row["process_s"] = round(time.perf_counter() - began, 1)
+        row["process_s"] = round(time.perf_counter() - child.began, 1)
         return row
+
+
+def lane_gpus(lanes: int) -> list[str]:
+    """The GPU each lane's children see: the visible ones in order (``CUDA_VISIBLE_DEVICES``,
+    else all), at least one per lane."""
+    if lanes == 1:
+        return [""]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    else:
+        try:
+            import torch
+
+            gpus = [str(i) for i in range(torch.cuda.device_count())]
+        except ImportError:
+            gpus = []
+    if len(gpus) < lanes:
+        raise grid.GridError(f"--gpus {lanes} needs {lanes} GPUs; {len(gpus)} visible")
+    return gpus[:lanes]
 
 
 def run_child(args: argparse.Namespace, runner: VllmPointRunner, config: str) -> int:
@@ -497,7 +581,7 @@ def run_child(args: argparse.Namespace, runner: VllmPointRunner, config: str) ->
     if len(points) != 1 or args.fs_gib is None:
         raise grid.GridError("--child-row needs one --grid-points point and --fs-gib")
     workload = runner.workload(points[0])
-    row = runner.run(points[0], workload, config, args.fs_gib)
+    [row] = runner.run([grid.Job(points[0], workload, config, args.fs_gib)])
     row["workload_digest"] = workload.digest
     Path(args.child_row).write_text(json.dumps(row))
     return 0
@@ -585,16 +669,20 @@ def run_grid_mode(
     rerun = {p.key for p in grid.parse_points(args.rerun)} if args.rerun else set()
     commit = args.commit or grid.git_commit(Path(__file__).resolve().parents[1])
     selection = grid.Selection(commit, args.skip_done, args.reuse_baselines, frozenset(rerun))
-    options = grid.GridOptions(configs, selection, args.max_minutes, args.fs_gib)
+    options = grid.GridOptions(configs, selection, args.max_minutes, args.fs_gib, args.gpus)
     if commit == "unknown" or commit.endswith("+dirty"):
         print(f"commit {commit}: a later --skip-done will not trust these rows", file=sys.stderr)
     requests = grid.parse_requests(args.grid_requests)
     if args.child_row:
-        return run_child(args, VllmPointRunner(settings, model, requests), configs[0])
+        runner = VllmPointRunner(settings, model, requests, args.shares_host)
+        return run_child(args, runner, configs[0])
+    if args.gpus < 1 or (args.in_process and args.gpus > 1):
+        raise grid.GridError("--gpus needs a child process per configuration, at least one GPU")
     if args.in_process:
         runner = VllmPointRunner(settings, model, requests)
     else:
-        runner = ChildPointRunner(settings, model, requests, args.argv, args.config_timeout * 60)
+        timeout_s = args.config_timeout * 60
+        runner = ChildPointRunner(settings, model, requests, args.argv, timeout_s, args.gpus)
     data = grid.run_grid(points, options, runner, out)
     report_grid(data, out)
     return 0
@@ -656,7 +744,14 @@ def parser() -> argparse.ArgumentParser:
         default=30.0,
         help="minutes a configuration's child process may run before it is killed",
     )
+    g.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="points run at once, one per GPU, each configuration at all of them together",
+    )
     g.add_argument("--child-row", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--shares-host", action="store_true", help=argparse.SUPPRESS)
     return p
 
 

@@ -3,7 +3,7 @@
 A point is a number of conversations in flight and a host pool size (key ``16x4``). At each point
 every configuration runs in a fresh engine, and its row is merged into the JSON file as soon as it
 finishes (with its date, the commit and the machine), so a grid can be spread over several
-invocations. What runs is decided per point and configuration (:func:`plan`):
+invocations. What runs is decided per point and configuration (:func:`plan_point`):
 
 * ``--skip-done`` skips a configuration already recorded without error for the same workload
   (same request sequence and engine settings: ``workload.digest``) and the same commit;
@@ -13,10 +13,14 @@ invocations. What runs is decided per point and configuration (:func:`plan`):
 * ``none`` (vLLM alone) does not depend on the host pool: a usable ``none`` row of the same
   workload at another host size is copied (``copied_from``) instead of run again.
 
-``--max-minutes`` stops before a point whose estimate does not fit in what is left, and before
-a configuration of a started point that would end past it; estimates come from the rows already
-in the file (same model and GPU: a configuration's process time less its timed run, plus seconds
-per prompt token), else from ``PRIORS``.
+``--gpus N`` runs N points at once, one per GPU, in lockstep: a configuration starts at all of
+them together, so what it shares the host with is the same configuration at another point
+(recorded in its row as ``alongside``), and the fs tiers split the disk's safe size.
+
+``--max-minutes`` stops before a round of points whose estimate does not fit in what is left,
+and before a configuration of a started round that would end past it; estimates come from the
+rows already in the file (same model and GPU: a configuration's process time less its timed
+run, plus seconds per prompt token), else from ``PRIORS``.
 """
 
 from __future__ import annotations
@@ -358,6 +362,17 @@ class PointWorkload:
         return int(self.summary["prompt_tokens"])
 
 
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One configuration at one point, on one lane (a GPU and a work directory of its own)."""
+
+    point: GridPoint
+    workload: PointWorkload
+    config: str
+    fs_gib: float
+    lane: int = 0
+
+
 class PointRunner(Protocol):
     """What the grid needs from the engine side (``vllm_gpu_bench``; a fake in the tests)."""
 
@@ -365,16 +380,16 @@ class PointRunner(Protocol):
     machine: dict[str, Any]
     """Kept in every row (``gpu`` names the card; estimates use rows of the same card)."""
     workdir: Path
+    """Every lane's fs tiers live on this directory's disk."""
 
     def workload(self, point: GridPoint) -> PointWorkload: ...
 
     def clear_fs(self) -> None:
-        """Delete every fs tier's directory under the work directory."""
+        """Delete every lane's fs tier directories."""
 
-    def run(
-        self, point: GridPoint, workload: PointWorkload, config: str, fs_gib: float
-    ) -> dict[str, Any]:
-        """One configuration at one point: its row (``error`` in it when it failed)."""
+    def run(self, jobs: list[Job]) -> list[dict[str, Any]]:
+        """The jobs at once, each on its own lane: their rows in order (``error`` in a row whose
+        configuration failed)."""
         ...
 
 
@@ -385,6 +400,10 @@ class GridOptions:
     max_minutes: float | None = None
     fs_gib: float | None = None
     """An fs capacity below the disk's safe size (None: the safe size)."""
+    lanes: int = 1
+    """Points run at once, one per GPU, in lockstep: each configuration starts at every point of
+    the round together, so it shares the host (cores, memory, the disk) with the same
+    configuration at another point, never with another configuration of its own point."""
 
 
 def _log(message: str) -> None:
@@ -392,13 +411,21 @@ def _log(message: str) -> None:
 
 
 def point_fs_gib(runner: PointRunner, options: GridOptions) -> float:
+    """One lane's fs capacity: ``--fs-gib``, at most the disk's safe size over the lanes."""
     usage = shutil.disk_usage(runner.workdir)
-    safe = fs_capacity_gib(usage.free, usage.total)
+    safe = fs_capacity_gib(usage.free, usage.total) / options.lanes
     if options.fs_gib is not None and options.fs_gib < safe:
         return options.fs_gib
     if options.fs_gib is not None:
         _log(f"fs capacity {options.fs_gib:g} GiB capped to the disk's safe {safe:.1f} GiB")
     return round(safe, 1)
+
+
+@dataclass(slots=True)
+class PointPlan:
+    point: GridPoint
+    workload: PointWorkload
+    todo: list[str]
 
 
 def run_grid(
@@ -408,10 +435,11 @@ def run_grid(
     out: Path,
     clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
-    """Run the points in order, merging each configuration's row into ``out`` as it finishes;
-    returns the file's data. Stops before a point whose estimate exceeds ``max_minutes``, and
-    before a configuration of a started point that would end past it (the estimates learn from
-    each row: an engine's first start in a lending compiles for tens of seconds)."""
+    """Run the points in order, ``options.lanes`` at a time, merging each configuration's row
+    into ``out`` as it finishes; returns the file's data. Stops before a round of points whose
+    estimate exceeds ``max_minutes``, and before a configuration of a started round that would
+    end past it (the estimates learn from each row: an engine's first start in a lending
+    compiles for tens of seconds)."""
     data = load(out)
     if data.get("model") not in (None, runner.model):
         raise GridError(f"{out} holds {data.get('model')!r}, not {runner.model!r}: use --json")
@@ -422,53 +450,73 @@ def run_grid(
     def fits(end_s: float) -> bool:
         return options.max_minutes is None or end_s <= options.max_minutes * 60
 
-    for n, point in enumerate(points, 1):
-        workload = runner.workload(point)
-        todo, copies = [], {}
-        for config in options.configs:
-            row = done_row(data, point, config, workload.digest, options.selection)
-            if row is None:
-                todo.append(config)
-            elif "copied_from" in row:
-                copies[config] = row
-        for config, row in copies.items():
-            merge_row(data, point, workload.summary, config, row)
-        if copies:
-            save(out, data)
-        if not todo:
-            _log(f"[{n}/{len(points)}] {point.key}: done already, skipped")
+    def seconds(plans: list[PointPlan], configs: Iterable[str]) -> float:
+        """The round's time: its slowest lane's."""
+        return max(sum(est.seconds(c, p.workload.prompt_tokens) for c in configs) for p in plans)
+
+    for first in range(0, len(points), options.lanes):
+        plans = []
+        for n, point in enumerate(points[first : first + options.lanes], first + 1):
+            plan = plan_point(data, point, runner.workload(point), options)
+            if plan.todo:
+                plans.append(plan)
+            else:
+                _log(f"[{n}/{len(points)}] {point.key}: done already, skipped")
+        save(out, data)  # the ``none`` rows copied
+        if not plans:
             continue
-        estimate = sum(est.seconds(c, workload.prompt_tokens) for c in todo)
+        keys = ", ".join(p.point.key for p in plans)
+        estimate = max(seconds([p], p.todo) for p in plans)
         elapsed = clock() - started
-        if options.max_minutes is not None and not fits(elapsed + estimate):
-            left = options.max_minutes * 60 - elapsed
+        if not fits(elapsed + estimate):
+            left = (options.max_minutes or 0.0) * 60 - elapsed
+            todo = "; ".join(f"{p.point.key}: {', '.join(p.todo)}" for p in plans)
             _log(
-                f"stopping before {point.key}: it needs ~{estimate / 60:.1f} min "
-                f"({', '.join(todo)}), {max(0.0, left) / 60:.1f} min left of --max-minutes"
+                f"stopping before {keys}: it needs ~{estimate / 60:.1f} min ({todo}), "
+                f"{max(0.0, left) / 60:.1f} min left of --max-minutes"
             )
             break
         _log(
-            f"[{n}/{len(points)}] {point.key}: {', '.join(todo)}, ~{estimate / 60:.1f} min "
-            f"estimated, {elapsed / 60:.1f} min elapsed"
+            f"[{first + 1}/{len(points)}] {keys}: {'; '.join(', '.join(p.todo) for p in plans)}, "
+            f"~{estimate / 60:.1f} min estimated, {elapsed / 60:.1f} min elapsed"
         )
-        point_started = clock()
+        round_started = clock()
         runner.clear_fs()
         fs_gib = point_fs_gib(runner, options)
-        for i, config in enumerate(todo):
-            if i and not fits(clock() - started + est.seconds(config, workload.prompt_tokens)):
-                _log(f"stopping before {point.key} {config}: --max-minutes would pass")
+        for i, config in enumerate(c for c in options.configs if any(c in p.todo for p in plans)):
+            lanes = [(lane, p) for lane, p in enumerate(plans) if config in p.todo]
+            if i and not fits(clock() - started + seconds([p for _, p in lanes], [config])):
+                _log(f"stopping before {config} at {keys}: --max-minutes would pass")
                 runner.clear_fs()
                 return data
-            row = runner.run(point, workload, config, fs_gib)
-            sel = options.selection
-            row.update(date=now_utc(), commit=sel.commit, machine=runner.machine)
-            row.update(workload_digest=workload.digest, run_id=sel.run_id)
-            merge_row(data, point, workload.summary, config, row)
+            jobs = [Job(p.point, p.workload, config, fs_gib, lane) for lane, p in lanes]
+            for job, row in zip(jobs, runner.run(jobs), strict=True):
+                sel = options.selection
+                row.update(date=now_utc(), commit=sel.commit, machine=runner.machine)
+                row.update(workload_digest=job.workload.digest, run_id=sel.run_id)
+                if len(jobs) > 1:
+                    row["alongside"] = [j.point.key for j in jobs if j is not job]
+                merge_row(data, job.point, job.workload.summary, config, row)
+                est.add(config, row)
             save(out, data)
-            est.add(config, row)
         runner.clear_fs()
         _log(
-            f"[{n}/{len(points)}] {point.key}: took {(clock() - point_started) / 60:.1f} min "
+            f"[{first + 1}/{len(points)}] {keys}: took {(clock() - round_started) / 60:.1f} min "
             f"(estimated {estimate / 60:.1f})"
         )
     return data
+
+
+def plan_point(
+    data: dict[str, Any], point: GridPoint, workload: PointWorkload, options: GridOptions
+) -> PointPlan:
+    """What is left to run at ``point``; a ``none`` row it can copy is merged into ``data``
+    instead."""
+    todo = []
+    for config in options.configs:
+        row = done_row(data, point, config, workload.digest, options.selection)
+        if row is None:
+            todo.append(config)
+        elif "copied_from" in row:
+            merge_row(data, point, workload.summary, config, row)
+    return PointPlan(point, workload, todo)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import shutil
-import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -296,6 +297,8 @@ class FakeRunner:
         self.seconds = 60.0
         self.ran: list[tuple[str, str]] = []
         self.seen_on_disk: list[set[str]] = []
+        self.rounds: list[list[tuple[str, str, int]]] = []
+        self.fs_gib: set[float] = set()
         self.clears = 0
 
     def workload(self, point: Any) -> Any:
@@ -307,14 +310,20 @@ class FakeRunner:
     def clear_fs(self) -> None:
         self.clears += 1
 
-    def run(self, point: Any, workload: Any, config: str, fs_gib: float) -> dict[str, Any]:
-        assert fs_gib >= 0
-        on_disk = json.loads(self.out.read_text()) if self.out.exists() else {}
-        configs = on_disk.get("points", {}).get(point.key, {}).get("configs", {})
-        self.seen_on_disk.append(set(configs))
-        self.ran.append((point.key, config))
+    def run(self, jobs: list[Any]) -> list[dict[str, Any]]:
+        """The jobs at once: ``seconds`` of the clock for all of them."""
+        self.rounds.append([(j.point.key, j.config, j.lane) for j in jobs])
+        rows = []
+        for job in jobs:
+            assert job.fs_gib >= 0
+            self.fs_gib.add(job.fs_gib)
+            on_disk = json.loads(self.out.read_text()) if self.out.exists() else {}
+            configs = on_disk.get("points", {}).get(job.point.key, {}).get("configs", {})
+            self.seen_on_disk.append(set(configs))
+            self.ran.append((job.point.key, job.config))
+            rows.append(make_row({"c0.t1": 10.0}, wall_s=20.0, elapsed_s=self.seconds))
         self.clock.now += self.seconds
-        return make_row({"c0.t1": 10.0}, wall_s=20.0, elapsed_s=self.seconds)
+        return rows
 
 
 def options(grid: ModuleType, configs: str, commit: str = "abc", **kw: Any) -> Any:
@@ -454,6 +463,51 @@ def test_max_minutes_stops_before_a_configuration_that_would_not_finish(
     assert runner.ran == [("4x2", "none"), ("4x2", "kvtier")]
     assert set(data["points"]["4x2"]["configs"]) == {"none", "kvtier"}
     assert runner.clears == 2  # the point's fs directories go when it stops too
+
+
+def test_lanes_run_each_configuration_at_a_round_of_points_together(
+    grid: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gib = 1 << 30
+    usage = shutil._ntuple_diskusage(100 * gib, 40 * gib, 60 * gib)  # type: ignore[attr-defined]
+    monkeypatch.setattr(grid.shutil, "disk_usage", lambda _path: usage)
+    out = tmp_path / "grid.json"
+    runner = FakeRunner(tmp_path, out, FakeClock())
+    points = grid.parse_points("4x2,8x2,16x2")
+    data = grid.run_grid(points, options(grid, "none,kvtier", lanes=2), runner, out, runner.clock)
+    assert runner.rounds == [
+        [("4x2", "none", 0), ("8x2", "none", 1)],
+        [("4x2", "kvtier", 0), ("8x2", "kvtier", 1)],
+        [("16x2", "none", 0)],
+        [("16x2", "kvtier", 0)],
+    ]
+    assert runner.clock.now == 4 * runner.seconds  # a round takes one configuration's time
+    rows = {k: p["configs"] for k, p in data["points"].items()}
+    assert rows["4x2"]["kvtier"]["alongside"] == ["8x2"]
+    assert rows["8x2"]["none"]["alongside"] == ["4x2"]
+    assert "alongside" not in rows["16x2"]["kvtier"]
+    # 60 GiB free of 100 leaves 45 GiB for fs tiers: half of it to each lane.
+    assert runner.fs_gib == {22.5}
+
+
+def test_lanes_skip_what_is_done_and_stop_on_the_slowest_lane(
+    grid: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "grid.json"
+    first = FakeRunner(tmp_path, out, FakeClock())
+    grid.run_grid(grid.parse_points("4x2"), options(grid, "none,kvtier"), first, out, first.clock)
+    again = FakeRunner(tmp_path, out, FakeClock())
+    opts = options(grid, "none,kvtier", skip_done=True, lanes=2)
+    grid.run_grid(grid.parse_points("4x2,8x2"), opts, again, out, again.clock)
+    assert again.rounds == [[("8x2", "none", 0)], [("8x2", "kvtier", 0)]]
+
+    slow = slow_runner(tmp_path / "slow")
+    (tmp_path / "slow").mkdir()
+    # After the first round the estimate is 120 s a configuration: the second round's two
+    # configurations (240 s) do not fit in what is left of 6 minutes (360 - 200 s).
+    opts = options(grid, "none,kvtier", max_minutes=6.0, lanes=2)
+    grid.run_grid(grid.parse_points("4x2,8x2,16x2"), opts, slow, slow.out, slow.clock)
+    assert [len(r) for r in slow.rounds] == [2, 2]
 
 
 def test_estimates_use_the_rows_of_the_same_gpu(grid: ModuleType) -> None:
@@ -703,43 +757,131 @@ def test_unknown_configs_and_bad_points_are_one_line_errors(
     assert "unknown configs ['nope']" in capsys.readouterr().err
 
 
-def test_each_configuration_runs_in_a_child_and_a_dead_child_is_an_error_row(
-    modules: dict[str, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+CHILD = """
+import json, os, sys, time
+config, row_path, digest = sys.argv[1:4]
+began = time.time()
+if config == "native":
+    time.sleep(60)  # hangs
+if config == "kvtier_fs":
+    sys.exit(3)  # dies before it writes its row
+if config == "native_fs":  # an offloading region left behind
+    open("/dev/shm/vllm_offload_" + str(os.getpid()) + ".mmap", "w").close()
+time.sleep(0.5)
+row = {
+    "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    "cache": os.environ.get("VLLM_CACHE_ROOT"),
+    "began": began,
+    "ended": time.time(),
+    "workload_digest": "another" if config == "none" else digest,
+}
+open(row_path, "w").write(json.dumps(row))
+"""
+
+
+def scripted_children(
+    modules: dict[str, ModuleType], tmp_path: Path, lanes: int, timeout_s: float
+) -> tuple[Any, Any]:
+    """A ChildPointRunner whose children are ``CHILD`` (its behaviour chosen by the config's
+    name), and the workload of point 2x0.05."""
     bench, eng, grid = modules["bench"], modules["engine"], modules["grid"]
+
+    class Scripted(bench.ChildPointRunner):  # type: ignore[name-defined,misc]
+        def command(self, job: Any, row_path: Path) -> list[str]:
+            return [sys.executable, "-c", CHILD, job.config, str(row_path), job.workload.digest]
+
     settings = eng.Settings(3, 8, 1, 4, 2048, 0.004, tmp_path)
     model = eng.make_model("tiny", tmp_path)
-    runner = bench.ChildPointRunner(settings, model, {2: 8}, ["--grid", "--model", "tiny"], 60)
+    argv = ["--grid", "--model", "tiny"]
+    runner = Scripted(settings, model, {2: 8}, argv, timeout_s, lanes)
+    return runner, runner.workload(grid.parse_point("2x0.05"))
+
+
+def test_each_configuration_runs_in_a_child_and_a_dead_child_is_an_error_row(
+    modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    bench, grid = modules["bench"], modules["grid"]
+    runner, workload = scripted_children(modules, tmp_path, 1, timeout_s=3)
     point = grid.parse_point("2x0.05")
-    workload = runner.workload(point)
-    commands: list[list[str]] = []
-    rows: list[Any] = [{"ttft_ms": {"50": 1.0}, "workload_digest": workload.digest}, None, {}]
 
-    def child(command: list[str], check: bool, timeout: float) -> Any:
-        assert timeout == 60
-        commands.append(command)
-        if len(commands) > len(rows):  # a child that hangs
-            raise subprocess.TimeoutExpired(command, timeout)
-        row = rows[len(commands) - 1]
-        if row is not None:  # the second child dies before it writes its row
-            Path(command[command.index("--child-row") + 1]).write_text(json.dumps(row))
-        return SimpleNamespace(returncode=0 if row is not None else -11)
+    def run(config: str) -> dict[str, Any]:
+        [row] = runner.run([grid.Job(point, workload, config, 1.5)])
+        return dict(row)
 
-    monkeypatch.setattr(bench.subprocess, "run", child)
-    row = runner.run(point, workload, "kvtier", 1.5)
-    assert row.pop("process_s") >= 0.0  # the child's whole life, for the grid's estimates
-    assert row == {"ttft_ms": {"50": 1.0}}
-    # The parent's arguments, then the one point and configuration (argparse keeps the last).
-    assert commands[0][2:5] == ["--grid", "--model", "tiny"]
-    tail = commands[0][5:]
-    assert tail[:6] == ["--grid-points", "2x0.05", "--configs", "kvtier", "--fs-gib", "1.5"]
-    assert runner.run(point, workload, "kvtier_fs", 1.5) == {
-        "error": "the configuration's process exited with -11 and wrote no row"
+    row = run("kvtier")
+    assert row.pop("process_s") >= 0.5  # the child's whole life, for the grid's estimates
+    assert set(row) == {"gpu", "cache", "began", "ended"}
+    assert run("kvtier_fs") == {
+        "error": "the configuration's process exited with 3 and wrote no row"
     }
-    assert "another request sequence" in runner.run(point, workload, "none", 1.5)["error"]
-    assert runner.run(point, workload, "native", 1.5) == {
-        "error": "the configuration's process ran past 60 s: killed"
-    }
+    assert "another request sequence" in run("none")["error"]
+    assert run("native") == {"error": "the configuration's process ran past 3 s: killed"}
+    # The real command: the parent's arguments, then the one point and configuration
+    # (argparse keeps the last).
+    job = grid.Job(point, workload, "kvtier", 1.5)
+    command = bench.ChildPointRunner.command(runner, job, tmp_path / "row.json")
+    assert command[2:5] == ["--grid", "--model", "tiny"]
+    assert command[5:11] == ["--grid-points", "2x0.05", "--configs", "kvtier", "--fs-gib", "1.5"]
+    assert "--shares-host" not in command and "--workdir" not in command
+
+
+def test_lanes_run_their_children_at_once_each_on_its_gpu(
+    modules: dict[str, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench, grid = modules["bench"], modules["grid"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    runner, workload = scripted_children(modules, tmp_path, 2, timeout_s=4)
+    a, b = grid.parse_point("2x0.05"), grid.parse_point("2x0.1")
+    shm_before = bench.eng.offload_shm_files()
+    first, second = runner.run(
+        [grid.Job(a, workload, "kvtier", 1.5, 0), grid.Job(b, workload, "native_fs", 1.5, 1)]
+    )
+    assert (first["gpu"], second["gpu"]) == ("3", "5")
+    assert first["cache"] == str(tmp_path / "cache" / "lane0")
+    assert second["cache"] == str(tmp_path / "cache" / "lane1")
+    assert first["began"] < second["ended"] and second["began"] < first["ended"]  # at once
+    assert bench.eng.offload_shm_files() == shm_before  # the region left is removed
+    lane1 = grid.Job(b, workload, "kvtier", 2.0, 1)
+    command = bench.ChildPointRunner.command(runner, lane1, Path("r"))
+    assert command[-5:] == [
+        "--workdir",
+        str(tmp_path / "lane1"),
+        "--shares-host",
+        "--child-row",
+        "r",
+    ]
+    # A lane that hangs is killed at its timeout; the other's row is kept.
+    hung, done = runner.run(
+        [grid.Job(a, workload, "native", 1.5, 0), grid.Job(b, workload, "kvtier", 1.5, 1)]
+    )
+    assert "killed" in hung["error"] and done["gpu"] == "5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(grid.GridError, match="--gpus 2 needs 2 GPUs; 1 visible"):
+        bench.lane_gpus(2)
+
+
+@require.unless("vllm", require.vllm_missing())  # the failure path resets vLLM's connector
+def test_an_engine_sharing_the_host_leaves_new_offloading_regions_to_the_grid(
+    modules: dict[str, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench, eng = modules["bench"], modules["engine"]
+    region = Path(f"/dev/shm/vllm_offload_test{os.getpid()}.mmap")
+
+    def failing_engine(*_args: Any) -> dict[str, Any]:
+        region.touch()  # another engine's region, made while this one ran
+        raise RuntimeError("engine failed")
+
+    monkeypatch.setattr(bench, "run_config", failing_engine)
+    spec = eng.RunSpec("kvtier", 2, 0.05, 0.0, 1 << 20, 2048, tmp_path)
+    try:
+        for shares_host, kept in ((True, True), (False, False)):
+            region.unlink(missing_ok=True)
+            row = bench.run_safely(spec, None, None, 4, shares_host)
+            assert row["error"] == "RuntimeError: engine failed"
+            assert region.exists() is kept
+    finally:
+        region.unlink(missing_ok=True)
 
 
 def test_a_child_run_needs_one_point_and_its_fs_capacity(
