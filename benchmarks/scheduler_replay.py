@@ -142,9 +142,11 @@ def run_config(
     workdir: Path,
     hold: tuple[int, float] | None = None,
     fs: rfs.FsSetup | None = None,
+    warmup: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One configuration at one point: its row (the grid's keys) and the workload summary;
-    ``hold``: ``replay.replay``'s; ``fs``: the emulated fs tier of ``kvtier_fs``."""
+    ``hold``: ``replay.replay``'s; ``fs``: the emulated fs tier of ``kvtier_fs``; ``warmup``:
+    the GPU benchmark's warm-up first (what it stores stays in the connectors)."""
     model = eng.make_model("llama8b", workdir)
     prompts, summary = eng.build_point(settings, model, point.concurrency, point.requests)
     shape = rv.EngineShape(
@@ -168,6 +170,10 @@ def run_config(
     timer = eng.HookTimer(connector, enabled=True) if connector is not None else None
     started = time.perf_counter()
     try:
+        if warmup:
+            lengths = sorted(len(p) for p in prompts.all())
+            warm, again = eng.warmup_prompts(model, eng.warmup_lengths(lengths))
+            replay.warm_up(loop, warm, again, eng.WARMUP_TOKENS)
         convs = prompts.conversations()
         done = replay.replay(loop, convs, point.concurrency, settings.max_tokens, hold)
         counters = connector_counters(engine.connector)
@@ -386,6 +392,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fs-gib", type=float, default=rfs.DEFAULT_FS_GIB, help="its capacity")
     p.add_argument("--vllm-path", type=Path, default=None, help="an unpacked vLLM wheel")
     p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="the GPU benchmark's warm-up first; what it stores stays in the connectors",
+    )
+    p.add_argument(
         "--workdir", type=Path, default=None, help="the model's directory (default: a new one)"
     )
     p.add_argument("--measured", type=Path, default=MEASURED_JSON, help="the GPU grid's JSON")
@@ -427,6 +438,7 @@ def run_points(
     measured: dict[str, Any],
     hold: tuple[int, float] | None = None,
     fs: rfs.FsSetup | None = None,
+    warmup: bool = False,
 ) -> dict[str, Any]:
     """Every configuration at every point; prints each point's table as it ends."""
     out: dict[str, Any] = {}
@@ -435,7 +447,7 @@ def run_points(
         summary: dict[str, Any] = {}
         for spec in specs:
             rows[spec.label], summary = run_config(
-                point, spec, settings, cost, settings.workdir, hold, fs
+                point, spec, settings, cost, settings.workdir, hold, fs, warmup
             )
             took = rows[spec.label]["replay_s"]
             print(f"  {point.key} {spec.label}: {took} s", file=sys.stderr)
@@ -465,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         "cost": args.cost or "default",
         "hold": args.hold or None,
         "fs": fs.describe(),
+        "warmup": args.warmup,
         "date": grid.now_utc(),
         "commit": grid.git_commit(REPO),
     }
@@ -477,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             workdir = args.workdir
         settings = settings_of(args, workdir)
         measured = load_measured(args.measured)
-        out["points"] = run_points(points, specs, settings, cost, measured, hold, fs)
+        out["points"] = run_points(points, specs, settings, cost, measured, hold, fs, args.warmup)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0

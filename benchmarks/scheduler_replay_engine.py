@@ -332,6 +332,24 @@ class Replayed:
         return {k: sum(w[k] for w in self.request_waits.values()) for k in WAIT_KINDS}
 
 
+def warm_up(loop: EngineLoop, prompts: list[list[int]], again: list[int], tokens: int) -> None:
+    """The benchmark's warm-up (``vllm_bench_engine.warmup``): ``prompts`` at once, then vLLM's
+    prefix cache reset, ``again``, and another reset; the connectors keep what they stored. The
+    clock runs on; the waits recorded so far are dropped."""
+    engine, m = loop.engine, loop.m
+    params = rv.sampling_params(tokens)
+    for batch, tag in ((prompts, "a"), ([again], "b")):
+        for i, prompt in enumerate(batch):
+            request = rv.make_request(engine, f"warmup-{tag}{i}", prompt, params, m.cpu)
+            engine.scheduler.add_request(request)
+        while loop.busy:
+            loop.step()
+            m.cpu += m.cost.driver_ms
+        if not engine.scheduler.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after the warm-up")
+    loop.request_waits.clear()
+
+
 def replay(
     loop: EngineLoop,
     convs: list[Any],
@@ -347,6 +365,7 @@ def replay(
     slow tier read before the engine allocates would keep it (what vLLM's fs tiering's stalls
     look like in the H100 grid)."""
     engine, m = loop.engine, loop.m
+    began, steps, sync_wait_ms = m.cpu, m.steps, m.sync_wait_ms  # after a warm-up
     held: list[tuple[float, Any]] = []
     sent_count = [0, 0]  # requests sent, of them held
     params = rv.sampling_params(max_tokens)
@@ -406,9 +425,9 @@ def replay(
                 submit(pending.popleft())
     return Replayed(
         served,
-        m.cpu / 1e3,
-        m.steps,
-        m.sync_wait_ms,
+        (m.cpu - began) / 1e3,
+        m.steps - steps,
+        m.sync_wait_ms - sync_wait_ms,
         len(served) * max_tokens,
         sent_count[1],
         loop.request_waits,

@@ -697,16 +697,35 @@ def remove_new_shm(before: set[str]) -> None:
         (Path("/dev/shm") / name).unlink(missing_ok=True)
 
 
+WARMUP_TOKENS = 4
+"""Tokens generated per warm-up request."""
+
+
+def warmup_prompts(model: ModelSpec, lengths: list[int]) -> tuple[list[list[int]], list[int]]:
+    """The warm-up's prompts (random tokens of these lengths), and the first one again, longer,
+    sent after vLLM's prefix cache was reset: connectors load it (their first load)."""
+    rng = random.Random("warmup")
+    prompts = [[rng.randrange(FIRST_TOKEN, model.vocab) for _ in range(n)] for n in lengths]
+    return prompts, prompts[0] + [FIRST_TOKEN] * 64
+
+
 def warmup(llm: Any, model: ModelSpec, lengths: list[int]) -> None:
+    """Compiles and warms the engine before the timed run; the connectors keep what it stored
+    (``reset_prefix_cache`` leaves them be), as a pool holds earlier traffic."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    rng = random.Random("warmup")
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
-    prompts = [[rng.randrange(FIRST_TOKEN, model.vocab) for _ in range(n)] for n in lengths]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True, detokenize=False
+    )
+    prompts, again = warmup_prompts(model, lengths)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    # The first prompt again, longer, after a reset: connectors load it (their first load).
     llm.reset_prefix_cache()
-    again = prompts[0] + [FIRST_TOKEN] * 64
     llm.generate([TokensPrompt(prompt_token_ids=again)], params, use_tqdm=False)
     llm.reset_prefix_cache()
+
+
+def warmup_lengths(lengths: list[int]) -> list[int]:
+    """The warm-up's prompt lengths for a workload's sorted prompt lengths: its quartile,
+    median and longest."""
+    return [lengths[len(lengths) // 4], lengths[len(lengths) // 2], lengths[-1]]

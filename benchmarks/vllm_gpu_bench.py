@@ -293,9 +293,7 @@ def run_config(
     timer: eng.HookTimer | None = None
     try:
         lengths = sorted(len(p) for p in prompts.all())
-        eng.warmup(
-            llm, model, [lengths[len(lengths) // 4], lengths[len(lengths) // 2], lengths[-1]]
-        )
+        eng.warmup(llm, model, eng.warmup_lengths(lengths))
         connector = connector_of(llm)
         timer = eng.HookTimer(connector) if connector is not None else None
         before = kvtier_counters(connector)

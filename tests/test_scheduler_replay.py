@@ -155,7 +155,11 @@ def tiny(sr: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
     workdir = tmp_path_factory.mktemp("replay")
 
     def run(
-        config: str, gpu_kv_gib: float, host_gib: float = 1.0, hold: Any = None
+        config: str,
+        gpu_kv_gib: float,
+        host_gib: float = 1.0,
+        hold: Any = None,
+        warmup: bool = False,
     ) -> tuple[Any, Any]:
         settings = eng.Settings(
             turns=3,
@@ -167,7 +171,8 @@ def tiny(sr: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
             workdir=workdir,
         )
         point = sr.Point(f"2x{host_gib:g}", 2, host_gib, 8)
-        return sr.run_config(point, sr.parse_config(config), settings, Cost(), workdir, hold)
+        spec = sr.parse_config(config)
+        return sr.run_config(point, spec, settings, Cost(), workdir, hold, warmup=warmup)
 
     run.workdir = workdir  # type: ignore[attr-defined]
     return run
@@ -192,6 +197,22 @@ def test_vllm_alone_caches_exactly_what_the_workload_reuses(tiny: Any) -> None:
     assert row["external_tokens"] == 0 and row["sync_load_wait_ms"] == 0
     tight, _ = tiny("none", GPU_TIGHT)
     assert tight["prompt_tokens_cached"] < summary["reusable_prompt_tokens"]
+
+
+@require.unless("vllm", require.vllm_missing())
+def test_the_warm_up_runs_first_and_only_its_blocks_stay(tiny: Any) -> None:
+    """``--warmup``: the GPU benchmark's warm-up before the timed run. vLLM's prefix cache is
+    reset after it (the timed run's figures are as without), kvtier's pool keeps its blocks."""
+    plain, summary = tiny("none", GPU_ROOMY)
+    warmed, _ = tiny("none", GPU_ROOMY, warmup=True)
+    assert warmed["requests"] == plain["requests"] == 8
+    assert warmed["prompt_tokens_cached"] == summary["reusable_prompt_tokens"]
+    assert warmed["wall_s"] == plain["wall_s"] and warmed["steps"] == plain["steps"]
+    cold, _ = tiny("kvtier", GPU_TIGHT)
+    warm, _ = tiny("kvtier", GPU_TIGHT, warmup=True)
+    # Three prompts of 4 to 6 blocks and one sent again: at least 12 blocks more stored.
+    assert warm["kvtier"]["stored_blocks"] >= cold["kvtier"]["stored_blocks"] + 12
+    assert warm["requests"] == 8
 
 
 @require.unless("vllm", require.vllm_missing())
