@@ -16,7 +16,7 @@ def reference(rates: ReuseRates, keys: list[bytes]) -> list[float]:
         if key and key[-1] % SAMPLE == 0:
             cls = followed.pop(key, None)
             if cls is not None:
-                reused[cls] += 1.0
+                reused[cls if cls >= 0 else ~cls] += 1.0  # ~class: counted as inserted
     return reused
 
 
