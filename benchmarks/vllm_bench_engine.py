@@ -6,6 +6,7 @@ Imports vLLM only inside the functions that start or drive an engine.
 
 from __future__ import annotations
 
+import cProfile
 import gc
 import hashlib
 import importlib
@@ -13,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+import pstats
 import random
 import shutil
 import time
@@ -554,6 +556,22 @@ def engine_kwargs(spec: RunSpec, model: ModelSpec) -> dict[str, Any]:
 # -- what runs alongside ------------------------------------------------------------------------
 
 
+PROFILE_ENV = "KVTIER_BENCH_PROFILE"
+"""``DIR`` or ``DIR,MS``: profile (cProfile) the connector's hooks in every engine step that
+takes at least ``MS`` milliseconds in them (default 1), merged, written as
+``DIR/<config>-<concurrency>x<host GiB>.prof``. The profiler slows the hooks: such a run's
+timings are not a row to compare."""
+
+
+def profile_setting() -> tuple[Path, float] | None:
+    """``PROFILE_ENV``'s directory and threshold in seconds, if set."""
+    text = os.environ.get(PROFILE_ENV, "")
+    if not text:
+        return None
+    where, _, ms = text.partition(",")
+    return Path(where), float(ms or 1.0) / 1e3
+
+
 class HookTimer:
     """Wraps the scheduler-side connector's methods and keeps each engine step's seconds in them,
     wall (``steps``) and the thread's CPU (``cpu_steps``); a step ends with
@@ -561,9 +579,13 @@ class HookTimer:
     delegating to a wrapped method) counts once, in the outer call. Where a slow step's time
     goes: per step, each hook's wall seconds (``hook_steps``) and the garbage collector's pauses
     that began inside a hook (``gc_steps``; the connector's allocations can set them off, and a
-    full collection walks every object made since vLLM froze its startup heap)."""
+    full collection walks every object made since vLLM froze its startup heap). With
+    ``profile_s``, the hooks of each step are profiled and the steps that took at least that
+    long are merged into ``slow_profile``."""
 
-    def __init__(self, connector: Any, enabled: bool = False) -> None:
+    def __init__(
+        self, connector: Any, enabled: bool = False, profile_s: float | None = None
+    ) -> None:
         self.steps: list[float] = []
         self.cpu_steps: list[float] = []
         self.gc_steps: list[float] = []
@@ -573,6 +595,10 @@ class HookTimer:
         self._gc_started: float | None = None
         self._depth = 0
         self.enabled = enabled
+        self.profile_s = profile_s
+        self._profile: cProfile.Profile | None = None
+        self.slow_profile: pstats.Stats | None = None
+        self.profiled_steps = 0
         for name in SCHEDULER_HOOKS:
             method = getattr(connector, name, None)
             if callable(method):
@@ -594,10 +620,16 @@ class HookTimer:
     def _wrap(self, name: str, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             self._depth += 1
+            profile = None
+            if self._depth == 1 and self.profile_s is not None and self.enabled:
+                profile = self._profile = self._profile or cProfile.Profile()
+                profile.enable()
             started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
+                if profile is not None:
+                    profile.disable()
                 self._depth -= 1
                 if self._depth == 0:
                     took = time.perf_counter() - started
@@ -610,6 +642,13 @@ class HookTimer:
         return timed
 
     def _end_step(self) -> None:
+        profile, self._profile = self._profile, None
+        if profile is not None and self.profile_s is not None and self._current >= self.profile_s:
+            if self.slow_profile is None:
+                self.slow_profile = pstats.Stats(profile)
+            else:
+                self.slow_profile.add(profile)
+            self.profiled_steps += 1
         if self.enabled:
             self.steps.append(self._current)
             self.cpu_steps.append(self._current_cpu)

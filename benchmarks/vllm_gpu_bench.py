@@ -295,7 +295,10 @@ def run_config(
         lengths = sorted(len(p) for p in prompts.all())
         eng.warmup(llm, model, eng.warmup_lengths(lengths))
         connector = connector_of(llm)
-        timer = eng.HookTimer(connector) if connector is not None else None
+        profile = eng.profile_setting()
+        timer = None
+        if connector is not None:
+            timer = eng.HookTimer(connector, profile_s=profile[1] if profile else None)
         before = kvtier_counters(connector)
         if timer is not None:
             timer.enabled = True
@@ -311,6 +314,11 @@ def run_config(
     row = summarize(timed, wall)
     if timer is not None:
         row.update(eng.connector_figures(timer))
+        if profile is not None and timer.slow_profile is not None:
+            profile[0].mkdir(parents=True, exist_ok=True)
+            name = f"{spec.config}-{spec.concurrency}x{spec.host_gib:g}.prof"
+            timer.slow_profile.dump_stats(profile[0] / name)
+            row["profiled_steps"] = timer.profiled_steps
     row["host_used_gib_delta"] = round((used_after - used_before) / (1 << 30), 2)
     row["peak_rss_gib"] = round(peak_rss() / (1 << 30), 2)
     row["engine_start_s"] = round(start_s, 1)

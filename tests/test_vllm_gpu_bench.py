@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -610,6 +611,42 @@ def test_hook_timer_keeps_gc_pauses_inside_hooks_and_each_hooks_share_of_the_slo
     assert slowest["wall_us"] == round(timer.steps[7] * 1e6, 1)
     assert slowest["by_hook_us"]["get_num_new_matched_tokens"] >= slowest["gc_us"]
     assert set(slowest["by_hook_us"]) == {"get_num_new_matched_tokens", "build_connector_meta"}
+
+
+def slow_lookup(until: float) -> None:
+    """Busy until ``until`` (``time.perf_counter``): a hook's slow work, seen by the profiler."""
+    while time.perf_counter() < until:
+        pass
+
+
+def test_hook_timer_profiles_only_the_slow_steps(
+    eng: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Connector:
+        def get_num_new_matched_tokens(self, slow: bool) -> None:
+            if slow:
+                slow_lookup(time.perf_counter() + 0.005)
+
+        def build_connector_meta(self) -> None:
+            pass
+
+    monkeypatch.setenv(eng.PROFILE_ENV, f"{tmp_path},3")
+    where, threshold = eng.profile_setting()
+    assert (where, threshold) == (tmp_path, 0.003)
+    conn = Connector()
+    timer = eng.HookTimer(conn, enabled=True, profile_s=threshold)
+    for step in range(10):
+        conn.get_num_new_matched_tokens(slow=step in (2, 7))
+        conn.build_connector_meta()
+    assert timer.profiled_steps == 2
+    profile = timer.slow_profile
+    assert profile is not None
+    functions = {name for _file, _line, name in profile.stats}  # type: ignore[attr-defined]
+    assert {"slow_lookup", "get_num_new_matched_tokens", "build_connector_meta"} <= functions
+    calls = {name: stat[1] for (_f, _l, name), stat in profile.stats.items()}  # type: ignore[attr-defined]
+    assert calls["slow_lookup"] == 2 and calls["build_connector_meta"] == 2  # the slow steps only
+    monkeypatch.delenv(eng.PROFILE_ENV)
+    assert eng.profile_setting() is None
 
 
 def test_conversations_keep_stable_ids_and_drop_what_does_not_fit(eng: ModuleType) -> None:
