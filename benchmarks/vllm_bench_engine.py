@@ -569,7 +569,11 @@ def profile_setting() -> tuple[Path, float] | None:
     if not text:
         return None
     where, _, ms = text.partition(",")
-    return Path(where), float(ms or 1.0) / 1e3
+    try:
+        threshold = float(ms or 1.0)
+    except ValueError:
+        raise ValueError(f"{PROFILE_ENV}={text!r}: expected DIR or DIR,MS") from None
+    return Path(where), threshold / 1e3
 
 
 class HookTimer:

@@ -562,9 +562,9 @@ class ChildPointRunner(VllmPointRunner):
 
 def lane_gpus(lanes: int) -> list[str]:
     """The GPU each lane's children see: the visible ones in order (``CUDA_VISIBLE_DEVICES``,
-    else all), at least one per lane."""
+    else all), at least one per lane; none for one lane (its child sees the parent's)."""
     if lanes == 1:
-        return [""]
+        return []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         gpus = [g.strip() for g in visible.split(",") if g.strip()]

@@ -5,7 +5,7 @@ installed vLLM (the CPU build) whose figures follow from the workload exactly.""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -74,6 +74,34 @@ def test_machine_waits_for_synchronous_loads_behind_the_gpu(engine_mod: ModuleTy
     assert ungated.load(1, 100, "r", gated=False) < 50.0
     ungated.cpu = 10.0
     assert [j.request_id for j in ungated.ended()] == ["r"] and not ungated.jobs
+
+
+def test_a_warm_up_vllm_will_not_reset_after_stops_the_replay(
+    engine_mod: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timed run must start from an empty vLLM prefix cache, as on the GPU."""
+
+    class Scheduler:
+        def __init__(self) -> None:
+            self.added: list[str] = []
+
+        def add_request(self, request: str) -> None:
+            self.added.append(request)
+
+        def reset_prefix_cache(self) -> bool:
+            return False  # requests still hold blocks
+
+    loop = SimpleNamespace(
+        engine=SimpleNamespace(scheduler=Scheduler()),
+        m=engine_mod.Machine(engine_mod.Cost()),
+        busy=False,
+        request_waits={"warmup-a0": {}},
+    )
+    monkeypatch.setattr(engine_mod.rv, "sampling_params", lambda tokens: tokens)
+    monkeypatch.setattr(engine_mod.rv, "make_request", lambda _e, req_id, *_a: req_id)
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
+        engine_mod.warm_up(loop, [[1, 2], [3]], [1, 2, 9], 4)
+    assert loop.engine.scheduler.added == ["warmup-a0", "warmup-a1"]
 
 
 def test_hold_parses_every_and_milliseconds(sr: ModuleType) -> None:

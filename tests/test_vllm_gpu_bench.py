@@ -645,6 +645,9 @@ def test_hook_timer_profiles_only_the_slow_steps(
     assert {"slow_lookup", "get_num_new_matched_tokens", "build_connector_meta"} <= functions
     calls = {name: stat[1] for (_f, _l, name), stat in profile.stats.items()}  # type: ignore[attr-defined]
     assert calls["slow_lookup"] == 2 and calls["build_connector_meta"] == 2  # the slow steps only
+    monkeypatch.setenv(eng.PROFILE_ENV, f"{tmp_path},fast")
+    with pytest.raises(ValueError, match="expected DIR or DIR,MS"):
+        eng.profile_setting()
     monkeypatch.delenv(eng.PROFILE_ENV)
     assert eng.profile_setting() is None
 

@@ -104,8 +104,8 @@ class ReuseRates:
         maturing.append(key)
         if len(maturing) > self._horizon:
             old = maturing.popleft()
-            old_cls = followed.get(old, -1)
-            if old_cls >= 0:  # not reused within a pool's worth of new blocks
+            old_cls = followed.get(old)  # None: reused (counted then) or forgotten
+            if old_cls is not None and old_cls >= 0:  # not reused within a pool's worth
                 followed[old] = ~old_cls
                 self._inserted[old_cls] += 1.0
                 self._inserted_total += 1.0
