@@ -675,7 +675,9 @@ def run_grid_mode(
     rerun = {p.key for p in grid.parse_points(args.rerun)} if args.rerun else set()
     commit = args.commit or grid.git_commit(Path(__file__).resolve().parents[1])
     selection = grid.Selection(commit, args.skip_done, args.reuse_baselines, frozenset(rerun))
-    options = grid.GridOptions(configs, selection, args.max_minutes, args.fs_gib, args.gpus)
+    options = grid.GridOptions(
+        configs, selection, args.max_minutes, args.fs_gib, args.gpus, eng.FS_CONFIGS
+    )
     if commit == "unknown" or commit.endswith("+dirty"):
         print(f"commit {commit}: a later --skip-done will not trust these rows", file=sys.stderr)
     requests = grid.parse_requests(args.grid_requests)

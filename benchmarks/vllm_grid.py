@@ -15,7 +15,10 @@ invocations. What runs is decided per point and configuration (:func:`plan_point
 
 ``--gpus N`` runs N points at once, one per GPU, in lockstep: a configuration starts at all of
 them together, so what it shares the host with is the same configuration at another point
-(recorded in its row as ``alongside``), and the fs tiers split the disk's safe size.
+(recorded in its row as ``alongside``), and the fs tiers split the disk's safe size. A
+configuration with an fs tier runs at one point at a time: two engines' fs tiers on one disk
+slow each other (on a two-H200 host kvtier + fs at 16x4 read 40% less and queued writes past
+its 10 s limit beside 16x8's).
 
 ``--max-minutes`` stops before a round of points whose estimate does not fit in what is left,
 and before a configuration of a started round that would end past it; estimates come from the
@@ -402,8 +405,17 @@ class GridOptions:
     """An fs capacity below the disk's safe size (None: the safe size)."""
     lanes: int = 1
     """Points run at once, one per GPU, in lockstep: each configuration starts at every point of
-    the round together, so it shares the host (cores, memory, the disk) with the same
-    configuration at another point, never with another configuration of its own point."""
+    the round together, so it shares the host (cores, memory) with the same configuration at
+    another point, never with another configuration of its own point."""
+    disk_configs: frozenset[str] = frozenset()
+    """Configurations with an fs tier: run at one point at a time, each with the disk to
+    itself."""
+
+    def batches(self, jobs: list[Job]) -> list[list[Job]]:
+        """The jobs of one configuration in a round, in the groups that run at once."""
+        if jobs and jobs[0].config in self.disk_configs:
+            return [[job] for job in jobs]
+        return [jobs]
 
 
 def _log(message: str) -> None:
@@ -451,8 +463,13 @@ def run_grid(
         return options.max_minutes is None or end_s <= options.max_minutes * 60
 
     def seconds(plans: list[PointPlan], configs: Iterable[str]) -> float:
-        """The round's time: its slowest lane's."""
-        return max(sum(est.seconds(c, p.workload.prompt_tokens) for c in configs) for p in plans)
+        """The round's time: per configuration its slowest lane's, or the lanes' sum where
+        they take turns."""
+        total = 0.0
+        for c in configs:
+            each = [est.seconds(c, p.workload.prompt_tokens) for p in plans if c in p.todo]
+            total += sum(each) if c in options.disk_configs else max(each, default=0.0)
+        return total
 
     for first in range(0, len(points), options.lanes):
         plans = []
@@ -466,13 +483,14 @@ def run_grid(
         if not plans:
             continue
         keys = ", ".join(p.point.key for p in plans)
-        estimate = max(seconds([p], p.todo) for p in plans)
+        todo = [c for c in options.configs if any(c in p.todo for p in plans)]
+        estimate = seconds(plans, todo)
         elapsed = clock() - started
         if not fits(elapsed + estimate):
             left = (options.max_minutes or 0.0) * 60 - elapsed
-            todo = "; ".join(f"{p.point.key}: {', '.join(p.todo)}" for p in plans)
+            what = "; ".join(f"{p.point.key}: {', '.join(p.todo)}" for p in plans)
             _log(
-                f"stopping before {keys}: it needs ~{estimate / 60:.1f} min ({todo}), "
+                f"stopping before {keys}: it needs ~{estimate / 60:.1f} min ({what}), "
                 f"{max(0.0, left) / 60:.1f} min left of --max-minutes"
             )
             break
@@ -483,22 +501,23 @@ def run_grid(
         round_started = clock()
         runner.clear_fs()
         fs_gib = point_fs_gib(runner, options)
-        for i, config in enumerate(c for c in options.configs if any(c in p.todo for p in plans)):
+        for i, config in enumerate(todo):
             lanes = [(lane, p) for lane, p in enumerate(plans) if config in p.todo]
             if i and not fits(clock() - started + seconds([p for _, p in lanes], [config])):
                 _log(f"stopping before {config} at {keys}: --max-minutes would pass")
                 runner.clear_fs()
                 return data
             jobs = [Job(p.point, p.workload, config, fs_gib, lane) for lane, p in lanes]
-            for job, row in zip(jobs, runner.run(jobs), strict=True):
-                sel = options.selection
-                row.update(date=now_utc(), commit=sel.commit, machine=runner.machine)
-                row.update(workload_digest=job.workload.digest, run_id=sel.run_id)
-                if len(jobs) > 1:
-                    row["alongside"] = [j.point.key for j in jobs if j is not job]
-                merge_row(data, job.point, job.workload.summary, config, row)
-                est.add(config, row)
-            save(out, data)
+            for batch in options.batches(jobs):
+                for job, row in zip(batch, runner.run(batch), strict=True):
+                    sel = options.selection
+                    row.update(date=now_utc(), commit=sel.commit, machine=runner.machine)
+                    row.update(workload_digest=job.workload.digest, run_id=sel.run_id)
+                    if len(batch) > 1:
+                        row["alongside"] = [j.point.key for j in batch if j is not job]
+                    merge_row(data, job.point, job.workload.summary, config, row)
+                    est.add(config, row)
+                save(out, data)
         runner.clear_fs()
         _log(
             f"[{first + 1}/{len(points)}] {keys}: took {(clock() - round_started) / 60:.1f} min "

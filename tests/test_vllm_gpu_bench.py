@@ -491,6 +491,36 @@ def test_lanes_run_each_configuration_at_a_round_of_points_together(
     assert runner.fs_gib == {22.5}
 
 
+def test_lanes_take_turns_at_configurations_with_an_fs_tier(
+    grid: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "grid.json"
+    runner = FakeRunner(tmp_path, out, FakeClock())
+    opts = options(grid, "kvtier,kvtier_fs", lanes=2, disk_configs=frozenset({"kvtier_fs"}))
+    data = grid.run_grid(grid.parse_points("4x2,8x2"), opts, runner, out, runner.clock)
+    # Two engines' fs tiers on one disk slow each other: one point at a time.
+    assert runner.rounds == [
+        [("4x2", "kvtier", 0), ("8x2", "kvtier", 1)],
+        [("4x2", "kvtier_fs", 0)],
+        [("8x2", "kvtier_fs", 1)],
+    ]
+    rows = {k: p["configs"] for k, p in data["points"].items()}
+    assert rows["4x2"]["kvtier"]["alongside"] == ["8x2"]
+    assert "alongside" not in rows["4x2"]["kvtier_fs"]
+    assert "alongside" not in rows["8x2"]["kvtier_fs"]
+
+    # The estimate counts the turns: the first round took 300 s; after its rows (120 s a
+    # configuration, as in the tests above) the next two points need 3 x 120 s, which does not
+    # fit in the 300 s left (2 x 120 s, side by side, would).
+    slow = slow_runner(tmp_path / "slow")
+    (tmp_path / "slow").mkdir()
+    opts = options(
+        grid, "kvtier,kvtier_fs", max_minutes=10.0, lanes=2, disk_configs=frozenset({"kvtier_fs"})
+    )
+    grid.run_grid(grid.parse_points("4x2,8x2,16x2,4x4"), opts, slow, slow.out, slow.clock)
+    assert [k for k, _ in slow.ran] == ["4x2", "8x2", "4x2", "8x2"]
+
+
 def test_lanes_skip_what_is_done_and_stop_on_the_slowest_lane(
     grid: ModuleType, tmp_path: Path
 ) -> None:
