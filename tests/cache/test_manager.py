@@ -173,7 +173,7 @@ def test_policy_is_asked_about_what_the_admission_filter_let_through(ns, make_po
 def test_promotion_from_secondary_tier(ns, make_pool):
     pool = make_pool(8)
     tier = ScriptedTier("slow", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier, WriteMode.THROUGH)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier, WriteMode.THROUGH)], copy_share=1.0)
     keys = keys_for(ns, 4)
     store(cache, keys)
     tier.release()
@@ -201,7 +201,7 @@ def test_promotion_waits_for_writes_that_pin_the_whole_pool(ns, make_pool):
     free their slots when they end), not a final miss; with no write in flight, it is final."""
     pool = make_pool(4)
     tier = ScriptedTier("slow", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier, WriteMode.THROUGH)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier, WriteMode.THROUGH)], copy_share=1.0)
     wanted = keys_for(ns, 2, seed=1)
     tier.stored = {k: k * (pool.slot_bytes // len(k)) for k in wanted}
     store(cache, keys_for(ns, 4, seed=2))  # four writes in flight pin every slot
@@ -213,7 +213,8 @@ def test_promotion_waits_for_writes_that_pin_the_whole_pool(ns, make_pool):
     cache.step()
     assert cache.lookup(wanted) == (2, True)
 
-    other = TieredCache(make_pool(2), LRUPolicy(), [TierBinding(tier, WriteMode.THROUGH)])
+    binding = TierBinding(tier, WriteMode.THROUGH)
+    other = TieredCache(make_pool(2), LRUPolicy(), [binding], copy_share=1.0)
     other.prepare_load(store(other, keys_for(ns, 2, seed=3)))  # pinned by loads, no write
     tier.release()
     other.step()
@@ -250,7 +251,7 @@ def test_tier_exceptions_never_reach_the_caller(ns, make_pool):
     pool = make_pool(8)
     tier = ScriptedTier("broken", ns, pool)
     tier.raise_on = {"lookup", "submit", "poll"}
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier)], copy_share=1.0)
     keys = keys_for(ns, 3)
     assert cache.lookup(keys) == (0, True)
     store(cache, keys)  # write-through submit raises
@@ -262,20 +263,39 @@ def test_tier_exceptions_never_reach_the_caller(ns, make_pool):
 
 
 def test_write_on_evict_holds_slot_until_written(ns, make_pool):
-    pool = make_pool(2)
+    pool = make_pool(8)
     tier = ScriptedTier("disk", ns, pool)
-    cache = TieredCache(pool, LRUPolicy(), [TierBinding(tier, WriteMode.ON_EVICT)])
-    a = keys_for(ns, 2, seed=1)
+    binding = TierBinding(tier, WriteMode.ON_EVICT)
+    cache = TieredCache(pool, LRUPolicy(), [binding], copy_share=0.25)
+    a = keys_for(ns, 8, seed=1)
     store(cache, a)
     assert tier.submitted == []
     b = keys_for(ns, 2, seed=2)
-    assert cache.prepare_store(b).keys == []  # a's slots are held by the write job
+    assert cache.prepare_store(b).keys == []  # two of a's slots are held by the write job
     assert pool.num_free == 0
     tier.release()
     cache.step()
-    assert set(tier.stored) == set(a)
+    assert len(tier.stored) == 2 and set(tier.stored) <= set(a)
     assert pool.num_free == 2
     assert store(cache, b) == b
+
+
+def test_copies_of_evicted_blocks_hold_at_most_their_share_of_the_pool(ns, make_pool):
+    """Before: with a tier slower than the evictions, every evicted block held its slot until
+    its copy ended, and the engine's stores found no room (the pool stopped serving)."""
+    pool = make_pool(8)
+    tier = ScriptedTier("slow disk", ns, pool)
+    binding = TierBinding(tier, WriteMode.ON_EVICT)
+    cache = TieredCache(pool, LRUPolicy(), [binding], copy_share=0.25)  # 2 blocks
+    store(cache, keys_for(ns, 8, seed=1))
+    assert store(cache, keys_for(ns, 2, seed=2)) == []  # two copies hold two slots: the most
+    later = keys_for(ns, 2, seed=3)
+    assert store(cache, later) == later  # evicted uncopied, their slots free at once
+    assert cache.stats().cache.cascade_skipped == 2
+    assert len(tier.submitted) == 1
+    tier.release()
+    cache.step()
+    assert pool.num_free == 2 and cache.stats().cache.cascade_writes == 2
 
 
 def test_stuck_promotion_times_out_and_keeps_slots_quarantined(ns, make_pool):
@@ -389,12 +409,53 @@ class RefusingPolicy(LRUPolicy):
         return min(n, free)
 
 
+def test_the_policy_decides_stores_while_copies_to_the_tier_have_no_room(ns, make_pool):
+    """Before: with a tier below, the pool took every store whether or not the tier could take
+    what it evicted, and with a tier slower than the stores it kept less than with no tier."""
+    pool = make_pool(8)
+    tier = ScriptedTier("slow disk", ns, pool)
+    binding = TierBinding(tier, WriteMode.THROUGH)
+    cache = TieredCache(pool, RefusingPolicy(), [binding], copy_share=0.25)  # 2 blocks
+    first, waiting = keys_for(ns, 2, seed=1), keys_for(ns, 6, seed=2)
+    store(cache, first)  # two copies in flight: no room for more
+    store(cache, waiting)  # fits in the free slots; its copies wait for room
+    assert store(cache, keys_for(ns, 2, seed=3)) == []  # would evict blocks the tier lacks
+    assert cache.stats().cache.store_skipped_admission == 2
+    written = []
+    for _ in range(4):  # two copies at a time, in the order stored
+        tier.release()
+        cache.step()
+        written.append(list(tier.stored))
+    assert written == [first, first + waiting[:2], first + waiting[:4], first + waiting]
+    later = keys_for(ns, 2, seed=4)
+    assert store(cache, later) == later  # the tier has what the pool evicts
+    assert cache.stats().cache.store_skipped_admission == 2
+    assert cache.stats().cache.cascade_skipped == 0
+
+
+def test_a_block_waiting_to_be_written_through_is_dropped_when_evicted(ns, make_pool):
+    pool = make_pool(8)
+    tier = ScriptedTier("slow disk", ns, pool)
+    binding = TierBinding(tier, WriteMode.THROUGH)
+    cache = TieredCache(pool, LRUPolicy(), [binding], copy_share=0.25)  # 2 blocks
+    store(cache, keys_for(ns, 2, seed=1))  # being copied: pinned
+    waiting = keys_for(ns, 6, seed=2)
+    store(cache, waiting)
+    store(cache, keys_for(ns, 2, seed=3))  # evicts two blocks that wait (the rest are pinned)
+    assert cache.stats().cache.cascade_skipped == 2
+    for _ in range(4):
+        tier.release()
+        cache.step()
+    assert len(tier.stored) == 2 + 4 + 2  # the evicted two were never written
+    assert cache.stats().cache.cascade_writes == 8
+
+
 @pytest.mark.parametrize("tiered", [False, True])
 def test_the_policy_refuses_stores_only_without_a_tier_below(ns, make_pool, tiered):
     pool = make_pool(4)
     tier = ScriptedTier("disk", ns, pool)
     tiers = [TierBinding(tier, WriteMode.THROUGH)] if tiered else []
-    cache = TieredCache(pool, RefusingPolicy(), tiers)
+    cache = TieredCache(pool, RefusingPolicy(), tiers, copy_share=1.0)
     store(cache, keys_for(ns, 4, seed=1))
     tier.release()  # the tier has them: evicting them frees their slots at once
     cache.step()

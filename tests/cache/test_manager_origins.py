@@ -23,6 +23,7 @@ def test_origins_name_the_promoting_tier_until_the_block_leaves_the_pool(ns, mak
         pool,
         LRUPolicy(),
         [TierBinding(fast, WriteMode.THROUGH), TierBinding(slow, WriteMode.THROUGH)],
+        copy_share=2.0,
     )
     a, b = keys_for(ns, 2), keys_for(ns, 2, seed=5)
     _store(cache, a)

@@ -242,7 +242,8 @@ def tiered(
 ) -> tuple[ScriptedTier, TieredCache]:
     """A cache over ``pool`` with one write-through tier holding ``keys``."""
     tier = tier_with(ns, pool, keys)
-    return tier, TieredCache(pool, LRUPolicy(), [TierBinding(tier)])
+    # Every block written through at once (the tests settle the copies in one step).
+    return tier, TieredCache(pool, LRUPolicy(), [TierBinding(tier)], copy_share=1.0)
 
 
 def clocked(
@@ -252,11 +253,11 @@ def clocked(
     clock = Clock()
     tier = tier_with(ns, pool, keys)
     settings = PromotionSettings(block_tokens=4)
-    return (
-        tier,
-        TieredCache(pool, LRUPolicy(), [TierBinding(tier)], clock=clock, promotion=settings),
-        clock,
+    # Every block written through may stay pinned (the tests fill the pool with such writes).
+    cache = TieredCache(
+        pool, LRUPolicy(), [TierBinding(tier)], clock=clock, promotion=settings, copy_share=1.0
     )
+    return tier, cache, clock
 
 
 def measure_engine(cache: TieredCache, clock: Clock) -> None:

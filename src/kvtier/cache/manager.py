@@ -18,6 +18,7 @@ failures become misses or failed jobs, never exceptions into the caller.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from itertools import takewhile
@@ -25,7 +26,9 @@ from itertools import takewhile
 from kvtier.cache import promotion as promo
 from kvtier.cache.admitting import admit_new
 from kvtier.cache.closing import close_tiers
+from kvtier.cache.copy_room import COPY_SHARE, CopyRoom
 from kvtier.cache.event_log import MAX_EVENTS, EventLog
+from kvtier.cache.pins import release_held, unpin_all
 from kvtier.cache.records import LookupResult, OpenTierJob, StoreReservation, TierBinding
 from kvtier.cache.reports import CacheReports
 from kvtier.cache.retry import FailedPromotions, RefusedWrites
@@ -60,6 +63,7 @@ class TieredCache(CacheReports):
         max_events: int = MAX_EVENTS,
         close_timeout_s: float | None = None,
         promotion: promo.PromotionSettings = promo.DEFAULT_SETTINGS,
+        copy_share: float = COPY_SHARE,
     ) -> None:
         self._pool = pool
         self._policy = policy
@@ -86,6 +90,7 @@ class TieredCache(CacheReports):
         self._held: dict[int, int] = {}
         """Slots owned by running jobs after their key left the pool -> number of such jobs."""
         self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
+        self._copy_room = CopyRoom(math.ceil(copy_share * pool.num_slots), len(self._tiers))
         self._jobs = TierJobs(self._tiers, job_timeout_s, clock)
         self._rules = promo.PromotionRules(
             len(self._tiers), promotion, pool.num_slots, job_timeout_s
@@ -179,12 +184,12 @@ class TieredCache(CacheReports):
         # takes a prefix's tail before its head: a tail without its head is never hit).
         self._policy.access_many(found[::-1])
         if owner is not None:  # its promotion ends; its kept answers stay until ``forget``
-            self._unpin_all(self._rules.end(owner))
+            unpin_all(self._pins, self._rules.end(owner))
         return list(map(index.__getitem__, found))
 
     def forget(self, owner: promo.Owner) -> None:
         """The request stopped waiting (it left, or loaded): unpin what was promoted for it."""
-        self._unpin_all(self._rules.leave(owner))
+        unpin_all(self._pins, self._rules.leave(owner))
         self._answers.forget(owner)
 
     def engine_step(self, tokens: int, requests: int = 1) -> None:
@@ -252,7 +257,10 @@ class TieredCache(CacheReports):
             return StoreReservation([], [])
         if len(todo) > 1 and len(set(todo)) != len(todo):
             todo = list(dict.fromkeys(todo))
-        free, tiered = self._pool.num_free, bool(self._tiers)
+        # A tier takes what the pool evicts only while copies have room (``COPY_SHARE``):
+        # beyond it the pool's own admission decides, as without a tier.
+        free = self._pool.num_free
+        tiered = bool(self._tiers) and self._copy_room.admits(len(todo))
         todo = admit_new(todo, self._admission, self._policy, free, counters, tiered)
         slots = self._reserve(len(todo))
         if len(slots) < len(todo):
@@ -321,6 +329,8 @@ class TieredCache(CacheReports):
         if self._rules.promises or self._rules.room_waits:
             for owner in self._rules.expired(self._clock()):
                 self.forget(owner)
+        for tier_index in self._copy_room.due():
+            self._submit_write(tier_index, self._copy_room.take_waiting(tier_index))
         if self._writeback.due():
             candidates = self._writeback.take_coldest(self._policy.coldest)
             for tier_index in self._writeback.tiers if candidates else ():
@@ -353,21 +363,11 @@ class TieredCache(CacheReports):
         if self._closed:
             return
         self._closed = True
+        self._counters.cascade_skipped += self._copy_room.drop_waiting()  # no new jobs now
         close_tiers(self._tiers, self._close_timeout_s)
         self.step()
 
     # -- internals ------------------------------------------------------------------------------
-
-    def _unpin_all(self, keys: Sequence[BlockKey]) -> None:
-        """Drop one pin of each key (a loop here, not a call per key: a request's promoted
-        blocks, a write job's and a promotion's protected hits are hundreds)."""
-        pins = self._pins
-        for key in keys:
-            count = pins.get(key, 0)
-            if count == 1:
-                del pins[key]
-            elif count > 1:
-                pins[key] = count - 1
 
     def _reserve(self, n: int, protected: Sequence[BlockKey] = ()) -> list[int]:
         """Up to ``n`` free slots, evicting unpinned visible keys as needed (every pin is on a
@@ -389,7 +389,7 @@ class TieredCache(CacheReports):
                     slots += self._pool.alloc(short)
             return slots
         finally:
-            self._unpin_all(protected)
+            unpin_all(self._pins, protected)
 
     def _evict(self, victims: list[BlockKey]) -> None:
         index = self._index
@@ -398,6 +398,7 @@ class TieredCache(CacheReports):
             for key in victims:
                 self._origin.pop(key, None)
         self._counters.pool_evictions += len(victims)
+        self._counters.cascade_skipped += self._copy_room.evicted(victims)
         if self._record:
             self._events.add(EventKind.EVICTED, victims, POOL_TIER)
         dirty_keys, dirty_slots = self._writeback.take_evicted(victims, slots)
@@ -425,6 +426,10 @@ class TieredCache(CacheReports):
                 known = ask_tier(self._tiers[tier_index], [k for k, _ in pairs])
                 pairs = [p for p, present in zip(pairs, known, strict=True) if present is not True]
             job_keys, job_slots = [k for k, _ in pairs], [s for _, s in pairs]
+        if self._bounded(tier_index, evicted_slots is not None):
+            n, left_out = self._copy_room.take(tier_index, job_keys, evicted_slots is None)
+            self._counters.cascade_skipped += left_out
+            job_keys, job_slots = job_keys[:n], job_slots[:n]
         if not job_keys:
             return 0
         writing.update(job_keys)
@@ -438,6 +443,10 @@ class TieredCache(CacheReports):
                 held[slot] = held.get(slot, 0) + 1
         self._submit(tier_index, TierJobKind.WRITE, job_keys, job_slots, evicted_slots is not None)
         return len(job_keys)
+
+    def _bounded(self, tier_index: int, holds_slots: bool) -> bool:
+        """Whether a copy counts under ``COPY_SHARE`` (all but the early write-back copies)."""
+        return holds_slots or tier_index in self._through
 
     def _promote(self, keys: Sequence[BlockKey], hits: int, owner: promo.Owner | None) -> bool:
         """Start promoting the secondary-tier run after the pool hits, as far as the budget and the
@@ -512,7 +521,7 @@ class TieredCache(CacheReports):
 
     def _finish_promotion(self, job: OpenTierJob, ok: list[bool], busy_s: float | None) -> None:
         if job.abandoned:
-            self._release_held(job.slots)
+            self._pool.free(release_held(self._held, job.slots))
             return
         inflight, index, origin, record = self._inflight, self._index, self._origin, self._record
         promoting, counters, rules, pins = self._promoting, self._counters, self._rules, self._pins
@@ -552,10 +561,12 @@ class TieredCache(CacheReports):
     def _finish_write(self, job: OpenTierJob, ok: list[bool]) -> None:
         self._refused.ended(job.tier_index, ok, self._clock())
         self._writing[job.tier_index].difference_update(job.keys)
+        if self._bounded(job.tier_index, job.holds_slots):
+            self._copy_room.ended(len(job.keys))
         if job.holds_slots:
-            self._release_held(job.slots)
+            self._pool.free(release_held(self._held, job.slots))
         else:
-            self._unpin_all(job.keys)
+            unpin_all(self._pins, job.keys)
         if self._writeback.settles(job.tier_index, job.holds_slots):
             self._writeback.settle(self._tiers[job.tier_index].name, job.keys, ok, self._index)
         good = sum(ok)
@@ -566,18 +577,6 @@ class TieredCache(CacheReports):
             self._events.add(
                 EventKind.STORED, [k for k, k_ok in zip(job.keys, ok, strict=True) if k_ok], name
             )
-
-    def _release_held(self, slots: list[int]) -> None:
-        held = self._held
-        free: list[int] = []
-        for slot in slots:
-            count = held.get(slot, 0)
-            if count <= 1:
-                held.pop(slot, None)
-                free.append(slot)
-            else:
-                held[slot] = count - 1
-        self._pool.free(free)
 
     def _time_out_jobs(self) -> None:
         now = self._clock()
