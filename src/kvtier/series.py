@@ -117,7 +117,10 @@ SERIES: tuple[Series, ...] = (
     _c("kvtier_tier_timeouts", "Tier jobs that timed out, by tier.", "tier"),
     _c("kvtier_cascade_writes", "Blocks whose copy to a secondary tier started."),
     _c("kvtier_cascade_failures", "Cascade writes that failed."),
-    _c("kvtier_cascade_skipped", "Blocks not written to a tier while its writes pause (no room)."),
+    _c(
+        "kvtier_cascade_skipped",
+        "Blocks not written to a tier: its writes paused, or copies held their share of the pool.",
+    ),
     # The pool.
     _g("kvtier_pool_slots", "Host pool capacity in blocks."),
     _g("kvtier_pool_used_slots", "Host pool slots holding a block or reserved for one."),
