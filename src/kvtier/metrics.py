@@ -59,8 +59,9 @@ class CacheCounters:
     cascade_writes: int = 0
     cascade_failures: int = 0
     cascade_skipped: int = 0
-    """Blocks not written to a tier while its writes pause (it rejected a whole write for want
-    of room: ``retry.RefusedWrites``)."""
+    """Blocks not written to a tier: while its writes pause (it rejected a whole write for want
+    of room: ``retry.RefusedWrites``), or as copies held their share of the pool
+    (``copy_room.COPY_SHARE``: an evicted block, or one left waiting to be written through)."""
     job_timeouts: int = 0
     events_dropped: int = 0
     """Oldest events dropped because nobody took them (``TieredCache.take_events``) in time."""
