@@ -28,6 +28,10 @@ JSON in the grid's shape (``--json``).
 ``--hold EVERY:MS`` keeps every EVERY-th request sent (a later turn) out of vLLM for MS: the
 stalls of vLLM's fs tiering in the H100 grid, without its fs tier.
 
+``KVTIER_BENCH_PROFILE=DIR[,MS]`` profiles the connector's hooks in the steps slower than MS,
+as in the GPU benchmark (``DIR/<config>-<point>.prof``; kvtier + fs's include the emulated fs
+tier's jobs, which run on the scheduler's thread here).
+
 Each row has the connector's time per engine step as the grid measures it (every scheduler-side
 connector call, ``vllm_bench_engine.SCHEDULER_HOOKS``, a step ending with
 ``build_connector_meta``): ``connector_step_us`` wall time, as the grid, and
@@ -167,7 +171,10 @@ def run_config(
     worker = replay.make_worker(kind, machine, engine.version)
     loop = replay.EngineLoop(engine, machine, worker)
     connector = engine.connector
-    timer = eng.HookTimer(connector, enabled=True) if connector is not None else None
+    profile = eng.profile_setting()
+    timer = None
+    if connector is not None:
+        timer = eng.HookTimer(connector, enabled=True, profile_s=profile[1] if profile else None)
     started = time.perf_counter()
     try:
         if warmup:
@@ -189,6 +196,9 @@ def run_config(
     row = row_of(done, counters, time.perf_counter() - started)
     if emulation is not None:
         row["fs_model"] = emulation.summary()
+    if profile is not None and timer is not None:
+        eng.save_slow_profile(timer, profile[0], f"{spec.label}-{point.key}.prof")
+        row["profiled_steps"] = timer.profiled_steps
     return {**row, **(eng.connector_figures(timer) if timer is not None else {})}, summary
 
 

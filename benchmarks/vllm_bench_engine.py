@@ -576,6 +576,13 @@ def profile_setting() -> tuple[Path, float] | None:
     return Path(where), threshold / 1e3
 
 
+def save_slow_profile(timer: HookTimer, where: Path, name: str) -> None:
+    """Write ``timer``'s merged profile of its slow steps, if it has one, as ``where/name``."""
+    if timer.slow_profile is not None:
+        where.mkdir(parents=True, exist_ok=True)
+        timer.slow_profile.dump_stats(where / name)
+
+
 class HookTimer:
     """Wraps the scheduler-side connector's methods and keeps each engine step's seconds in them,
     wall (``steps``) and the thread's CPU (``cpu_steps``); a step ends with

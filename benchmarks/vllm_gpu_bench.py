@@ -315,9 +315,8 @@ def run_config(
     if timer is not None:
         row.update(eng.connector_figures(timer))
         if profile is not None and timer.slow_profile is not None:
-            profile[0].mkdir(parents=True, exist_ok=True)
             name = f"{spec.config}-{spec.concurrency}x{spec.host_gib:g}.prof"
-            timer.slow_profile.dump_stats(profile[0] / name)
+            eng.save_slow_profile(timer, profile[0], name)
             row["profiled_steps"] = timer.profiled_steps
     row["host_used_gib_delta"] = round((used_after - used_before) / (1 << 30), 2)
     row["peak_rss_gib"] = round(peak_rss() / (1 << 30), 2)

@@ -8,6 +8,7 @@ import gc
 import json
 import math
 import os
+import pstats
 import shutil
 import sys
 import time
@@ -675,6 +676,9 @@ def test_hook_timer_profiles_only_the_slow_steps(
     assert {"slow_lookup", "get_num_new_matched_tokens", "build_connector_meta"} <= functions
     calls = {name: stat[1] for (_f, _l, name), stat in profile.stats.items()}  # type: ignore[attr-defined]
     assert calls["slow_lookup"] == 2 and calls["build_connector_meta"] == 2  # the slow steps only
+    eng.save_slow_profile(timer, tmp_path / "prof", "kvtier-4x2.prof")
+    saved = pstats.Stats(str(tmp_path / "prof" / "kvtier-4x2.prof"))
+    assert saved.total_calls == profile.total_calls  # type: ignore[attr-defined]
     monkeypatch.setenv(eng.PROFILE_ENV, f"{tmp_path},fast")
     with pytest.raises(ValueError, match="expected DIR or DIR,MS"):
         eng.profile_setting()
