@@ -8,11 +8,16 @@ def k(i: int) -> bytes:
 
 
 def test_copies_beyond_the_room_wait_in_order_or_are_left_out():
-    room = CopyRoom(limit=3, tiers=2)
+    room = CopyRoom(limit=3, through=[0])
     assert room.admits(3) and not room.admits(4)
+    assert room.counts(0, holds_slots=False) and room.counts(1, holds_slots=True)
+    assert not room.counts(1, holds_slots=False)  # an early copy to a write-on-evict tier
     assert room.take(0, [k(1), k(2)], through=True) == (2, 0)
     assert room.take(0, [k(3), k(4), k(5)], through=True) == (1, 0)  # k(4), k(5) wait
     assert room.take(1, [k(6), k(7)], through=False) == (0, 2)  # evicted: nothing can wait
+    room.started(1)  # the shared pool's copies count, unbounded
+    assert room.held == 4
+    room.ended(1)
     assert room.due() == []  # no room
     room.ended(2)
     assert room.due() == [0]
@@ -22,7 +27,7 @@ def test_copies_beyond_the_room_wait_in_order_or_are_left_out():
 
 
 def test_waiting_keys_the_pool_evicts_are_dropped():
-    room = CopyRoom(limit=1, tiers=2)
+    room = CopyRoom(limit=1, through=[0, 1])
     room.take(0, [k(1), k(2), k(3)], through=True)
     room.take(1, [k(1), k(2)], through=True)
     room.take(1, [k(4)], through=True)

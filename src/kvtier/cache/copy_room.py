@@ -22,13 +22,20 @@ class CopyRoom:
     """The copies in flight under ``limit`` and, per tier, the keys waiting to be written
     through (always visible in the pool: ``evicted`` drops them)."""
 
-    __slots__ = ("_waiting", "held", "limit")
+    __slots__ = ("_through", "_waiting", "held", "limit")
 
-    def __init__(self, limit: int, tiers: int) -> None:
+    def __init__(self, limit: int, through: list[int]) -> None:
         self.limit = limit
         self.held = 0
         """Blocks held by copies in flight."""
-        self._waiting: list[dict[BlockKey, None]] = [{} for _ in range(tiers)]
+        self._through = through
+        """The write-through tiers (the only ones whose keys wait)."""
+        self._waiting: dict[int, dict[BlockKey, None]] = {i: {} for i in through}
+
+    def counts(self, tier_index: int, holds_slots: bool) -> bool:
+        """Whether a copy to ``tier_index`` counts here: all but the early write-back copies
+        (visible blocks copied to a write-on-evict tier, bounded by their window)."""
+        return holds_slots or tier_index in self._through
 
     def admits(self, n: int) -> bool:
         """Whether copies of ``n`` more blocks would start at once."""
@@ -48,6 +55,10 @@ class CopyRoom:
         self.held += n
         return n, left_out
 
+    def started(self, n: int) -> None:
+        """A copy of ``n`` blocks started outside ``take`` (unbounded: the shared pool's)."""
+        self.held += n
+
     def ended(self, n: int) -> None:
         """A copy that held ``n`` blocks ended."""
         self.held -= n
@@ -56,7 +67,7 @@ class CopyRoom:
         """The tiers with keys waiting, while there is room for some."""
         if self.held >= self.limit:
             return []
-        return [i for i, waiting in enumerate(self._waiting) if waiting]
+        return [i for i, waiting in self._waiting.items() if waiting]
 
     def take_waiting(self, tier_index: int) -> list[BlockKey]:
         """The keys that waited longest for ``tier_index``, as many as there is room for, no
@@ -70,7 +81,7 @@ class CopyRoom:
     def evicted(self, keys: list[BlockKey]) -> int:
         """Keys left the pool: those waiting are dropped uncopied (returned: how many)."""
         dropped = 0
-        for waiting in self._waiting:
+        for waiting in self._waiting.values():
             for key in keys if waiting else ():
                 if key in waiting:
                     del waiting[key]
@@ -79,7 +90,7 @@ class CopyRoom:
 
     def drop_waiting(self) -> int:
         """Forget every waiting key (the tiers close); returns how many there were."""
-        dropped = sum(map(len, self._waiting))
-        for waiting in self._waiting:
+        dropped = sum(map(len, self._waiting.values()))
+        for waiting in self._waiting.values():
             waiting.clear()
         return dropped

@@ -90,7 +90,7 @@ class TieredCache(CacheReports):
         self._held: dict[int, int] = {}
         """Slots owned by running jobs after their key left the pool -> number of such jobs."""
         self._writing: list[set[BlockKey]] = [set() for _ in self._secondary]
-        self._copy_room = CopyRoom(math.ceil(copy_share * pool.num_slots), len(self._tiers))
+        self._copy_room = CopyRoom(math.ceil(copy_share * pool.num_slots), self._through)
         self._jobs = TierJobs(self._tiers, job_timeout_s, clock)
         self._rules = promo.PromotionRules(
             len(self._tiers), promotion, pool.num_slots, job_timeout_s
@@ -184,12 +184,12 @@ class TieredCache(CacheReports):
         # takes a prefix's tail before its head: a tail without its head is never hit).
         self._policy.access_many(found[::-1])
         if owner is not None:  # its promotion ends; its kept answers stay until ``forget``
-            unpin_all(self._pins, self._rules.end(owner))
+            self._unpin_all(self._rules.end(owner))
         return list(map(index.__getitem__, found))
 
     def forget(self, owner: promo.Owner) -> None:
         """The request stopped waiting (it left, or loaded): unpin what was promoted for it."""
-        unpin_all(self._pins, self._rules.leave(owner))
+        self._unpin_all(self._rules.leave(owner))
         self._answers.forget(owner)
 
     def engine_step(self, tokens: int, requests: int = 1) -> None:
@@ -369,6 +369,12 @@ class TieredCache(CacheReports):
 
     # -- internals ------------------------------------------------------------------------------
 
+    def _unpin_all(self, keys: Sequence[BlockKey]) -> None:
+        unpin_all(self._pins, keys)
+
+    def _release_held(self, slots: list[int]) -> None:
+        self._pool.free(release_held(self._held, slots))
+
     def _reserve(self, n: int, protected: Sequence[BlockKey] = ()) -> list[int]:
         """Up to ``n`` free slots, evicting unpinned visible keys as needed (every pin is on a
         visible key: the policy is not made to scan a pool that tier writes pinned full), none
@@ -389,7 +395,7 @@ class TieredCache(CacheReports):
                     slots += self._pool.alloc(short)
             return slots
         finally:
-            unpin_all(self._pins, protected)
+            self._unpin_all(protected)
 
     def _evict(self, victims: list[BlockKey]) -> None:
         index = self._index
@@ -426,7 +432,7 @@ class TieredCache(CacheReports):
                 known = ask_tier(self._tiers[tier_index], [k for k, _ in pairs])
                 pairs = [p for p, present in zip(pairs, known, strict=True) if present is not True]
             job_keys, job_slots = [k for k, _ in pairs], [s for _, s in pairs]
-        if self._bounded(tier_index, evicted_slots is not None):
+        if self._copy_room.counts(tier_index, evicted_slots is not None):
             n, left_out = self._copy_room.take(tier_index, job_keys, evicted_slots is None)
             self._counters.cascade_skipped += left_out
             job_keys, job_slots = job_keys[:n], job_slots[:n]
@@ -443,10 +449,6 @@ class TieredCache(CacheReports):
                 held[slot] = held.get(slot, 0) + 1
         self._submit(tier_index, TierJobKind.WRITE, job_keys, job_slots, evicted_slots is not None)
         return len(job_keys)
-
-    def _bounded(self, tier_index: int, holds_slots: bool) -> bool:
-        """Whether a copy counts under ``COPY_SHARE`` (all but the early write-back copies)."""
-        return holds_slots or tier_index in self._through
 
     def _promote(self, keys: Sequence[BlockKey], hits: int, owner: promo.Owner | None) -> bool:
         """Start promoting the secondary-tier run after the pool hits, as far as the budget and the
@@ -521,7 +523,7 @@ class TieredCache(CacheReports):
 
     def _finish_promotion(self, job: OpenTierJob, ok: list[bool], busy_s: float | None) -> None:
         if job.abandoned:
-            self._pool.free(release_held(self._held, job.slots))
+            self._release_held(job.slots)
             return
         inflight, index, origin, record = self._inflight, self._index, self._origin, self._record
         promoting, counters, rules, pins = self._promoting, self._counters, self._rules, self._pins
@@ -561,12 +563,12 @@ class TieredCache(CacheReports):
     def _finish_write(self, job: OpenTierJob, ok: list[bool]) -> None:
         self._refused.ended(job.tier_index, ok, self._clock())
         self._writing[job.tier_index].difference_update(job.keys)
-        if self._bounded(job.tier_index, job.holds_slots):
+        if self._copy_room.counts(job.tier_index, job.holds_slots):
             self._copy_room.ended(len(job.keys))
         if job.holds_slots:
-            self._pool.free(release_held(self._held, job.slots))
+            self._release_held(job.slots)
         else:
-            unpin_all(self._pins, job.keys)
+            self._unpin_all(job.keys)
         if self._writeback.settles(job.tier_index, job.holds_slots):
             self._writeback.settle(self._tiers[job.tier_index].name, job.keys, ok, self._index)
         good = sum(ok)

@@ -302,6 +302,9 @@ class SharedTieredCache(TieredCache):
         if todo:
             job_keys = [k for k, _ in todo]
             writing.update(job_keys)
+            # Pinned in the shared index for every engine: not bounded here, counted so that
+            # ``_finish_write`` balances.
+            self._copy_room.started(len(job_keys))
             self._submit(tier_index, TierJobKind.WRITE, job_keys, [s for _, s in todo], False)
 
     def _finish_promotion(self, job: OpenTierJob, ok: list[bool], busy_s: float | None) -> None:
