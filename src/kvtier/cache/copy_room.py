@@ -18,14 +18,31 @@ to write through waits, unpinned, in the order stored, for a later step's room, 
 copied if the pool evicts it first; an evicted block is not copied."""
 
 
+LAG_S = 3.0
+"""Keys waiting for room this long (the tier lags the stores): the limit halves, down to an
+eighth of ``COPY_SHARE``'s; without a wait it grows back by an eighth a second."""
+
+
 class CopyRoom:
     """The copies in flight under ``limit`` and, per tier, the keys waiting to be written
     through (always visible in the pool: ``evicted`` drops them)."""
 
-    __slots__ = ("_through", "_waiting", "held", "limit")
+    __slots__ = (
+        "_calm_since",
+        "_ceiling",
+        "_through",
+        "_waiting",
+        "_waiting_since",
+        "held",
+        "limit",
+    )
 
     def __init__(self, limit: int, through: list[int]) -> None:
         self.limit = limit
+        self._ceiling = limit
+        """``limit`` while the tier keeps up (``adapt``)."""
+        self._waiting_since: float | None = None
+        self._calm_since: float | None = None
         self.held = 0
         """Blocks held by copies in flight."""
         self._through = through
@@ -62,6 +79,29 @@ class CopyRoom:
     def ended(self, n: int) -> None:
         """A copy that held ``n`` blocks ended."""
         self.held -= n
+
+    def adapt(self, now: float) -> None:
+        """Follow the tier: halve the limit while keys wait ``LAG_S`` and more (copies in flight
+        pin the pool for nothing while the tier lags: its threads write a few blocks at a
+        time), grow it back while none wait."""
+        if any(self._waiting.values()):
+            self._calm_since = None
+            if self._waiting_since is None:
+                self._waiting_since = now
+            elif now - self._waiting_since >= LAG_S:
+                self.limit = max(self._ceiling // 8, self.limit // 2, 1)
+                self._waiting_since = now
+            return
+        self._waiting_since = None
+        if self.limit >= self._ceiling:
+            return
+        if self._calm_since is None:
+            self._calm_since = now
+            return
+        grow = int(self._ceiling * (now - self._calm_since) / 8)
+        if grow:
+            self.limit = min(self._ceiling, self.limit + grow)
+            self._calm_since = now
 
     def due(self) -> list[int]:
         """The tiers with keys waiting, while there is room for some."""
