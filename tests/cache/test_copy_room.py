@@ -18,12 +18,12 @@ def test_copies_beyond_the_room_wait_in_order_or_are_left_out():
     room.started(1)  # the shared pool's copies count, unbounded
     assert room.held == 4
     room.ended(1)
-    assert room.due() == []  # no room
+    assert room.due(0.0) == []  # no room
     room.ended(2)
-    assert room.due() == [0]
+    assert room.due(0.0) == [0]
     assert room.take_waiting(0) == [k(4), k(5)]  # the caller copies them: take() holds them
     assert room.take(0, [k(4), k(5)], through=True) == (2, 0)
-    assert room.due() == []
+    assert room.due(0.0) == []
 
 
 def test_waiting_keys_the_pool_evicts_are_dropped():
@@ -35,7 +35,7 @@ def test_waiting_keys_the_pool_evicts_are_dropped():
     room.ended(1)
     assert room.take_waiting(0) == [k(3)]
     assert room.drop_waiting() == 2  # k(1) and k(4) for tier 1
-    assert room.due() == []
+    assert room.due(0.0) == []
 
 
 def test_the_limit_halves_while_keys_wait_and_grows_back_once_none_do():
@@ -57,7 +57,7 @@ def test_the_limit_halves_while_keys_wait_and_grows_back_once_none_do():
     room.ended(8)
     room.take_waiting(0)
     room.ended(8)
-    assert room.due() == []  # nothing waits now
+    assert room.due(5 * LAG_S) == []  # nothing waits now
     now = 5 * LAG_S
     room.adapt(now)
     room.adapt(now + 1.0)  # an eighth of the ceiling a second

@@ -103,8 +103,10 @@ class CopyRoom:
             self.limit = min(self._ceiling, self.limit + grow)
             self._calm_since = now
 
-    def due(self) -> list[int]:
-        """The tiers with keys waiting, while there is room for some."""
+    def due(self, now: float) -> list[int]:
+        """The tiers with keys waiting, while there is room for some (the limit ``adapt``-ed
+        to ``now`` first)."""
+        self.adapt(now)
         if self.held >= self.limit:
             return []
         return [i for i, waiting in self._waiting.items() if waiting]

@@ -329,8 +329,7 @@ class TieredCache(CacheReports):
         if self._rules.promises or self._rules.room_waits:
             for owner in self._rules.expired(self._clock()):
                 self.forget(owner)
-        self._copy_room.adapt(self._clock())
-        for tier_index in self._copy_room.due():
+        for tier_index in self._copy_room.due(self._clock()):
             self._submit_write(tier_index, self._copy_room.take_waiting(tier_index))
         if self._writeback.due():
             candidates = self._writeback.take_coldest(self._policy.coldest)
