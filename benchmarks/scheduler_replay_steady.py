@@ -94,8 +94,10 @@ def recording() -> Iterator[Recorded]:
     original = sr.eng.HookTimer
 
     class Kept(original):  # type: ignore[misc,valid-type]
-        def __init__(self, connector: Any, enabled: bool = False) -> None:
-            super().__init__(connector, enabled)
+        def __init__(
+            self, connector: Any, enabled: bool = False, profile_s: float | None = None
+        ) -> None:
+            super().__init__(connector, enabled, profile_s)
             made.clock = self
 
     run_blocks, advance = rfs.ReplayFsTier._run_blocks, rfs.FsModel.advance

@@ -43,6 +43,20 @@ def test_the_table_gives_kvtiers_ratios_to_native(steady: ModuleType) -> None:
     assert steady.figures([0.001, 0.002, 0.003]) == {"p50": 2000.0, "p90": 3000.0, "p99": 3000.0}
 
 
+def test_the_replay_makes_its_timer_as_usual_while_recording(steady: ModuleType) -> None:
+    """Before: the kept timer took no ``profile_s``, which the replay passes: every steady run
+    stopped with a TypeError."""
+
+    class Connector:
+        def build_connector_meta(self) -> None:
+            pass
+
+    with steady.recording() as made:
+        timer = steady.sr.eng.HookTimer(Connector(), enabled=True, profile_s=None)
+        assert made.clock is timer
+        timer.close()
+
+
 def test_the_emulated_fs_io_inside_a_step_is_taken_out(steady: ModuleType) -> None:
     class Clock:
         cpu_steps = [0.004, 0.010, 0.002]
