@@ -331,6 +331,19 @@ def test_close_settles_running_jobs(ns, make_pool, mode):
     assert cache.stats().pool_pinned == 0
 
 
+def test_close_drops_the_blocks_waiting_to_be_written_through(ns, make_pool):
+    pool = make_pool(8)
+    tier = ScriptedTier("slow disk", ns, pool)
+    binding = TierBinding(tier, WriteMode.THROUGH)
+    cache = TieredCache(pool, LRUPolicy(), [binding], copy_share=0.25)  # 2 blocks
+    store(cache, keys_for(ns, 2, seed=1))
+    store(cache, keys_for(ns, 6, seed=2))  # their copies wait for room
+    cache.close()
+    assert len(tier.submitted) == 1  # no copy starts on a closed tier
+    assert cache.stats().cache.cascade_skipped == 6
+    assert cache.jobs_in_flight == 0
+
+
 def test_write_back_copies_coldest_blocks_ahead_so_eviction_frees_at_once(ns, make_pool):
     now = [0.0]
     pool = make_pool(4)
