@@ -109,6 +109,19 @@ def test_the_prefill_rate_the_cost_rules_measured(
         assert line in out
 
 
+def test_each_tiers_read_rate_beside_the_prefill_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "stats.json"
+    reads = {"fs": 17600.4, "redis": 0, "nvme": "fast"}  # unmeasured and odd values: left out
+    path.write_text(
+        json.dumps({**SNAPSHOT, "prefill_tokens_per_s": 48962, "read_tokens_per_s": reads})
+    )
+    assert stats_in_time(path) == 0
+    out = capsys.readouterr().out
+    assert "prefill, 48,962 tokens/s; fs reads 17,600 tokens/s\n" in out
+
+
 def test_out_of_range_counts_and_hostile_names_print_safely(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

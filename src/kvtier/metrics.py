@@ -85,6 +85,10 @@ class CacheStats:
     """A request's prefill rate as the promotion cost rules measure it from the engine's steps
     (``promotion.ComputeRate``): reading a tier's blocks must beat computing them at this rate.
     None until an engine step with a prefill was timed."""
+    read_tokens_per_s: dict[str, float] = field(default_factory=dict)
+    """Per secondary tier whose reads were measured: the tokens per second it reads, as the
+    promotion cost rules measure it (its jobs' busy time per block); beside
+    ``prefill_tokens_per_s`` it shows why promotions from it are declined."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

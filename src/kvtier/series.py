@@ -64,8 +64,8 @@ def _c(name: str, doc: str, label: str | None = None) -> Series:
     return Series(name, Kind.COUNTER, doc, label)
 
 
-def _g(name: str, doc: str) -> Series:
-    return Series(name, Kind.GAUGE, doc)
+def _g(name: str, doc: str, label: str | None = None) -> Series:
+    return Series(name, Kind.GAUGE, doc, label)
 
 
 def _h(name: str, doc: str) -> Series:
@@ -128,6 +128,11 @@ SERIES: tuple[Series, ...] = (
     _g(
         "kvtier_prefill_tokens_per_second",
         "A request's prefill rate, as the promotion cost rules measure it (0: not yet).",
+    ),
+    _g(
+        "kvtier_tier_read_tokens_per_second",
+        "Tokens per second a tier reads, as the promotion cost rules measure it (0: not yet).",
+        "tier",
     ),
     # The engine connector.
     _c("kvtier_requests_looked_up", "Engine requests looked up in kvtier."),
@@ -282,6 +287,9 @@ def pool_gauges(stats: CacheStats) -> Values:
         "kvtier_pool_used_slots": {"": stats.pool_used},
         "kvtier_pool_pinned_slots": {"": stats.pool_pinned},
         "kvtier_prefill_tokens_per_second": {"": round(stats.prefill_tokens_per_s or 0.0)},
+        "kvtier_tier_read_tokens_per_second": {
+            name: round(stats.read_tokens_per_s.get(name, 0.0)) for name in stats.tiers
+        },
     }
 
 

@@ -93,7 +93,12 @@ def format_snapshot(data: dict[str, Any]) -> str:
     ]
     rate = _int(data, "prefill_tokens_per_s")
     if rate > 0:
-        lines.append(f"costs     a tier read must beat a request's prefill, {rate:,} tokens/s")
+        line = f"costs     a tier read must beat a request's prefill, {rate:,} tokens/s"
+        reads = data.get("read_tokens_per_s")
+        if isinstance(reads, dict):
+            measured = [(name, _int(reads, name)) for name in reads]
+            line += "".join(f"; {_name(n)} reads {r:,} tokens/s" for n, r in measured if r > 0)
+        lines.append(line)
     tiers = data.get("tiers")
     if isinstance(tiers, dict) and tiers:
         lines.append(

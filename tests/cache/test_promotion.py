@@ -392,6 +392,24 @@ def test_stats_report_the_prefill_rate_the_rules_measured(ns, make_pool):
     check_settled(cache, tier)
 
 
+def test_stats_report_each_tiers_read_rate_the_rules_measured(ns, make_pool):
+    keys = keys_for(ns, 4, seed=1)
+    tier, cache, clock = clocked(ns, make_pool(16), keys)
+    assert cache.stats().read_tokens_per_s == {}
+    assert series.pool_gauges(cache.stats())["kvtier_tier_read_tokens_per_second"] == {"fs": 0}
+    assert cache.lookup(keys, "a") == (0, False)
+    clock.now += 2.0  # 4 blocks of 4 tokens in 2 s
+    tier.release()
+    cache.step()
+    stats = cache.stats()
+    assert stats.read_tokens_per_s == {"fs": pytest.approx(8.0)}
+    assert stats.to_dict()["read_tokens_per_s"] == {"fs": pytest.approx(8.0)}
+    assert series.pool_gauges(stats)["kvtier_tier_read_tokens_per_second"] == {"fs": 8}
+    cache.prepare_load(keys, "a")
+    cache.complete_load(keys)
+    check_settled(cache, tier)
+
+
 def test_a_tier_slower_than_computing_is_not_waited_for(ns, make_pool):
     pool = make_pool(16)
     first, later = keys_for(ns, 4, seed=1), keys_for(ns, 4, seed=2)

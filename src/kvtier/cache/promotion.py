@@ -203,6 +203,14 @@ class PromotionRules:
         self.room_waits: dict[Owner, float] = {}
         """Requests that found the pool pinned full -> when they stop waiting for room."""
 
+    def read_tokens_per_s(self, names: Sequence[str]) -> dict[str, float]:
+        """Per tier (``names`` in tier order) whose reads were measured: tokens read a second."""
+        return {
+            name: self.block_tokens / cost.seconds_per_block
+            for name, cost in zip(names, self.reads, strict=True)
+            if cost.seconds_per_block
+        }
+
     def claim(self, run_tiers: list[int], in_flight: int, now: float) -> Claim:
         """How many leading blocks of a run (the tier index of each) to promote now.
 

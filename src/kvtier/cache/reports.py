@@ -52,6 +52,7 @@ class CacheReports:
             tiers={t.name: replace(t.counters) for t in self._tiers},
             promoted=dict(self._promoted),
             prefill_tokens_per_s=self._rules.compute.tokens_per_s,
+            read_tokens_per_s=self._rules.read_tokens_per_s([t.name for t in self._tiers]),
         )
 
     def origins(self, keys: Sequence[BlockKey]) -> list[str]:
