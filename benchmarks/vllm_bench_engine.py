@@ -19,7 +19,7 @@ import random
 import shutil
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -595,8 +595,14 @@ class HookTimer:
     long are merged into ``slow_profile``."""
 
     def __init__(
-        self, connector: Any, enabled: bool = False, profile_s: float | None = None
+        self,
+        connector: Any,
+        enabled: bool = False,
+        profile_s: float | None = None,
+        after_step: Callable[[], None] | None = None,
     ) -> None:
+        self.after_step = after_step
+        """Called at each step's end, outside the timed hooks (``CostSampler``)."""
         self.steps: list[float] = []
         self.cpu_steps: list[float] = []
         self.gc_steps: list[float] = []
@@ -667,6 +673,54 @@ class HookTimer:
             self.hook_steps.append(self._current_hooks)
         self._current = self._current_cpu = self._current_gc = 0.0
         self._current_hooks = {}
+        if self.enabled and self.after_step is not None:
+            self.after_step()
+
+
+COST_FIELDS = ("t_s", "prefill", "reads", "declined", "promoted", "deferred", "held")
+
+
+class CostSampler:
+    """What kvtier's promotion cost rules saw over a run, once a second at a step's end (the
+    connector's cumulative stats): seconds since the first sample, the prefill rate they
+    measured, each tier's read rate (tokens/s), and the promotions declined, blocks promoted,
+    lookups deferred and held in order so far. Kept in the row as ``cost_samples``: a run's
+    end-of-run rate alone hid a 2.9x spread between runs of one point (docs/vllm.md)."""
+
+    def __init__(self, connector: Any, every_s: float = 1.0) -> None:
+        self._snapshot = getattr(connector, "stats_snapshot", None)
+        self.every_s = every_s
+        self.rows: list[list[Any]] = []
+        self._started: float | None = None
+        self._next = 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if self._snapshot is None or now < self._next:
+            return
+        self._next = now + self.every_s
+        if self._started is None:
+            self._started = now
+        data = self._snapshot()
+        cache, connector = data.get("cache", {}), data.get("connector", {})
+        reads = {name: round(rate) for name, rate in data.get("read_tokens_per_s", {}).items()}
+        self.rows.append(
+            [
+                round(now - self._started, 2),
+                round(data.get("prefill_tokens_per_s") or 0),
+                reads,
+                cache.get("promotions_declined", 0),
+                cache.get("promoted_blocks", 0),
+                connector.get("deferred_lookups", 0),
+                connector.get("lookups_held_in_order", 0),
+            ]
+        )
+
+    def figures(self) -> dict[str, Any]:
+        """The row's ``cost_samples`` (``fields``, ``rows``), empty without samples."""
+        return (
+            {"cost_samples": {"fields": list(COST_FIELDS), "rows": self.rows}} if self.rows else {}
+        )
 
 
 def connector_figures(timer: HookTimer) -> dict[str, Any]:

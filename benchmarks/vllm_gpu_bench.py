@@ -297,8 +297,10 @@ def run_config(
         connector = connector_of(llm)
         profile = eng.profile_setting()
         timer = None
+        sampler = eng.CostSampler(connector)
         if connector is not None:
-            timer = eng.HookTimer(connector, profile_s=profile[1] if profile else None)
+            profile_s = profile[1] if profile else None
+            timer = eng.HookTimer(connector, profile_s=profile_s, after_step=sampler)
         before = kvtier_counters(connector)
         if timer is not None:
             timer.enabled = True
@@ -329,6 +331,7 @@ def run_config(
         row["eviction"] = eng.eviction() or "default"
         row["kvtier"] = kvtier_delta(before, after)
         row["kvtier_stats"] = after
+        row.update(sampler.figures())
         if "groups" in after:
             per_kind = group_bytes_per_token(after)
             row["kvtier_bytes_per_token"] = per_kind

@@ -644,6 +644,48 @@ def test_hook_timer_keeps_gc_pauses_inside_hooks_and_each_hooks_share_of_the_slo
     assert set(slowest["by_hook_us"]) == {"get_num_new_matched_tokens", "build_connector_meta"}
 
 
+def test_cost_sampler_records_the_rules_rates_once_a_second_outside_the_timed_hooks(
+    eng: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Connector:
+        def __init__(self) -> None:
+            self.snapshots = 0
+
+        def stats_snapshot(self) -> dict[str, Any]:
+            self.snapshots += 1
+            slow_lookup(time.perf_counter() + 0.01)  # not the connector's step time
+            return {
+                "prefill_tokens_per_s": 48961.8 if self.snapshots > 1 else None,
+                "read_tokens_per_s": {"fs": 17600.4},
+                "cache": {"promotions_declined": 10 * self.snapshots, "promoted_blocks": 3},
+                "connector": {"deferred_lookups": 2, "lookups_held_in_order": 1},
+            }
+
+        def build_connector_meta(self) -> None:
+            pass
+
+    conn = Connector()
+    sampler = eng.CostSampler(conn)
+    timer = eng.HookTimer(conn, after_step=sampler)
+    clock = iter([100.0, 100.5, 101.0, 101.2, 103.0])
+    monkeypatch.setattr(eng.time, "monotonic", lambda: next(clock))
+    conn.build_connector_meta()  # not enabled: no sample
+    timer.enabled = True
+    for _ in range(5):
+        conn.build_connector_meta()
+    assert conn.snapshots == 3  # at 100, 101 and 103 s
+    assert sampler.figures()["cost_samples"] == {
+        "fields": ["t_s", "prefill", "reads", "declined", "promoted", "deferred", "held"],
+        "rows": [
+            [0.0, 0, {"fs": 17600}, 10, 3, 2, 1],
+            [1.0, 48962, {"fs": 17600}, 20, 3, 2, 1],
+            [3.0, 48962, {"fs": 17600}, 30, 3, 2, 1],
+        ],
+    }
+    assert max(timer.steps) < 0.005  # the snapshots' 10 ms are outside the steps
+    assert eng.CostSampler(object()).figures() == {}
+
+
 def slow_lookup(until: float) -> None:
     """Busy until ``until`` (``time.perf_counter``): a hook's slow work, seen by the profiler."""
     while time.perf_counter() < until:
