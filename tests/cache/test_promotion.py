@@ -426,6 +426,31 @@ def test_a_tier_slower_than_computing_is_not_waited_for(ns, make_pool):
     assert reads(tier) == 1
 
 
+def test_while_others_share_the_engine_a_read_may_take_twice_the_requests_compute(ns, make_pool):
+    first, later = keys_for(ns, 4, seed=1), keys_for(ns, 4, seed=2)
+    tier, cache, clock = clocked(ns, make_pool(16), [*first, *later])
+    cache.engine_step(4000)
+    clock.now += 1.0
+    cache.engine_step(0)  # 4,000 tokens/s, the engine running one request: 1 ms a block
+    assert cache.lookup(first, "a") == (0, False)
+    clock.now += 0.006  # read at 1.5 ms a block
+    tier.release()
+    cache.step()
+    assert cache.lookup(later, "b") == (0, True)  # 6 ms to read, 4 to compute: declined
+    assert cache.stats().cache.promotions_declined == 4
+    cache.engine_step(0, running=3)  # others share the steps: computing costs them too
+    assert cache.lookup(later, "c") == (0, False)  # 6 ms is within twice 4: read
+    clock.now += 0.006
+    tier.release()
+    cache.step()
+    assert cache.lookup(later, "c") == (4, True)
+    cache.prepare_load(later, "c")
+    cache.complete_load(later)
+    cache.prepare_load(first, "a")
+    cache.complete_load(first)
+    check_settled(cache, tier)
+
+
 def test_a_wait_ends_at_its_deadline_with_what_landed(ns, make_pool):
     keys = keys_for(ns, 4, seed=1)
     tier, cache, clock = clocked(ns, make_pool(16), keys)

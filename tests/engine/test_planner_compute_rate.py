@@ -97,3 +97,20 @@ def test_a_queued_engine_taken_for_a_synchronous_one_overstates_the_rate(make_pl
     rate = measured_rate(make_planner(1), queue=2)
     assert rate is not None
     assert rate > 10 * TOKENS_PER_S  # prefill tokens over a decode step's time
+
+
+@pytest.mark.parametrize("queue", [1, 2])
+def test_the_rules_know_whether_the_running_step_is_shared(make_planner, queue) -> None:
+    """A step that runs other requests beside a prefill (``SHARED_WEIGHT``): the step the
+    planner reports as running, not the newest scheduled."""
+    planner = make_planner(queue)
+    compute = planner.cache._rules.compute
+    steps = [PREFILL, DECODE, PREFILL, PREFILL]
+    shared = []
+    for step in steps:
+        planner.plan_step(step, Tables(), None)
+        shared.append(compute.shared)
+    # The step running after each call: the one scheduled ``queue - 1`` calls earlier.
+    running = [len(s) > 1 for s in steps]
+    expected = running if queue == 1 else [False, *running[:-1]]
+    assert shared == expected

@@ -192,10 +192,10 @@ class TieredCache(CacheReports):
         self._unpin_all(self._rules.leave(owner))
         self._answers.forget(owner)
 
-    def engine_step(self, tokens: int, requests: int = 1) -> None:
-        """The engine step that runs until the next call computes ``tokens`` for ``requests``
-        requests (the rate decides whether reading a tier's blocks beats computing them)."""
-        self._rules.compute.step(tokens, self._clock(), requests)
+    def engine_step(self, tokens: int, requests: int = 1, running: int = 1) -> None:
+        """The engine step that runs until the next call computes ``tokens`` for ``requests`` of
+        its ``running`` requests (the rate decides whether reading a tier's blocks pays)."""
+        self._rules.compute.step(tokens, self._clock(), requests, running)
 
     def complete_load(self, keys: Sequence[BlockKey], ok: bool = True) -> None:
         """Unpin keys returned by ``prepare_load`` after the copy; ``ok=False`` counts a failure."""

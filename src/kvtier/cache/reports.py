@@ -4,7 +4,7 @@ events)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from kvtier.cache import invariants
@@ -36,11 +36,22 @@ class CacheReports:
     _promoted: dict[str, int]
     _rules: PromotionRules
     _origin: dict[BlockKey, int]
+    _clock: Callable[[], float]
 
     def take_events(self) -> list[CacheEvent]:
         """Events since the last call, oldest first (at most ``max_events``: when nobody takes
         them, the oldest are dropped and counted in ``stats().cache.events_dropped``)."""
         return self._events.take()
+
+    def now(self) -> float:
+        """The cache's clock (``time.monotonic`` unless given another): an engine times its
+        waits for the cache on it."""
+        return self._clock()
+
+    @property
+    def engine_step_s(self) -> float:
+        """An engine step's duration, as the promotion rules measure it (0.0: not yet)."""
+        return self._rules.compute.step_s
 
     def stats(self) -> CacheStats:
         self._counters.events_dropped = self._events.dropped

@@ -16,7 +16,6 @@ blocks, is never served: every lookup misses and nothing is stored.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -173,7 +172,7 @@ class HybridPlanner(Planner):
         found = self._boundary(start, limit, req_id)
         if found is None:  # asked again next step
             self._deferred = req_id
-            self._deferred_since.setdefault(req_id, time.monotonic())
+            self._deferred_since.setdefault(req_id, self.cache.now())
             self.counters.deferred_lookups += 1
             return None, False
         self._end_wait(req_id)

@@ -10,7 +10,6 @@ starts from (``key_scope``).
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -154,8 +153,8 @@ class Planner:
         (``load_async``); a plan made elsewhere (``HybridPlanner``) follows ``async_loads``."""
         self._step_requests = 0
         """Requests the engine's last step ran (``plan_step``)."""
-        self._queued_work: deque[tuple[int, int]] = deque(maxlen=settings.steps_in_flight)
-        """Tokens and prefills of the steps in flight, oldest first (``steps_in_flight``)."""
+        self._queued_work: deque[tuple[int, int, int]] = deque(maxlen=settings.steps_in_flight)
+        """Tokens, prefills and requests of the steps in flight, oldest first."""
         self._no_loads: set[str] = set()
         """Requests that get no hit any more: their asynchronous load failed (the engine asks
         again before recomputing, and the same load would fail again), or the engine knew them
@@ -226,7 +225,7 @@ class Planner:
         if not result.final:
             self.counters.deferred_lookups += 1
             self._deferred = req_id
-            self._deferred_since.setdefault(req_id, time.monotonic())
+            self._deferred_since.setdefault(req_id, self.cache.now())
             return None, False
         self._end_wait(req_id)
         self.counters.engine_hit_blocks += start
@@ -255,7 +254,7 @@ class Planner:
 
     def deferred_in_pass(self) -> tuple[str, float] | None:
         """A request whose lookup was deferred in this scheduling pass (since ``plan_step``), and
-        when its wait began (``time.monotonic``)."""
+        when its wait began (the cache's clock, ``TieredCache.now``)."""
         req_id = self._deferred
         return None if req_id is None else (req_id, self._deferred_since.get(req_id, 0.0))
 
@@ -276,7 +275,7 @@ class Planner:
     def _end_wait(self, req_id: str) -> None:
         since = self._deferred_since.pop(req_id, None)
         if since is not None:
-            self._waits.append(time.monotonic() - since)
+            self._waits.append(self.cache.now() - since)
 
     def after_alloc(
         self, request: EngineRequest, block_ids: Sequence[int], external_tokens: int
@@ -366,9 +365,9 @@ class Planner:
         prefills = sum(1 for n in scheduled.values() if n > 1)
         self._step_requests = len(scheduled)
         queued = self._queued_work
-        queued.append((sum(scheduled.values()), prefills))
+        queued.append((sum(scheduled.values()), prefills, len(scheduled)))
         # The step that runs until the next call: none while the engine's queue fills.
-        self.cache.engine_step(*queued[0] if len(queued) == queued.maxlen else (0, 0))
+        self.cache.engine_step(*queued[0] if len(queued) == queued.maxlen else (0, 0, 0))
         if self._deferred is not None and not scheduled:  # a step with work frees the GIL
             self.cache.wait(DEFERRED_WAIT_S)  # steps the cache; returns when a job ended
         else:

@@ -12,7 +12,7 @@ import pytest
 from integrations.vllm.test_vllm_landed_loads import request, scheduled
 from kvtier.config import load_config
 from kvtier.engine.planner_settings import PlannerSettings
-from kvtier.integrations.vllm.scheduler import HOLD_BEHIND_S, SchedulerSide
+from kvtier.integrations.vllm.scheduler import HOLD_BEHIND_S, HOLD_BEHIND_STEPS, SchedulerSide
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import Namespace
 
@@ -86,6 +86,24 @@ def test_a_long_wait_holds_no_one(tmp_path: Path) -> None:
         side._deferred_since["b"] -= HOLD_BEHIND_S + 0.1  # ``b`` has waited that long
         assert side.matched_tokens(request("c", OTHER), 0) == (16, False)
         assert side.counters.lookups_held_in_order == 0
+    finally:
+        side.close()
+
+
+def test_a_wait_longer_than_two_engine_steps_holds_no_one(tmp_path: Path) -> None:
+    """A read from a disk slower than the engine: the requests behind it are held for
+    ``HOLD_BEHIND_STEPS`` engine steps of its wait, not all of it (the engine would run only
+    the others' decodes meanwhile)."""
+    side = make_side(tmp_path, keep_order=True)
+    try:
+        deferred_pass(side)
+        side.cache._rules.compute.step_s = 0.05  # the engine's steps take 50 ms
+        side._deferred_since["b"] -= HOLD_BEHIND_STEPS * 0.05 - 0.02  # within the two steps
+        assert side.matched_tokens(request("c", OTHER), 0) == (None, False)
+        assert side.counters.lookups_held_in_order == 1
+        side._deferred_since["b"] -= 0.04  # past them, far below ``HOLD_BEHIND_S``
+        assert side.matched_tokens(request("d", OTHER), 0) == (16, False)
+        assert side.counters.lookups_held_in_order == 1
     finally:
         side.close()
 

@@ -33,10 +33,16 @@ taken at most this often; with none in flight (the step that finished the last o
 Counters are deltas and histograms lists: a skipped step's changes come in a later payload."""
 
 
+HOLD_BEHIND_STEPS = 2
+"""How many engine steps after a deferred request's wait began the requests behind it are held
+(``vllm.keep_order``): a read that lands within two steps (vLLM asks again once a step and sees a
+landed block a step later) keeps the order; a longer one, from a disk slower than the engine,
+would hold every request behind it while the engine runs only the others' decodes (in the
+scheduler replay with fs reads at 4 ms a block, holding for the whole wait cost 16x4 and 16x2
+6-8% of their tokens/s against kvtier's pool alone; docs/vllm.md)."""
 HOLD_BEHIND_S = 2.0
-"""How long after a deferred request's wait began the requests behind it are held
-(``vllm.keep_order``): with ``promotion_costs`` a wait ends when computing would have, but
-without them, or behind a stuck load, it can last ``job_timeout_s``, and those behind need not."""
+"""The hold's bound while no step was timed, and for engines whose steps take over a second:
+without ``promotion_costs``, or behind a stuck load, a wait can last ``job_timeout_s``."""
 
 
 def fresh_blocks(scheduler_output: Any) -> list[int] | None:
@@ -134,7 +140,8 @@ class SchedulerSide(HybridPlanner):
         take the GPU KV cache room the deferred one needs: in the scheduler replay at 16x2 with
         the fs tier, each of the 8 slowest requests had been deferred and passed by 1-3 later
         arrivals (72 passings in all; none without kvtier). Held, the later ones wait as they
-        would behind a request vLLM cannot allocate, for at most ``HOLD_BEHIND_S`` of its wait."""
+        would behind a request vLLM cannot allocate, for at most ``HOLD_BEHIND_STEPS`` engine
+        steps of its wait."""
         req_id = request.request_id
         landed = self._landed
         if landed is not None and landed.defers(req_id):
@@ -151,12 +158,14 @@ class SchedulerSide(HybridPlanner):
         return answer
 
     def _behind_a_deferral(self, req_id: str) -> bool:
-        """Another request's lookup was deferred in this pass less than ``HOLD_BEHIND_S`` after
-        its wait began."""
+        """Another request's lookup was deferred in this pass less than ``HOLD_BEHIND_STEPS``
+        engine steps (at most ``HOLD_BEHIND_S``) after its wait began."""
         deferred = self.deferred_in_pass()
         if deferred is None or deferred[0] == req_id:
             return False
-        return time.monotonic() - deferred[1] < HOLD_BEHIND_S
+        step_s = self.cache.engine_step_s
+        hold_s = min(HOLD_BEHIND_S, HOLD_BEHIND_STEPS * step_s) if step_s else HOLD_BEHIND_S
+        return self.cache.now() - deferred[1] < hold_s
 
     def after_alloc_groups(
         self, request: Any, block_ids: Sequence[Sequence[int]], external_tokens: int
