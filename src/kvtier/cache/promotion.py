@@ -61,9 +61,10 @@ others (each step's tokens are shared), and a read takes none. Comparing with th
 alone declined most reads where a disk reads slower than the engine computes: on an H200 at 16
 conversations in flight, 84,323 declined promotions against 4,032 in a run whose measured rate
 was half as high, and the run with more declines was slower on every figure (docs/vllm.md, *The
-H200*); in the scheduler replay with fs reads at 4 ms a block, 2 (with the hold of
-``vllm.keep_order`` bounded by engine steps) ran 1.03-1.09x the tokens/s of 1 at 16x2, 16x4,
-16x8 and 32x4."""
+H200*). In the scheduler replay with fs reads at 4 ms a block, 2 ran 1.02x the tokens/s of 1
+at 16x2 and 16x4 (both with ``vllm.keep_order``'s hold bounded by engine steps); with that hold,
+1.06-1.07x the earlier rules' at 16x2, 16x4, 16x8 and 32x4 (docs/vllm.md, *A disk slower than
+the engine*)."""
 LEASE_S = 30.0
 """A promise whose request never came back is dropped (its pins released) after this long."""
 MAX_KEPT_ANSWERS = 4096

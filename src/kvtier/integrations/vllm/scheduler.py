@@ -38,8 +38,8 @@ HOLD_BEHIND_STEPS = 2
 (``vllm.keep_order``): a read that lands within two steps (vLLM asks again once a step and sees a
 landed block a step later) keeps the order; a longer one, from a disk slower than the engine,
 would hold every request behind it while the engine runs only the others' decodes (in the
-scheduler replay with fs reads at 4 ms a block, holding for the whole wait cost 16x4 and 16x2
-6-8% of their tokens/s against kvtier's pool alone; docs/vllm.md)."""
+scheduler replay with fs reads at 4 ms a block, holding for the whole wait left 16x4 and 16x2
+4-6% below the tokens/s of kvtier's pool alone; docs/vllm.md)."""
 HOLD_BEHIND_S = 2.0
 """The hold's bound while no step was timed, and for engines whose steps take over a second:
 without ``promotion_costs``, or behind a stuck load, a wait can last ``job_timeout_s``."""
