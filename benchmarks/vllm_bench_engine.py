@@ -677,6 +677,14 @@ class HookTimer:
             self.after_step()
 
 
+def kvtier_counters(connector: Any) -> dict[str, Any]:
+    """kvtier's cumulative stats snapshot (``get_kv_connector_stats`` hands vLLM per-step
+    increments); empty for another connector."""
+    snapshot = getattr(connector, "stats_snapshot", None)
+    data = snapshot() if callable(snapshot) else None
+    return dict(data) if isinstance(data, dict) else {}
+
+
 COST_FIELDS = ("t_s", "prefill", "reads", "declined", "promoted", "deferred", "held")
 
 
@@ -688,7 +696,8 @@ class CostSampler:
     end-of-run rate alone hid a 2.9x spread between runs of one point (docs/vllm.md)."""
 
     def __init__(self, connector: Any, every_s: float = 1.0) -> None:
-        self._snapshot = getattr(connector, "stats_snapshot", None)
+        self._connector = connector
+        self._kvtier = callable(getattr(connector, "stats_snapshot", None))
         self.every_s = every_s
         self.rows: list[list[Any]] = []
         self._started: float | None = None
@@ -696,12 +705,12 @@ class CostSampler:
 
     def __call__(self) -> None:
         now = time.monotonic()
-        if self._snapshot is None or now < self._next:
+        if not self._kvtier or now < self._next:
             return
         self._next = now + self.every_s
         if self._started is None:
             self._started = now
-        data = self._snapshot()
+        data = kvtier_counters(self._connector)
         cache, connector = data.get("cache", {}), data.get("connector", {})
         reads = {name: round(rate) for name, rate in data.get("read_tokens_per_s", {}).items()}
         self.rows.append(

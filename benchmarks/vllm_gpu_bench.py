@@ -149,13 +149,6 @@ def connector_of(llm: Any) -> Any:
     return getattr(core.scheduler, "connector", None)
 
 
-def kvtier_counters(connector: Any) -> dict[str, Any]:
-    # The cumulative snapshot (get_kv_connector_stats hands vLLM per-step increments).
-    snapshot = getattr(connector, "stats_snapshot", None)
-    data = snapshot() if callable(snapshot) else None
-    return dict(data) if isinstance(data, dict) else {}
-
-
 def kvtier_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
     """kvtier's counters over the timed run (``tier_read_blocks``: blocks read from every
     secondary tier)."""
@@ -301,13 +294,13 @@ def run_config(
         if connector is not None:
             profile_s = profile[1] if profile else None
             timer = eng.HookTimer(connector, profile_s=profile_s, after_step=sampler)
-        before = kvtier_counters(connector)
+        before = eng.kvtier_counters(connector)
         if timer is not None:
             timer.enabled = True
         timed, wall = drive(llm, convs, spec.concurrency, max_tokens, spec.config, guard)
         if timer is not None:
             timer.enabled = False
-        after = kvtier_counters(connector)
+        after = eng.kvtier_counters(connector)
         used_after = meminfo_used()
     finally:
         if timer is not None:

@@ -83,7 +83,8 @@ class CacheStats:
     on others' blocks, evictions, blocks stored and held); None over a private pool."""
     prefill_tokens_per_s: float | None = None
     """A request's prefill rate as the promotion cost rules measure it from the engine's steps
-    (``promotion.ComputeRate``): reading a tier's blocks must beat computing them at this rate.
+    (``promotion.ComputeRate``): reading a tier's blocks must beat computing them at this rate
+    (half of it while other requests share the steps: ``promotion.SHARED_WEIGHT``).
     None until an engine step with a prefill was timed."""
     read_tokens_per_s: dict[str, float] = field(default_factory=dict)
     """Per secondary tier whose reads were measured: the tokens per second it reads, as the
