@@ -173,6 +173,8 @@ class Promise:
     deadline: float
     """The request stops waiting at this time (``lookup`` answers with what landed)."""
     lease_end: float
+    lands: float
+    """When its blocks are expected to have landed (``Claim.lands``)."""
     pinned: list[BlockKey] = field(default_factory=list)
     """Claimed blocks that landed: pinned until the request loads them or stops waiting."""
     done: bool = False
@@ -199,6 +201,9 @@ class Claim:
 
     blocks: int
     deadline: float
+    lands: float = field(default=0.0, compare=False)
+    """When the claimed blocks are expected to have landed: read behind the tiers' outstanding
+    reads at their measured rates (the deadline where a tier or the engine is unmeasured)."""
 
 
 class PromotionRules:
@@ -245,17 +250,21 @@ class PromotionRules:
             n = 0
         if not self.weigh:
             return Claim(n, now + self.max_wait_s)
-        best, wait = self._longest_worth(run_tiers, n, now)
+        best, wait, read = self._longest_worth(run_tiers, n, now)
         for tier in set(run_tiers[best:n]):
             self.reads[tier].declined += 1
         # An engine asks again once a step, and sees a landed block a step later: a wait shorter
         # than two steps would end before it could see anything land.
         wait = max(wait, 2 * self.compute.step_s)
-        return Claim(best, now + min(self.max_wait_s, wait))
+        deadline = now + min(self.max_wait_s, wait)
+        return Claim(best, deadline, deadline if read is None else now + read)
 
-    def _longest_worth(self, run_tiers: list[int], n: int, now: float) -> tuple[int, float]:
+    def _longest_worth(
+        self, run_tiers: list[int], n: int, now: float
+    ) -> tuple[int, float, float | None]:
         """The longest prefix of the run's first ``n`` blocks worth reading (expected to land
-        before computing it would; unmeasured: worth it) and the wait for it: (0, 0.0) for none.
+        before computing it would; unmeasured: worth it), the wait for it and its expected read
+        time (None: unmeasured): (0, 0.0, None) for none.
 
         Tried from the longest prefix down, so a run worth reading whole (the common case) costs
         one try, not one per block; a request that waits re-asks every step. A run of one tier
@@ -263,19 +272,19 @@ class PromotionRules:
         computing grow linearly with the blocks), checked with a margin for rounding."""
         per_tier = dict(Counter(run_tiers[:n]))
         if n > 2 and len(per_tier) == 1 and self._worth_at_neither_end(per_tier, n, now):
-            return 0, 0.0
+            return 0, 0.0, None
         for blocks in range(n, 0, -1):
             read = self._read_s(per_tier, now)
             compute = self.compute.seconds(blocks * self.block_tokens)
             if read is None or compute is None or read <= compute:
-                return blocks, compute if compute is not None else self.max_wait_s
+                return blocks, compute if compute is not None else self.max_wait_s, read
             tier = run_tiers[blocks - 1]
             left = per_tier[tier] - 1
             if left:
                 per_tier[tier] = left
             else:
                 del per_tier[tier]
-        return 0, 0.0
+        return 0, 0.0, None
 
     def _worth_at_neither_end(self, per_tier: dict[int, int], n: int, now: float) -> bool:
         """For a run of one tier: reading its first block, and all ``n``, is slower than
@@ -299,16 +308,21 @@ class PromotionRules:
             worst = max(worst, expected)
         return worst
 
-    def promise(self, owner: Owner, keys: list[BlockKey], deadline: float, now: float) -> None:
-        """``owner`` waits for ``keys`` until ``deadline``; a further round of a promise whose
-        blocks all landed keeps the pins of the earlier rounds."""
+    def promise(self, owner: Owner, keys: list[BlockKey], claim: Claim, now: float) -> None:
+        """``owner`` waits for ``keys`` (``claim``'s) until its deadline; a further round of a
+        promise whose blocks all landed keeps the pins of the earlier rounds."""
         earlier = self.promises.get(owner)
-        self.promises[owner] = Promise(list(keys), deadline, now + LEASE_S)
+        self.promises[owner] = Promise(list(keys), claim.deadline, now + LEASE_S, claim.lands)
         if earlier is not None:
             self.promises[owner].pinned = earlier.pinned
         claimed = self.claimed_by
         for key in keys:
             claimed.setdefault(key, owner)
+
+    def lands(self, owner: Owner) -> float | None:
+        """When the blocks promoted for ``owner`` are expected to have landed (None: none are)."""
+        promise = self.promises.get(owner)
+        return None if promise is None else promise.lands
 
     def waits_for_room(self, owner: Owner | None, deadline: float, now: float) -> bool:
         """Whether ``owner``, whose claim found no free slot (the pool pinned full by tier
