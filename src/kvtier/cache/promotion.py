@@ -249,7 +249,7 @@ class PromotionRules:
             # 1.16-1.23x the shipped rules' in the scheduler replay at 8x2 and 16x2; docs/vllm.md).
             n = 0
         if not self.weigh:
-            return Claim(n, now + self.max_wait_s)
+            return Claim(n, now + self.max_wait_s, now + self.max_wait_s)
         best, wait, read = self._longest_worth(run_tiers, n, now)
         for tier in set(run_tiers[best:n]):
             self.reads[tier].declined += 1
