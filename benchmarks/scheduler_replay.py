@@ -119,13 +119,13 @@ def kvtier_extra(
     host_bytes: int, overrides: dict[str, Any], tiers: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     """The grid's kvtier config (a pool of the host size and ``tiers``, none by default) with
-    dotted keys set."""
+    dotted keys set (a number picks a list's item: ``tiers.0.write=on_evict``)."""
     extra: dict[str, Any] = {"pool": {"size": host_bytes}, "tiers": tiers or [], "vllm": {}}
     for key, value in overrides.items():
-        node = extra
+        node: Any = extra
         *parents, leaf = key.split(".")
         for name in parents:
-            node = node.setdefault(name, {})
+            node = node[int(name)] if isinstance(node, list) else node.setdefault(name, {})
         node[leaf] = value
     return extra
 

@@ -204,3 +204,7 @@ def test_kvtier_fs_configs_get_the_replays_fs_tier(rfs: ModuleType, tmp_path: Pa
     assert tier["kind"] == rfs.TIER_KIND and tier["name"] == "fs" and tier["capacity"] == 2 << 30
     extra = sr.kvtier_extra(1 << 20, spec.overrides, [tier])
     assert extra["tiers"] == [tier] and extra["pool"] == {"size": 1 << 20, "promotion_budget": 0.25}
+    with benchmark_modules("scheduler_replay") as (sr,):
+        spec = sr.parse_config("kvtier_fs+tiers.0.write=on_evict")
+    extra = sr.kvtier_extra(1 << 20, spec.overrides, [dict(tier)])
+    assert extra["tiers"] == [{**tier, "write": "on_evict"}]  # a number picks a list's item
