@@ -150,8 +150,8 @@ class SchedulerSide(HybridPlanner):
         take the GPU KV cache room the deferred one needs: in the scheduler replay at 16x2 with
         the fs tier, each of the 8 slowest requests had been deferred and passed by 1-3 later
         arrivals (72 passings in all; none without kvtier). Held, the later ones wait as they
-        would behind a request vLLM cannot allocate, for at most ``HOLD_BEHIND_STEPS`` engine
-        steps of its wait."""
+        would behind a request vLLM cannot allocate, for ``HOLD_BEHIND_STEPS`` engine steps of
+        its wait, or until its promoted blocks land where that is soon (``_behind_a_deferral``)."""
         req_id = request.request_id
         landed = self._landed
         if landed is not None and landed.defers(req_id):
@@ -177,12 +177,13 @@ class SchedulerSide(HybridPlanner):
             return False
         owner, since = deferred
         step_s = self.cache.engine_step_s
+        if not step_s:
+            return self.cache.now() - since < HOLD_BEHIND_S
         hold_s = HOLD_BEHIND_STEPS * step_s
         lands = self.cache.promotion_lands(owner)
         if lands is not None and lands - since <= HOLD_UNTIL_LANDED_STEPS * step_s:
             hold_s = max(hold_s, lands - since + step_s)
-        hold_s = min(HOLD_BEHIND_S, hold_s) if step_s else HOLD_BEHIND_S
-        return self.cache.now() - since < hold_s
+        return self.cache.now() - since < min(HOLD_BEHIND_S, hold_s)
 
     def after_alloc_groups(
         self, request: Any, block_ids: Sequence[Sequence[int]], external_tokens: int
