@@ -451,29 +451,6 @@ def test_while_others_share_the_engine_a_read_may_take_twice_the_requests_comput
     check_settled(cache, tier)
 
 
-def test_a_claim_says_when_its_blocks_should_land_and_the_promise_keeps_it():
-    """Read behind the tier's outstanding blocks at its measured rate; the deadline while the
-    tier is unmeasured. ``vllm.keep_order`` holds the requests behind a waiting one until then
-    (``HOLD_UNTIL_LANDED_STEPS``)."""
-    rules = PromotionRules(1, PromotionSettings(1.0, block_tokens=100), 1000, 30.0)
-    rules.compute.tokens_per_s = 1000.0  # 0.1 s per block
-    claim = rules.claim([0] * 4, in_flight=0, now=5.0)
-    assert (claim.blocks, claim.lands) == (4, claim.deadline)  # unmeasured: read to measure
-    rules.reads[0].seconds_per_block = 0.05
-    rules.reads[0].measured_at = 5.0
-    rules.reads[0].outstanding = 2
-    claim = rules.claim([0] * 4, in_flight=0, now=5.0)
-    assert claim.blocks == 4
-    assert claim.lands == pytest.approx(5.0 + (2 + 4) * 0.05)
-    assert rules.lands("a") is None
-    rules.promise(
-        "a", keys_for(Namespace(model="m", dtype="bf16", block_tokens=100), 4), claim, 5.0
-    )
-    assert rules.lands("a") == claim.lands
-    rules.end("a")
-    assert rules.lands("a") is None
-
-
 def test_a_wait_ends_at_its_deadline_with_what_landed(ns, make_pool):
     keys = keys_for(ns, 4, seed=1)
     tier, cache, clock = clocked(ns, make_pool(16), keys)

@@ -501,7 +501,7 @@ class TieredCache(CacheReports):
             rules.reads[tier_index].started(len(tier_keys))
             self._submit(tier_index, TierJobKind.READ, tier_keys, tier_slots, False)
         if owner is not None:
-            rules.promise(owner, claimed, claim, now)
+            rules.promise(owner, claimed, claim.deadline, now)
         return False
 
     def _submit(

@@ -173,8 +173,6 @@ class Promise:
     deadline: float
     """The request stops waiting at this time (``lookup`` answers with what landed)."""
     lease_end: float
-    lands: float
-    """When its blocks are expected to have landed (``Claim.lands``)."""
     pinned: list[BlockKey] = field(default_factory=list)
     """Claimed blocks that landed: pinned until the request loads them or stops waiting."""
     done: bool = False
@@ -201,9 +199,6 @@ class Claim:
 
     blocks: int
     deadline: float
-    lands: float = field(default=0.0, compare=False)
-    """When the claimed blocks are expected to have landed: read behind the tiers' outstanding
-    reads at their measured rates (the deadline where a tier or the engine is unmeasured)."""
 
 
 class PromotionRules:
@@ -249,22 +244,18 @@ class PromotionRules:
             # 1.16-1.23x the shipped rules' in the scheduler replay at 8x2 and 16x2; docs/vllm.md).
             n = 0
         if not self.weigh:
-            return Claim(n, now + self.max_wait_s, now + self.max_wait_s)
-        best, wait, read = self._longest_worth(run_tiers, n, now)
+            return Claim(n, now + self.max_wait_s)
+        best, wait = self._longest_worth(run_tiers, n, now)
         for tier in set(run_tiers[best:n]):
             self.reads[tier].declined += 1
         # An engine asks again once a step, and sees a landed block a step later: a wait shorter
         # than two steps would end before it could see anything land.
         wait = max(wait, 2 * self.compute.step_s)
-        deadline = now + min(self.max_wait_s, wait)
-        return Claim(best, deadline, deadline if read is None else now + read)
+        return Claim(best, now + min(self.max_wait_s, wait))
 
-    def _longest_worth(
-        self, run_tiers: list[int], n: int, now: float
-    ) -> tuple[int, float, float | None]:
+    def _longest_worth(self, run_tiers: list[int], n: int, now: float) -> tuple[int, float]:
         """The longest prefix of the run's first ``n`` blocks worth reading (expected to land
-        before computing it would; unmeasured: worth it), the wait for it and its expected read
-        time (None: unmeasured): (0, 0.0, None) for none.
+        before computing it would; unmeasured: worth it) and the wait for it: (0, 0.0) for none.
 
         Tried from the longest prefix down, so a run worth reading whole (the common case) costs
         one try, not one per block; a request that waits re-asks every step. A run of one tier
@@ -272,19 +263,19 @@ class PromotionRules:
         computing grow linearly with the blocks), checked with a margin for rounding."""
         per_tier = dict(Counter(run_tiers[:n]))
         if n > 2 and len(per_tier) == 1 and self._worth_at_neither_end(per_tier, n, now):
-            return 0, 0.0, None
+            return 0, 0.0
         for blocks in range(n, 0, -1):
             read = self._read_s(per_tier, now)
             compute = self.compute.seconds(blocks * self.block_tokens)
             if read is None or compute is None or read <= compute:
-                return blocks, compute if compute is not None else self.max_wait_s, read
+                return blocks, compute if compute is not None else self.max_wait_s
             tier = run_tiers[blocks - 1]
             left = per_tier[tier] - 1
             if left:
                 per_tier[tier] = left
             else:
                 del per_tier[tier]
-        return 0, 0.0, None
+        return 0, 0.0
 
     def _worth_at_neither_end(self, per_tier: dict[int, int], n: int, now: float) -> bool:
         """For a run of one tier: reading its first block, and all ``n``, is slower than
@@ -308,21 +299,16 @@ class PromotionRules:
             worst = max(worst, expected)
         return worst
 
-    def promise(self, owner: Owner, keys: list[BlockKey], claim: Claim, now: float) -> None:
-        """``owner`` waits for ``keys`` (``claim``'s) until its deadline; a further round of a
-        promise whose blocks all landed keeps the pins of the earlier rounds."""
+    def promise(self, owner: Owner, keys: list[BlockKey], deadline: float, now: float) -> None:
+        """``owner`` waits for ``keys`` until ``deadline``; a further round of a promise whose
+        blocks all landed keeps the pins of the earlier rounds."""
         earlier = self.promises.get(owner)
-        self.promises[owner] = Promise(list(keys), claim.deadline, now + LEASE_S, claim.lands)
+        self.promises[owner] = Promise(list(keys), deadline, now + LEASE_S)
         if earlier is not None:
             self.promises[owner].pinned = earlier.pinned
         claimed = self.claimed_by
         for key in keys:
             claimed.setdefault(key, owner)
-
-    def lands(self, owner: Owner) -> float | None:
-        """When the blocks promoted for ``owner`` are expected to have landed (None: none are)."""
-        promise = self.promises.get(owner)
-        return None if promise is None else promise.lands
 
     def waits_for_room(self, owner: Owner | None, deadline: float, now: float) -> bool:
         """Whether ``owner``, whose claim found no free slot (the pool pinned full by tier

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from kvtier.cache import invariants
 from kvtier.cache.event_log import EventLog
-from kvtier.cache.promotion import Owner, PromotionRules
+from kvtier.cache.promotion import PromotionRules
 from kvtier.cache.tier_jobs import TierJobs
 from kvtier.events import POOL_TIER, CacheEvent
 from kvtier.keys import BlockKey
@@ -52,11 +52,6 @@ class CacheReports:
     def engine_step_s(self) -> float:
         """An engine step's duration, as the promotion rules measure it (0.0: not yet)."""
         return self._rules.compute.step_s
-
-    def promotion_lands(self, owner: Owner) -> float | None:
-        """When the blocks promoted for ``owner`` are expected to have landed, on the cache's
-        clock (``now``); None while none are promoted for it."""
-        return self._rules.lands(owner)
 
     def stats(self) -> CacheStats:
         self._counters.events_dropped = self._events.dropped

@@ -155,7 +155,7 @@ class SharedTieredCache(TieredCache):
             self._rules.reads[tier_index].started(len(tier_keys))
             self._submit(tier_index, TierJobKind.READ, tier_keys, tier_slots, False)
         if owner is not None:
-            self._rules.promise(owner, reserved, claim, now)
+            self._rules.promise(owner, reserved, claim.deadline, now)
         return True
 
     def prepare_load(

@@ -10,15 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from integrations.vllm.test_vllm_landed_loads import request, scheduled
-from kvtier.cache.promotion import Promise
 from kvtier.config import load_config
 from kvtier.engine.planner_settings import PlannerSettings
-from kvtier.integrations.vllm.scheduler import (
-    HOLD_BEHIND_S,
-    HOLD_BEHIND_STEPS,
-    HOLD_UNTIL_LANDED_STEPS,
-    SchedulerSide,
-)
+from kvtier.integrations.vllm.scheduler import HOLD_BEHIND_S, HOLD_BEHIND_STEPS, SchedulerSide
 from kvtier.integrations.vllm.settings import VllmSettings
 from kvtier.keys import Namespace
 
@@ -110,40 +104,6 @@ def test_a_wait_longer_than_two_engine_steps_holds_no_one(tmp_path: Path) -> Non
         side._deferred_since["b"] -= 0.04  # past them, far below ``HOLD_BEHIND_S``
         assert side.matched_tokens(request("d", OTHER), 0) == (16, False)
         assert side.counters.lookups_held_in_order == 1
-    finally:
-        side.close()
-
-
-@pytest.mark.parametrize(
-    "steps_to_land", [HOLD_UNTIL_LANDED_STEPS - 4, HOLD_UNTIL_LANDED_STEPS + 1]
-)
-def test_a_read_expected_to_land_soon_holds_the_requests_behind_until_it_lands(
-    tmp_path: Path, steps_to_land: int
-) -> None:
-    """A deferred request whose promoted blocks should land within ``HOLD_UNTIL_LANDED_STEPS``
-    engine steps holds the requests behind it until then and a step more (passed, it would find
-    the promotion budget held by theirs and take the pool's hits only); a later landing holds
-    them for ``HOLD_BEHIND_STEPS`` only."""
-    side = make_side(tmp_path, keep_order=True)
-    try:
-        deferred_pass(side)
-        step_s = 0.05
-        side.cache._rules.compute.step_s = step_s
-
-        def ask(name: str, waited_steps: float) -> tuple[int | None, bool]:
-            since = side.cache.now() - waited_steps * step_s
-            side._deferred_since["b"] = since
-            lands = since + steps_to_land * step_s
-            side.cache._rules.promises["b"] = Promise([], lands + 1.0, lands + 30.0, lands)
-            return side.matched_tokens(request(name, OTHER), 0)
-
-        soon = steps_to_land <= HOLD_UNTIL_LANDED_STEPS
-        past_two_steps = HOLD_BEHIND_STEPS + 1
-        assert ask("c", past_two_steps) == ((None, False) if soon else (16, False))
-        assert side.counters.lookups_held_in_order == int(soon)
-        if soon:
-            assert ask("d", steps_to_land + 1.02) == (16, False)  # landed over a step ago
-            assert side.counters.lookups_held_in_order == 1
     finally:
         side.close()
 

@@ -40,16 +40,6 @@ landed block a step later) keeps the order; a longer one, from a disk slower tha
 would hold every request behind it while the engine runs only the others' decodes (in the
 scheduler replay with fs reads at 4 ms a block, holding for the whole wait left 16x4 and 16x2
 4-6% below the tokens/s of kvtier's pool alone; docs/vllm.md)."""
-HOLD_UNTIL_LANDED_STEPS = 24
-"""A deferred request whose promoted blocks are expected to land within this many engine steps
-of its wait's start (``TieredCache.promotion_lands``: the tier's measured read rate, behind its
-queued reads) holds the requests behind it until then and a step more (to see them land), not
-only for ``HOLD_BEHIND_STEPS``: the requests that pass it find the promotion budget held by its
-read and take the pool's hits instead of their runs. In the scheduler replay with fs reads at
-the H200's measured rate (about 3,300 blocks a second), at 8x2: two steps 284.9 tokens/s,
-390,816 prompt tokens cached, 26,336 blocks declined; this rule 289.4, 435,504, 65; the whole
-wait 289.7, 436,448, 0. With reads at 4 ms a block most reads land later and the hold stays two
-steps (docs/vllm.md, *Holding until a read lands*)."""
 HOLD_BEHIND_S = 2.0
 """The hold's bound while no step was timed, and for engines whose steps take over a second:
 without ``promotion_costs``, or behind a stuck load, a wait can last ``job_timeout_s``."""
@@ -150,8 +140,8 @@ class SchedulerSide(HybridPlanner):
         take the GPU KV cache room the deferred one needs: in the scheduler replay at 16x2 with
         the fs tier, each of the 8 slowest requests had been deferred and passed by 1-3 later
         arrivals (72 passings in all; none without kvtier). Held, the later ones wait as they
-        would behind a request vLLM cannot allocate, for ``HOLD_BEHIND_STEPS`` engine steps of
-        its wait, or until its promoted blocks land where that is soon (``_behind_a_deferral``)."""
+        would behind a request vLLM cannot allocate, for at most ``HOLD_BEHIND_STEPS`` engine
+        steps of its wait."""
         req_id = request.request_id
         landed = self._landed
         if landed is not None and landed.defers(req_id):
@@ -169,21 +159,13 @@ class SchedulerSide(HybridPlanner):
 
     def _behind_a_deferral(self, req_id: str) -> bool:
         """Another request's lookup was deferred in this pass less than ``HOLD_BEHIND_STEPS``
-        engine steps after its wait began, or before its promoted blocks are expected to have
-        landed (and a step more) where that is within ``HOLD_UNTIL_LANDED_STEPS``; at most
-        ``HOLD_BEHIND_S``."""
+        engine steps (at most ``HOLD_BEHIND_S``) after its wait began."""
         deferred = self.deferred_in_pass()
         if deferred is None or deferred[0] == req_id:
             return False
-        owner, since = deferred
         step_s = self.cache.engine_step_s
-        if not step_s:
-            return self.cache.now() - since < HOLD_BEHIND_S
-        hold_s = HOLD_BEHIND_STEPS * step_s
-        lands = self.cache.promotion_lands(owner)
-        if lands is not None and lands - since <= HOLD_UNTIL_LANDED_STEPS * step_s:
-            hold_s = max(hold_s, lands - since + step_s)
-        return self.cache.now() - since < min(HOLD_BEHIND_S, hold_s)
+        hold_s = min(HOLD_BEHIND_S, HOLD_BEHIND_STEPS * step_s) if step_s else HOLD_BEHIND_S
+        return self.cache.now() - deferred[1] < hold_s
 
     def after_alloc_groups(
         self, request: Any, block_ids: Sequence[Sequence[int]], external_tokens: int
