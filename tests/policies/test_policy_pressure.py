@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from kvtier.policies import HintedPolicy, LRUPolicy, RequestHint
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.hinted import LRU_EXPIRY_GAPS
@@ -261,3 +263,42 @@ def test_the_stable_modes_own_hits_do_not_turn_it_off() -> None:
     for keys in requests[40:]:
         gauge.request(keys[0], len(keys), len(keys) // 2)  # the pool now finds a lot
         assert gauge.on
+
+
+def pressured_victims(policy: HintedPolicy, n: int, pinned: set[bytes]) -> list[bytes]:
+    """The rule, one key at a time: unpinned expired blocks of kept, new and the LRU order
+    (each oldest first, up to its first unexpired block), then new blocks newest first."""
+    victims: list[bytes] = []
+    for segment, expiry in policy._expiring():
+        for k, used in segment.items():
+            if len(victims) >= n or used > expiry:
+                break
+            if k not in pinned:
+                victims.append(k)
+    for k in reversed(policy._new):
+        if len(victims) >= n:
+            break
+        if k not in pinned and k not in victims:
+            victims.append(k)
+    return victims
+
+
+def test_pressure_eviction_takes_what_the_rule_says_around_any_pins() -> None:
+    """Expired and unexpired blocks, pins among both and among the newest (an fs tier's
+    write-through pins what was stored last): the eviction takes the rule's victims in order."""
+    rng = random.Random(5)
+    for trial in range(40):
+        policy = HintedPolicy(80)
+        replay(policy, going_on(), 80)
+        assert policy.pressure and policy._new
+        policy.gauge.mean_gap = rng.choice([1e9, 0.5, 1.0, 2.0, 4.0])
+        held = [*policy._kept, *policy._new, *policy._lru]
+        pinned = set(rng.sample(held, rng.randrange(len(held))))
+        if trial % 3 == 0:
+            pinned.update(list(policy._new)[-rng.randrange(1, len(policy._new) + 1) :])
+        n = rng.randrange(1, 40)
+        expected = pressured_victims(policy, n, pinned)
+        taken: list[bytes] = []
+        policy._take_pressured(n, pinned, taken)
+        assert taken == expected, trial
+        assert not set(taken) & (set(policy._kept) | set(policy._new) | set(policy._lru))
