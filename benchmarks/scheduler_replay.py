@@ -65,54 +65,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import config_variants as variants
 import scheduler_replay_engine as replay
 import scheduler_replay_fs as rfs
 import scheduler_replay_vllm as rv
 import vllm_bench_engine as eng
 import vllm_grid as grid
 import vllm_grid_report as gr
+from config_variants import ConfigSpec as ConfigSpec  # re-exported: steady and tests name it
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_POINTS = "4x2,4x4,4x8,8x4,16x2"
 """The grid points measured on the H100 (``docs/results/vllm_gpu_bench_grid.json``)."""
 MEASURED_JSON = REPO / "docs/results/vllm_gpu_bench_grid.json"
 FIGURES = (("TTFT p50", "50", False), ("TTFT p90", "90", False), ("TTFT p99", "99", False))
-
-
-@dataclass(frozen=True, slots=True)
-class ConfigSpec:
-    """``kvtier+vllm.async_loads=true``: a connector and kvtier config keys set on top."""
-
-    label: str
-    kind: str
-    overrides: dict[str, Any]
-
-    @property
-    def measured_as(self) -> str:
-        """The measured grid's configuration this one is compared with."""
-        return self.kind
-
-
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+REPLAY_CONFIGS = ("none", "native", "kvtier", "kvtier_fs")
+"""The bases the replay runs (vLLM's fs tiering is not emulated)."""
 
 
 def parse_config(text: str) -> ConfigSpec:
-    kind, *items = [part.strip() for part in text.split("+")]
-    if kind not in ("none", "native", "kvtier", "kvtier_fs"):
-        raise ValueError(f"config {text!r}: none, native, kvtier or kvtier_fs[+key=value...]")
-    if items and not kind.startswith("kvtier"):
-        raise ValueError(f"config {text!r}: only kvtier takes key=value settings")
-    overrides: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"config {text!r}: {item!r} is not key=value")
-        overrides[key] = _value(value)
-    return ConfigSpec(text.strip(), kind, overrides)
+    """A replay configuration: one of ``REPLAY_CONFIGS``, kvtier's with ``+key=value``
+    settings (``config_variants``)."""
+    return variants.parse_config(text, REPLAY_CONFIGS)
 
 
 def kvtier_extra(
@@ -121,13 +95,7 @@ def kvtier_extra(
     """The grid's kvtier config (a pool of the host size and ``tiers``, none by default) with
     dotted keys set (a number picks a list's item: ``tiers.0.write=on_evict``)."""
     extra: dict[str, Any] = {"pool": {"size": host_bytes}, "tiers": tiers or [], "vllm": {}}
-    for key, value in overrides.items():
-        node: Any = extra
-        *parents, leaf = key.split(".")
-        for name in parents:
-            node = node[int(name)] if isinstance(node, list) else node.setdefault(name, {})
-        node[leaf] = value
-    return extra
+    return variants.apply_overrides(extra, overrides)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import config_variants as variants
 import vllm_grid_report as gr
 from vllm_bench_kv import KVPool, gemma3_pool, nemotron_h_pool
 
@@ -33,6 +34,7 @@ from kvtier.integrations.vllm.settings import default_load_mode
 
 CONFIGS = ("none", "native", "native_fs", "kvtier", "kvtier_fs")
 FS_CONFIGS = frozenset({"native_fs", "kvtier_fs"})
+"""The bases with an fs tier; a variant of one (``config_variants``) has it too."""
 LLAMA_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -402,12 +404,28 @@ class RunSpec:
     """One configuration's engine: what ``engine_kwargs`` needs."""
 
     config: str
+    """A label: a base of ``CONFIGS``, with kvtier settings after ``+`` for a variant."""
     concurrency: int
     host_gib: float
     fs_gib: float
     kv_bytes: int
     max_model_len: int
     workdir: Path
+
+    @property
+    def variant(self) -> variants.ConfigSpec:
+        """The label parsed: its base and the kvtier keys it sets (none for a base)."""
+        return variants.parse_config(self.config, CONFIGS)
+
+    @property
+    def base(self) -> str:
+        """The base configuration: it decides the engine, the fs tier and the disk rules (a
+        label that does not parse fails here, before an engine starts)."""
+        return self.variant.kind
+
+    @property
+    def has_fs(self) -> bool:
+        return self.base in FS_CONFIGS
 
     @property
     def kvtier_fs_dir(self) -> Path:
@@ -419,7 +437,7 @@ class RunSpec:
 
     @property
     def stats_path(self) -> Path:
-        return self.workdir / f"stats-{self.config}.json"
+        return self.workdir / f"stats-{variants.file_label(self.config)}.json"
 
 
 def fs_dirs(workdir: Path) -> tuple[Path, Path]:
@@ -459,8 +477,9 @@ def eviction() -> str | None:
 
 
 def kvtier_extra(spec: RunSpec) -> dict[str, Any]:
+    """kvtier's connector config for ``spec``: its base's, then a variant's keys set on it."""
     tiers = []
-    if spec.config == "kvtier_fs":
+    if spec.base == "kvtier_fs":
         spec.kvtier_fs_dir.mkdir(parents=True, exist_ok=True)
         capacity = f"{spec.fs_gib:g}GiB"
         tiers.append({"kind": "fs", "path": str(spec.kvtier_fs_dir), "capacity": capacity})
@@ -471,7 +490,7 @@ def kvtier_extra(spec: RunSpec) -> dict[str, Any]:
     }
     if (policy := eviction()) is not None:
         extra["eviction"] = policy
-    return extra
+    return variants.apply_overrides(extra, spec.variant.overrides)
 
 
 def fs_tier_type() -> str:
@@ -534,15 +553,15 @@ def engine_kwargs(spec: RunSpec, model: ModelSpec) -> dict[str, Any]:
     }
     if not model.gpu:
         kwargs["block_size"] = model.block_tokens
-    if spec.config == "native":
+    if spec.base == "native":
         kwargs["kv_offloading_size"] = spec.host_gib
         kwargs["kv_offloading_backend"] = "native"
-    elif spec.config == "native_fs":
+    elif spec.base == "native_fs":
         tier_type = fs_tier_type()
         root = spec.native_fs_dir / "tier"
         root.mkdir(parents=True, exist_ok=True)
         kwargs["kv_transfer_config"] = native_fs_transfer_config(spec.host_gib, root, tier_type)
-    elif spec.config.startswith("kvtier"):
+    elif spec.base.startswith(variants.KVTIER_PREFIX):
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm",

@@ -25,6 +25,16 @@ Configurations (``--configs``, run in that order, each in a fresh engine):
 * ``kvtier_fs``: that pool plus an fs tier in ``<workdir>/fs``, capacity ``--fs-gib`` (default:
   the free space at ``--workdir`` less the larger of 8 GiB and 15% of the disk).
 
+Variants of kvtier's, to compare two settings on one host in one run (``--configs
+kvtier_fs,kvtier_fs+tiers.0.write=on_evict``): a kvtier base followed by ``+key=value`` settings
+of kvtier's connector config, a dotted key (a number picks a list's item) and a JSON value or
+text (``benchmarks/config_variants.py``, the scheduler replay's syntax). The base decides the
+rest: its fs tier and capacity, the disk's one point at a time, the engine. A variant's rows are
+kept under its full label (``points[P].configs[LABEL]``, its settings as ``overrides`` in the
+row), ``--skip-done`` treats it as a configuration of its own, and the report prints its ratios
+to its base at each point (output tokens/s, TTFT p99, the connector's p99 per step); the
+acceptance checks stay on the bases. A label holds no comma (``--configs`` splits on them).
+
 Model: Llama-3.1-8B's architecture (``--model llama8b``; ``config.json`` only, vLLM's dummy
 weights, bfloat16, CUDA graphs on, vLLM's default attention backend, prefix caching on) or a
 tiny Llama for a CPU smoke run (``--model tiny``). Token-id prompts, no tokenizer. Hybrid models
@@ -100,6 +110,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import config_variants as variants
 import vllm_bench_engine as eng
 import vllm_bench_hits as hits
 import vllm_grid as grid
@@ -310,18 +321,17 @@ def run_config(
     if timer is not None:
         row.update(eng.connector_figures(timer))
         if profile is not None and timer.slow_profile is not None:
-            name = f"{spec.config}-{spec.concurrency}x{spec.host_gib:g}.prof"
+            name = f"{variants.file_label(spec.config)}-{spec.concurrency}x{spec.host_gib:g}.prof"
             eng.save_slow_profile(timer, profile[0], name)
             row["profiled_steps"] = timer.profiled_steps
     row["host_used_gib_delta"] = round((used_after - used_before) / (1 << 30), 2)
     row["peak_rss_gib"] = round(peak_rss() / (1 << 30), 2)
     row["engine_start_s"] = round(start_s, 1)
     row["elapsed_s"] = round(time.perf_counter() - started, 1)
-    if spec.config in eng.FS_CONFIGS:
+    if spec.has_fs:
         row["fs_gib"] = spec.fs_gib
-    if spec.config.startswith("kvtier"):
-        row["async_loads"] = eng.async_loads(spec.config in eng.FS_CONFIGS)
-        row["eviction"] = eng.eviction() or "default"
+    if spec.base.startswith(variants.KVTIER_PREFIX):
+        row.update(kvtier_settings(spec))
         row["kvtier"] = kvtier_delta(before, after)
         row["kvtier_stats"] = after
         row.update(sampler.figures())
@@ -331,6 +341,19 @@ def run_config(
             if model.pool is not None:
                 row.update(bytes_ratio(per_kind, model.pool.full_attention_bytes_per_token))
     return row
+
+
+def kvtier_settings(spec: eng.RunSpec) -> dict[str, Any]:
+    """A kvtier row's load mode and eviction policy as its engine was given them, and a
+    variant's ``overrides``: a variant may set either, and its row must say what ran."""
+    extra = eng.kvtier_extra(spec)
+    out = {
+        "async_loads": extra["vllm"]["async_loads"],
+        "eviction": extra.get("eviction", "default"),
+    }
+    if spec.variant.overrides:
+        out["overrides"] = spec.variant.overrides
+    return out
 
 
 def bytes_ratio(per_kind: dict[str, float], full_attention: int) -> dict[str, float | int]:
@@ -369,7 +392,7 @@ def run_safely(
     when another engine ``shares_host``: a new one may be that engine's)."""
     shm_before = eng.offload_shm_files()
     guard = None
-    if spec.config in eng.FS_CONFIGS:
+    if spec.has_fs:
         total = shutil.disk_usage(spec.workdir).total
         guard = eng.DiskGuard(spec.workdir, grid.disk_floor_bytes(total))
     started = time.perf_counter()
@@ -596,12 +619,17 @@ def print_single(data: dict[str, Any]) -> None:
     print(f"model     {data.get('model')}")
     print(f"workload  {data.get('workload')}")
     print(f"machine   {data.get('machine')}")
-    print(gr.TABLE_HEAD)
     configs: dict[str, Any] = data.get("configs", {})
+    labels = gr.ordered_configs(configs)
+    width = gr.config_width(labels)
+    print(gr.table_head(width))
     base = gr.usable(configs, "none")
-    for name in eng.CONFIGS:
-        if name in configs:
-            print(gr.table_row("-", name, configs[name], base))
+    for name in labels:
+        print(gr.table_row("-", name, configs[name], base, width))
+    compared = gr.variant_lines(data)
+    if compared:
+        print(gr.VARIANTS_HEAD)
+        print("\n".join(f"  {line}" for line in compared))
     hits.print_hybrid(data)
     print(f"checks (within {gr.TIE_BAND:.0%} a tie):")
     for check in gr.point_checks(data):
@@ -659,6 +687,12 @@ def report_grid(data: dict[str, Any], out: Path) -> None:
     print(f"plot      {written}" if written else "plot      not written (needs matplotlib)")
 
 
+def disk_configs(labels: list[str]) -> frozenset[str]:
+    """The labels that run at one point at a time (``GridOptions.disk_configs``): a variant of a
+    base with an fs tier has that tier too, and two of them on one disk slow each other."""
+    return frozenset(c for c in labels if variants.base_of(c) in eng.FS_CONFIGS)
+
+
 def run_grid_mode(
     args: argparse.Namespace, settings: eng.Settings, model: eng.ModelSpec, configs: list[str]
 ) -> int:
@@ -670,9 +704,8 @@ def run_grid_mode(
     rerun = {p.key for p in grid.parse_points(args.rerun)} if args.rerun else set()
     commit = args.commit or grid.git_commit(Path(__file__).resolve().parents[1])
     selection = grid.Selection(commit, args.skip_done, args.reuse_baselines, frozenset(rerun))
-    options = grid.GridOptions(
-        configs, selection, args.max_minutes, args.fs_gib, args.gpus, eng.FS_CONFIGS
-    )
+    disk = disk_configs(configs)
+    options = grid.GridOptions(configs, selection, args.max_minutes, args.fs_gib, args.gpus, disk)
     if commit == "unknown" or commit.endswith("+dirty"):
         print(f"commit {commit}: a later --skip-done will not trust these rows", file=sys.stderr)
     requests = grid.parse_requests(args.grid_requests)
@@ -758,6 +791,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_configs(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """``--configs``: labels, each a base of ``CONFIGS`` or a kvtier base with settings
+    (``kvtier_fs+tiers.0.write=on_evict``: ``config_variants``); ``p.error`` otherwise."""
+    labels = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = sorted({variants.base_of(c) for c in labels} - set(eng.CONFIGS))
+    if unknown:
+        p.error(f"unknown configs {unknown}; choose from {', '.join(eng.CONFIGS)}")
+    try:
+        return [variants.parse_config(c, eng.CONFIGS).label for c in labels]
+    except ValueError as exc:
+        p.error(str(exc))
+
+
 def prepare_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -787,10 +833,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print_single(data)
             return 0
-        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-        unknown = sorted(set(configs) - set(eng.CONFIGS))
-        if unknown:
-            p.error(f"unknown configs {unknown}; choose from {', '.join(eng.CONFIGS)}")
+        configs = parse_configs(p, args.configs)
         workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         model = eng.make_model(args.model, workdir)

@@ -6,7 +6,9 @@ finishes (with its date, the commit and the machine), so a grid can be spread ov
 invocations. What runs is decided per point and configuration (:func:`plan_point`):
 
 * ``--skip-done`` skips a configuration already recorded without error for the same workload
-  (same request sequence and engine settings: ``workload.digest``) and the same commit;
+  (same request sequence and engine settings: ``workload.digest``) and the same commit (a
+  variant, ``kvtier_fs+tiers.0.write=on_evict``, is a configuration of its own: its label is
+  its key in the file);
   ``--reuse-baselines`` also keeps vLLM's own configurations (``none``, ``native``,
   ``native_fs``) recorded at another commit, since kvtier's code does not move them;
 * ``--rerun 16x4,32x2`` runs those points again all the same;
@@ -41,6 +43,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+import config_variants as variants
 
 BASELINES = frozenset({"none", "native", "native_fs"})
 """vLLM's own configurations: kvtier's code does not move their figures."""
@@ -309,7 +313,8 @@ PRIORS: dict[str, tuple[float, float]] = {
 @dataclass(slots=True)
 class Estimator:
     """Seconds a configuration takes at a point: start-up plus seconds per prompt token, the
-    medians of the rows recorded for that configuration (any configuration when it has none)."""
+    medians of the rows recorded for that configuration (a variant without rows: its base's;
+    else any configuration's)."""
 
     prior: tuple[float, float]
     samples: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
@@ -326,7 +331,11 @@ class Estimator:
         self.samples.setdefault(config, []).append((max(0.0, elapsed - wall), per_token))
 
     def seconds(self, config: str, prompt_tokens: int) -> float:
-        samples = self.samples.get(config) or [s for v in self.samples.values() for s in v]
+        samples = (
+            self.samples.get(config)
+            or self.samples.get(variants.base_of(config))
+            or [s for v in self.samples.values() for s in v]
+        )
         if not samples:
             start, per_token = self.prior
         else:

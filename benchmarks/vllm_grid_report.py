@@ -14,16 +14,23 @@ the same requests in vLLM alone (mean and p90 strictly lower); promoted blocks a
 connector's p99 time per engine step against native's. Where native caches under 5% of the
 reusable prompt tokens (the thrash regime), the pool's share of the prompt tokens against half of
 the offline optimum's for the same request sequence and pool size (``OPTIMA_JSON``).
+
+A variant (``kvtier_fs+tiers.0.write=on_evict``: ``config_variants``) is a row of its own in the
+table and the plot, after its base; the checks stay on the base configurations, and each variant
+gets a line of ratios to its base at the same point (an A/B on one host, not an acceptance).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+import config_variants as variants
 
 CONFIGS = ("none", "native", "native_fs", "kvtier", "kvtier_fs")
 TIE_BAND = 0.03
@@ -376,11 +383,35 @@ def sorted_points(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     )
 
 
-TABLE_HEAD = (
-    f"{'point':<7} {'config':<10} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>7} "
-    f"{'computed':>9} {'cached':>9} {'hits':>5} {'hit mean/none':>15} {'hit p90/none':>15} "
-    f"{'prom/load':>9} {'step us p50/p99':>16} {'date':>10} {'commit':>7}"
-)
+CONFIG_WIDTH = 10
+"""The table's config column: the bases' names; a variant's label widens it."""
+
+
+def table_head(width: int = CONFIG_WIDTH) -> str:
+    return (
+        f"{'point':<7} {'config':<{width}} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'tok/s':>7} "
+        f"{'computed':>9} {'cached':>9} {'hits':>5} {'hit mean/none':>15} {'hit p90/none':>15} "
+        f"{'prom/load':>9} {'step us p50/p99':>16} {'date':>10} {'commit':>7}"
+    )
+
+
+TABLE_HEAD = table_head()
+
+
+def ordered_configs(labels: Iterable[str]) -> list[str]:
+    """The table's order: the bases as ``CONFIGS`` has them, each followed by its variants (by
+    label); a name that is neither is left out."""
+    names = set(labels)
+    out: list[str] = []
+    for base in CONFIGS:
+        if base in names:
+            out.append(base)
+        out += sorted(n for n in names if variants.is_variant(n) and variants.base_of(n) == base)
+    return out
+
+
+def config_width(labels: Iterable[str]) -> int:
+    return max([CONFIG_WIDTH, *(len(label) for label in labels)])
 
 
 def _hit_cells(row: dict[str, Any], base: dict[str, Any] | None) -> tuple[str, str, str]:
@@ -392,9 +423,15 @@ def _hit_cells(row: dict[str, Any], base: dict[str, Any] | None) -> tuple[str, s
     return str(pairing.requests), mean, p90
 
 
-def table_row(key: str, config: str, row: dict[str, Any], base: dict[str, Any] | None) -> str:
+def table_row(
+    key: str,
+    config: str,
+    row: dict[str, Any],
+    base: dict[str, Any] | None,
+    width: int = CONFIG_WIDTH,
+) -> str:
     if "error" in row:
-        return f"{key:<7} {config:<10} failed: {str(row['error'])[:100]}"
+        return f"{key:<7} {config:<{width}} failed: {str(row['error'])[:100]}"
     t = row["ttft_ms"]
     step = row.get("connector_step_us")
     steps = f"{step['p50']:,.0f}/{step['p99']:,.0f}" if step else "-"
@@ -404,22 +441,74 @@ def table_row(key: str, config: str, row: dict[str, Any], base: dict[str, Any] |
     date = str(row.get("date", ""))[:10]
     commit = str(row.get("commit", ""))[:7]
     return (
-        f"{key:<7} {config:<10} {t['50']:>8,.0f} {t['90']:>8,.0f} {t['99']:>8,.0f} "
+        f"{key:<7} {config:<{width}} {t['50']:>8,.0f} {t['90']:>8,.0f} {t['99']:>8,.0f} "
         f"{row['output_tokens_per_s']:>7,.1f} {row['prompt_tokens_computed']:>9,} "
         f"{row['prompt_tokens_cached']:>9,} {hits:>5} {mean:>15} {p90:>15} {prom:>9} "
         f"{steps:>16} {date:>10} {commit:>7}"
     )
 
 
+VARIANTS_HEAD = (
+    f"variants against their base at the same point (ratios variant/base, within {TIE_BAND:.0%} "
+    "a tie):"
+)
+
+
+def _against_base(name: str, ours: float | None, theirs: float | None, higher: bool) -> str:
+    if ours is None or theirs is None:
+        return f"{name} -"
+    verdict, ratio = compare(ours, theirs, higher_is_better=higher)
+    return f"{name} {ratio:.3f}x {verdict.value}"
+
+
+def _connector_p99_us(row: dict[str, Any]) -> float | None:
+    step = row.get("connector_step_us")
+    return float(step["p99"]) if step else None
+
+
+def variant_line(label: str, row: dict[str, Any], base: dict[str, Any] | None) -> str:
+    """``label``'s row against its base's at one point: output tokens/s, TTFT p99 and the
+    connector's p99 time per engine step."""
+    name = variants.base_of(label)
+    if "error" in row:
+        return f"{label} vs {name}: failed"
+    if base is None:
+        return f"{label} vs {name}: no usable {name} row"
+    ours, theirs = _figures(row), _figures(base)
+    cells = (
+        _against_base("tok/s", ours["output tok/s"], theirs["output tok/s"], higher=True),
+        _against_base("TTFT p99", ours["TTFT p99"], theirs["TTFT p99"], higher=False),
+        _against_base(
+            "connector p99", _connector_p99_us(row), _connector_p99_us(base), higher=False
+        ),
+    )
+    return f"{label} vs {name}: " + ", ".join(cells)
+
+
+def variant_lines(point: dict[str, Any]) -> list[str]:
+    """A line per variant at a point (``variant_line``), in the table's order."""
+    configs: dict[str, Any] = point.get("configs", {})
+    return [
+        variant_line(label, configs[label], usable(configs, variants.base_of(label)))
+        for label in ordered_configs(configs)
+        if variants.is_variant(label) and isinstance(configs[label], dict)
+    ]
+
+
 def grid_lines(data: dict[str, Any]) -> list[str]:
-    """The table (one line per point and configuration), then each point's checks."""
-    lines = [f"model     {data.get('model')}", TABLE_HEAD]
-    for key, point in sorted_points(data):
+    """The table (one line per point and configuration), each variant against its base, then
+    each point's checks (the bases' only)."""
+    points = sorted_points(data)
+    width = config_width(c for _k, p in points for c in ordered_configs(p.get("configs", {})))
+    lines = [f"model     {data.get('model')}", table_head(width)]
+    for key, point in points:
         configs: dict[str, Any] = point.get("configs", {})
         base = usable(configs, "none")
-        for config in CONFIGS:
-            if config in configs:
-                lines.append(table_row(key, config, configs[config], base))
+        for config in ordered_configs(configs):
+            lines.append(table_row(key, config, configs[config], base, width))
+    compared = [f"  {key} {line}" for key, p in points for line in variant_lines(p)]
+    if compared:
+        lines += ["", VARIANTS_HEAD, *compared]
     lines.append("")
     lines.append(f"acceptance (issue 24; ratios ours/reference, within {TIE_BAND:.0%} a tie):")
     optima = load_optima() if str(data.get("model")).startswith(OPTIMA_MODEL) else {}
@@ -468,6 +557,20 @@ def _failures(points: list[tuple[str, dict[str, Any]]], host: float) -> list[str
     ]
 
 
+def plot_styles(points: list[tuple[str, dict[str, Any]]]) -> dict[str, tuple[str, str, str]]:
+    """Each configuration's line style, marker and colour, the same in every panel whichever
+    ran there: the bases' colours fixed by ``CONFIGS``, the variants' after them (matplotlib's
+    cycle has ten) with a dash-dot line and square markers, told apart from their base."""
+    labels = {c for _k, p in points for c in p.get("configs", {})}
+    styles: dict[str, tuple[str, str, str]] = {}
+    for index, config in enumerate(CONFIGS):
+        styles[config] = ("-" if config.startswith("kvtier") else "--", "o", f"C{index}")
+    found = [c for c in ordered_configs(labels) if variants.is_variant(c)]
+    for index, config in enumerate(found, len(CONFIGS)):
+        styles[config] = ("-.", "s", f"C{index % 10}")
+    return styles
+
+
 def write_plot(data: dict[str, Any], path: Path) -> Path | None:
     """p99 TTFT and output tokens/s against concurrency, one line per configuration, one
     column per host pool size. None (and nothing written) without matplotlib or points."""
@@ -483,17 +586,16 @@ def write_plot(data: dict[str, Any], path: Path) -> Path | None:
     if not hosts:
         return None
     fig, axes = plt.subplots(2, len(hosts), figsize=(4.2 * len(hosts), 7), squeeze=False)
+    styles = plot_styles(points)
     for col, host in enumerate(hosts):
         for row_index, (figure, label) in enumerate(
             (("p99", "TTFT p99 (ms)"), ("tok/s", "output tokens/s"))
         ):
             ax = axes[row_index][col]
-            for index, config in enumerate(CONFIGS):
+            for config, (style, marker, color) in styles.items():
                 xs, ys = _series(points, host, config, figure)
                 if xs:
-                    # One colour per configuration in every panel, whichever ran there.
-                    style = "-" if config.startswith("kvtier") else "--"
-                    ax.plot(xs, ys, style, marker="o", label=config, color=f"C{index}")
+                    ax.plot(xs, ys, style, marker=marker, label=config, color=color)
             ax.set_ylim(bottom=0)
             failed = _failures(points, host)
             if failed and row_index == 1:

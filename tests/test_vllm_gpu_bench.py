@@ -24,9 +24,21 @@ from support.scripts import benchmark_modules
 
 @pytest.fixture(scope="module")
 def modules() -> Iterator[dict[str, ModuleType]]:
-    names = ("vllm_grid", "vllm_grid_report", "vllm_bench_engine", "vllm_gpu_bench")
-    with benchmark_modules(*names) as (grid, report, engine, bench):
-        yield {"grid": grid, "report": report, "engine": engine, "bench": bench}
+    names = (
+        "vllm_grid",
+        "vllm_grid_report",
+        "vllm_bench_engine",
+        "vllm_gpu_bench",
+        "config_variants",
+    )
+    with benchmark_modules(*names) as (grid, report, engine, bench, variants):
+        yield {
+            "grid": grid,
+            "report": report,
+            "engine": engine,
+            "bench": bench,
+            "variants": variants,
+        }
 
 
 @pytest.fixture
@@ -1148,3 +1160,216 @@ def test_merge_copies_the_newer_rows_of_another_grid_file(
     assert grid.merge_files(json.loads(path.read_text()), [lent]) == [
         "left out 16x2: another workload than the file's"
     ]  # merged once: nothing newer left
+
+
+# -- variants: a kvtier base with settings on top -----------------------------------------------
+
+VARIANT = "kvtier_fs+tiers.0.write=on_evict"
+
+
+def test_labels_with_kvtier_settings_parse_the_same_in_the_replay_and_the_bench(
+    modules: dict[str, ModuleType],
+) -> None:
+    variants, eng, bench = modules["variants"], modules["engine"], modules["bench"]
+    spec = variants.parse_config(f"{VARIANT}+pool.writeback_window=0.5", eng.CONFIGS)
+    assert (spec.label, spec.kind) == (f"{VARIANT}+pool.writeback_window=0.5", "kvtier_fs")
+    assert spec.overrides == {"tiers.0.write": "on_evict", "pool.writeback_window": 0.5}
+    assert variants.parse_config("kvtier+vllm.async_loads=true", eng.CONFIGS).overrides == {
+        "vllm.async_loads": True
+    }  # JSON where it is JSON
+    assert variants.parse_config("native_fs", eng.CONFIGS).overrides == {}
+    p = bench.parser()
+    labels = bench.parse_configs(p, f" kvtier_fs , {VARIANT},kvtier+eviction=lru")
+    assert labels == ["kvtier_fs", VARIANT, "kvtier+eviction=lru"]
+    with benchmark_modules("scheduler_replay") as (sr,):
+        replayed = sr.parse_config(VARIANT)
+        assert isinstance(replayed, variants.ConfigSpec)  # one class, one parser
+        assert replayed == variants.parse_config(VARIANT, eng.CONFIGS)
+        with pytest.raises(ValueError, match="none, native, kvtier or kvtier_fs"):
+            sr.parse_config("native_fs")  # the replay does not emulate vLLM's fs tiering
+
+
+@pytest.mark.parametrize(
+    ("configs", "message"),
+    [
+        ("kvtier,native+x=1", "config 'native+x=1': only kvtier takes key=value settings"),
+        ("none+kv_offloading_size=4", "only kvtier takes key=value settings"),
+        ("kvtier+novalue", "config 'kvtier+novalue': 'novalue' is not key=value"),
+        ("nope+x=1,kvtier", "unknown configs ['nope']; choose from none, native, native_fs,"),
+    ],
+)
+def test_settings_only_on_kvtier_bases_and_unknown_bases_list_the_choices(
+    modules: dict[str, ModuleType],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    configs: str,
+    message: str,
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        modules["bench"].main(["--configs", configs, "--workdir", str(tmp_path)])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before anything was set up
+
+
+def test_a_variants_engine_is_its_bases_with_its_keys_set(
+    eng: ModuleType, modules: dict[str, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(eng.EVICTION_ENV, raising=False)
+    monkeypatch.delenv(eng.ASYNC_LOADS_ENV, raising=False)
+    model = eng.ModelSpec("m", tmp_path, 100, 8, True)
+
+    def spec(label: str) -> Any:
+        return eng.RunSpec(label, 8, 2.5, 10.0, 1 << 30, 4096, tmp_path)
+
+    base, variant = eng.kvtier_extra(spec("kvtier_fs")), eng.kvtier_extra(spec(VARIANT))
+    fs_tier = {"kind": "fs", "path": str(tmp_path / "fs"), "capacity": "10GiB"}
+    assert base["tiers"] == [fs_tier]
+    assert variant["tiers"] == [{**fs_tier, "write": "on_evict"}]
+    assert {k: v for k, v in variant.items() if k != "tiers"} == {
+        **{k: v for k, v in base.items() if k != "tiers"},
+        "vllm": {**base["vllm"], "stats_path": str(tmp_path / f"stats-{VARIANT}.json")},
+    }
+    assert (spec(VARIANT).base, spec(VARIANT).has_fs) == ("kvtier_fs", True)
+    kwargs = eng.engine_kwargs(spec(VARIANT), model)
+    assert kwargs["kv_transfer_config"]["kv_connector"] == "KVTierConnector"
+    assert kwargs["kv_transfer_config"]["kv_connector_extra_config"] == variant
+    # The row says what ran: a variant's load mode and its settings.
+    settings = modules["bench"].kvtier_settings(spec("kvtier+vllm.async_loads=true"))
+    assert settings == {
+        "async_loads": True,
+        "eviction": "default",
+        "overrides": {"vllm.async_loads": True},
+    }
+    assert modules["bench"].kvtier_settings(spec("kvtier")) == {
+        "async_loads": "auto",
+        "eviction": "default",
+    }
+    # A value may be a path: the label still makes one file name in the work directory.
+    odd = spec("kvtier+vllm.note=a/b c")
+    assert odd.stats_path.parent == tmp_path
+    assert odd.stats_path != spec("kvtier+vllm.note=a_b_c").stats_path
+
+
+def test_variants_are_configurations_of_their_own_in_the_grid(
+    modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    grid, bench = modules["grid"], modules["bench"]
+    out = tmp_path / "grid.json"
+    labels = ["kvtier", "kvtier_fs", VARIANT]
+    disk = bench.disk_configs([*labels, "native_fs", "kvtier+eviction=lru"])
+    assert disk == {"kvtier_fs", VARIANT, "native_fs"}  # a variant of an fs base: its disk rule
+    first = FakeRunner(tmp_path, out, FakeClock())
+    opts = options(grid, ",".join(labels), lanes=2, disk_configs=disk)
+    data = grid.run_grid(grid.parse_points("4x2,8x2"), opts, first, out, first.clock)
+    assert first.rounds[1:] == [
+        [("4x2", "kvtier_fs", 0)],
+        [("8x2", "kvtier_fs", 1)],
+        [("4x2", VARIANT, 0)],
+        [("8x2", VARIANT, 1)],
+    ]
+    assert set(data["points"]["4x2"]["configs"]) == set(labels)  # the full label is the key
+    # --skip-done: each label stands for itself; a new variant runs, the rest is done.
+    again = FakeRunner(tmp_path, out, FakeClock())
+    more = [*labels, "kvtier_fs+tiers.0.write=through"]
+    grid.run_grid(
+        grid.parse_points("4x2"), options(grid, ",".join(more), skip_done=True), again, out
+    )
+    assert again.ran == [("4x2", "kvtier_fs+tiers.0.write=through")]
+    # A variant without rows is estimated from its base's.
+    est = grid.Estimator((1000.0, 1.0))
+    est.add("kvtier", {"prompt_tokens": 1000, "wall_s": 10, "elapsed_s": 40})
+    est.add("none", {"prompt_tokens": 1000, "wall_s": 1, "elapsed_s": 2})
+    assert est.seconds("kvtier+eviction=lru", 1000) == est.seconds("kvtier", 1000)
+
+
+def test_a_variants_child_gets_its_label_whole(
+    modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    bench, grid = modules["bench"], modules["grid"]
+    runner, workload = scripted_children(modules, tmp_path, 1, timeout_s=3)
+    label = f"{VARIANT}+pool.writeback_window=0.5"
+    job = grid.Job(grid.parse_point("2x0.05"), workload, label, 1.5)
+    command = bench.ChildPointRunner.command(runner, job, tmp_path / "row.json")
+    at = command.index("--configs")
+    assert command[at + 1] == label  # one argument: no shell, nothing to quote
+    assert bench.parse_configs(bench.parser(), command[at + 1]) == [label]
+
+
+def with_variants(data: dict[str, Any]) -> dict[str, Any]:
+    """``synthetic_grid`` with variants at 4x2: one of kvtier_fs, 10% more tokens/s, half its
+    p99 and twice its connector p99; a failed one of kvtier; one whose base failed."""
+    data = json.loads(json.dumps(data))
+    configs = data["points"]["4x2"]["configs"]
+    base = configs["kvtier_fs"]
+    base["connector_step_us"] = {"p50": 100.0, "p99": 400.0}
+    configs[VARIANT] = make_row(
+        {"c0.t1": 1.0, "c0.t2": 0.5},
+        {"c0.t2": 32},
+        p=(1.0, 2.0, base["ttft_ms"]["99"] / 2),
+        tok_s=base["output_tokens_per_s"] * 1.1,
+        connector_step_us={"p50": 100.0, "p99": 800.0},
+    )
+    configs["kvtier+eviction=lru"] = {"error": "RuntimeError: boom"}
+    configs["native"] = {"error": "no CUDA"}
+    data["points"]["8x2"]["configs"]["kvtier"] = {"error": "engine failed"}
+    data["points"]["8x2"]["configs"]["kvtier+vllm.async_loads=true"] = make_row({"c0.t1": 1.0})
+    return data
+
+
+def test_report_prints_each_variant_against_its_base_and_checks_only_the_bases(
+    modules: dict[str, ModuleType], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench, rep = modules["bench"], modules["report"]
+    plain = with_variants(synthetic_grid())
+    for configs in (plain["points"]["4x2"]["configs"], plain["points"]["8x2"]["configs"]):
+        for label in [c for c in configs if "+" in c]:
+            del configs[label]
+    data = with_variants(synthetic_grid())
+    path = tmp_path / "grid.json"
+    modules["grid"].save(path, data)
+    assert bench.main(["--report-only", "--grid", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    table = [line.split()[:2] for line in out.splitlines() if line.startswith("4x2 ")]
+    assert [config for _point, config in table] == [
+        "none",
+        "native",
+        "native_fs",
+        "kvtier",
+        "kvtier+eviction=lru",
+        "kvtier_fs",
+        VARIANT,
+    ]  # each variant after its base
+    assert (
+        f"  4x2 {VARIANT} vs kvtier_fs: tok/s 1.100x better, TTFT p99 0.500x better, "
+        "connector p99 2.000x worse"
+    ) in out.splitlines()
+    assert "  4x2 kvtier+eviction=lru vs kvtier: failed" in out.splitlines()
+    assert "  8x2 kvtier+vllm.async_loads=true vs kvtier: no usable kvtier row" in out
+    # The checks are the bases': the same as without the variants, line for line.
+    checks = out[out.index("acceptance") : out.index("plot  ")].splitlines()
+    assert "+" not in "".join(checks)
+    expected = rep.grid_lines(plain)
+    assert checks == expected[expected.index(checks[0]) :]
+    for key in ("4x2", "8x2"):
+        assert rep.point_checks(data["points"][key]) == rep.point_checks(plain["points"][key])
+    # One invocation's report (no grid): the same rows and line.
+    single = {"model": "m", "configs": data["points"]["4x2"]["configs"]}
+    modules["grid"].save(path, single)
+    assert bench.main(["--report-only", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith(f"-       {VARIANT} ") for line in out.splitlines())
+    assert f"  {VARIANT} vs kvtier_fs: tok/s 1.100x better" in out
+
+
+def test_plot_draws_variants_in_styles_of_their_own(rep: ModuleType, tmp_path: Path) -> None:
+    data = with_variants(synthetic_grid())
+    styles = rep.plot_styles(rep.sorted_points(data))
+    assert styles["kvtier_fs"] == ("-", "o", "C4")  # the bases keep theirs
+    assert styles[VARIANT][:2] == ("-.", "s")
+    assert len({styles[c][2] for c in styles}) == len(styles)  # a colour each
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        require.missing("extras", f"matplotlib is not importable: {exc}")
+    assert rep.write_plot(data, tmp_path / "grid.png") == tmp_path / "grid.png"

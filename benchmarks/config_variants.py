@@ -1,0 +1,103 @@
+"""Configuration labels with kvtier settings on top, shared by the scheduler replay
+(``scheduler_replay.py``) and the GPU benchmark (``vllm_gpu_bench.py``).
+
+A label is a base configuration followed by ``+key=value`` overrides of kvtier's connector
+config dict: ``kvtier_fs+tiers.0.write=on_evict+pool.writeback_window=0.5``. A key is a dotted
+path into that dict (a number picks a list's item); a value is read as JSON where it is JSON
+(``0.5``, ``true``, ``null``), else kept as the text. Only kvtier bases take overrides: vLLM's own
+configurations have no kvtier config to set. The base decides everything else about a variant
+(its fs tier, its engine, what it is compared with), so two variants of one base measured in one
+run differ only by the keys they set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KVTIER_PREFIX = "kvtier"
+"""Bases whose name starts so run kvtier, and only those take overrides."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigSpec:
+    """``kvtier+vllm.async_loads=true``: a connector and kvtier config keys set on top."""
+
+    label: str
+    kind: str
+    """The base configuration."""
+    overrides: dict[str, Any]
+
+    @property
+    def measured_as(self) -> str:
+        """The measured grid's configuration this one is compared with."""
+        return self.kind
+
+
+def base_of(label: str) -> str:
+    """The base configuration of a label (the label itself when it sets nothing)."""
+    return label.split("+", 1)[0].strip()
+
+
+def is_variant(label: str) -> bool:
+    """Whether ``label`` sets kvtier keys on its base."""
+    return "+" in label
+
+
+def parse_value(text: str) -> Any:
+    """A setting's value: JSON where it is JSON (``0.5``, ``true``), else the text
+    (``on_evict``, which a shell would not let through quoted as JSON)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _one_of(bases: Sequence[str]) -> str:
+    return ", ".join(bases[:-1]) + " or " + bases[-1] if len(bases) > 1 else "".join(bases)
+
+
+def parse_config(text: str, bases: Sequence[str]) -> ConfigSpec:
+    """``BASE[+key=value...]`` with BASE one of ``bases``; ValueError, naming the label,
+    otherwise."""
+    kind, *items = [part.strip() for part in text.split("+")]
+    if kind not in bases:
+        raise ValueError(f"config {text!r}: {_one_of(bases)}[+key=value...]")
+    if items and not kind.startswith(KVTIER_PREFIX):
+        raise ValueError(f"config {text!r}: only kvtier takes key=value settings")
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"config {text!r}: {item!r} is not key=value")
+        overrides[key] = parse_value(value)
+    return ConfigSpec(text.strip(), kind, overrides)
+
+
+def apply_overrides(extra: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` (kvtier's connector config, changed in place and returned) with the dotted
+    keys set; a number picks a list's item (``tiers.0.write=on_evict``), a missing mapping on
+    the way is made."""
+    for key, value in overrides.items():
+        node: Any = extra
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node[int(name)] if isinstance(node, list) else node.setdefault(name, {})
+        node[leaf] = value
+    return extra
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]")
+
+
+def file_label(label: str) -> str:
+    """``label`` as a file name's part: a variant's value may hold a path (``/``) or spaces;
+    those become ``_`` and a short digest of the label keeps two such labels apart."""
+    safe = _UNSAFE.sub("_", label)
+    if safe == label:
+        return label
+    return f"{safe}-{hashlib.blake2b(label.encode(), digest_size=3).hexdigest()}"
