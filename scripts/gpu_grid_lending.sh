@@ -18,7 +18,7 @@ gpus=${3:-1}
 minutes=${4:-9.3}
 shift $(( $# < 4 ? $# : 4 ))
 out=${OUT:?the device tool sets OUT}
-cp -n docs/results/vllm_gpu_bench_grid_h200.json /root/grid.json
+[ -e /root/grid.json ] || cp docs/results/vllm_gpu_bench_grid_h200.json /root/grid.json
 cp /root/grid.json "$out/grid.json"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 rm -rf /tmp/kvtier-gpu-bench /dev/shm/vllm_offload_*
