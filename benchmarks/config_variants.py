@@ -8,19 +8,36 @@ path into that dict (a number picks a list's item); a value is read as JSON wher
 configurations have no kvtier config to set. The base decides everything else about a variant
 (its fs tier, its engine, what it is compared with), so two variants of one base measured in one
 run differ only by the keys they set.
+
+Keys under ``beside.`` are not kvtier's: they say what the GPU benchmark runs beside the engine
+(``BESIDE_KEYS``; ``kvtier+beside.write_mbps=1000``: another process writing files at 1000 MB/s,
+``disk_writer.py``), so every base takes them, they are kept apart (``ConfigSpec.beside``) and
+``apply_overrides`` never hands them to kvtier. The scheduler replay refuses them: it runs no
+engine for anything to run beside.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 KVTIER_PREFIX = "kvtier"
 """Bases whose name starts so run kvtier, and only those take overrides."""
+BESIDE_PREFIX = "beside."
+"""Keys so named are the benchmark's, not kvtier's: every base takes them."""
+WRITE_MBPS = "beside.write_mbps"
+WRITE_FSYNC = "beside.write_fsync"
+BESIDE_KEYS = {
+    WRITE_MBPS: "a number of MB/s above 0",
+    WRITE_FSYNC: f"true or false, with {WRITE_MBPS}",
+}
+"""The ``beside.`` keys and the values each takes: a process beside the engine writes files at
+``write_mbps`` (``disk_writer.py``), and with ``write_fsync`` syncs each before renaming it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +48,9 @@ class ConfigSpec:
     kind: str
     """The base configuration."""
     overrides: dict[str, Any]
+    """kvtier's keys (``apply_overrides``)."""
+    beside: dict[str, Any] = field(default_factory=dict)
+    """The ``beside.`` keys: what the benchmark runs beside the engine, on any base."""
 
     @property
     def measured_as(self) -> str:
@@ -44,7 +64,7 @@ def base_of(label: str) -> str:
 
 
 def is_variant(label: str) -> bool:
-    """Whether ``label`` sets kvtier keys on its base."""
+    """Whether ``label`` sets keys on its base (kvtier's, or ``beside.`` ones)."""
     return "+" in label
 
 
@@ -67,22 +87,48 @@ def parse_config(text: str, bases: Sequence[str]) -> ConfigSpec:
     kind, *items = [part.strip() for part in text.split("+")]
     if kind not in bases:
         raise ValueError(f"config {text!r}: {_one_of(bases)}[+key=value...]")
-    if items and not kind.startswith(KVTIER_PREFIX):
-        raise ValueError(f"config {text!r}: only kvtier takes key=value settings")
+    overrides, beside = _settings(text, items)
+    if overrides and not kind.startswith(KVTIER_PREFIX):
+        raise ValueError(
+            f"config {text!r}: only kvtier takes key=value settings (any base: {BESIDE_PREFIX}*)"
+        )
+    return ConfigSpec(text.strip(), kind, overrides, beside)
+
+
+def _settings(text: str, items: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A label's ``key=value`` items: kvtier's keys, and the ``beside.`` ones (checked)."""
     overrides: dict[str, Any] = {}
+    beside: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"config {text!r}: {item!r} is not key=value")
-        overrides[key] = parse_value(value)
-    return ConfigSpec(text.strip(), kind, overrides)
+        into = beside if key.startswith(BESIDE_PREFIX) else overrides
+        into[key] = parse_value(value)
+    for key, value in beside.items():
+        if key not in BESIDE_KEYS or not _beside_valid(key, value, beside):
+            known = "; ".join(f"{k}: {what}" for k, what in BESIDE_KEYS.items())
+            raise ValueError(
+                f"config {text!r}: {key}={json.dumps(value)}; beside settings: {known}"
+            )
+    return overrides, beside
+
+
+def _beside_valid(key: str, value: Any, beside: dict[str, Any]) -> bool:
+    if key == WRITE_FSYNC:
+        return isinstance(value, bool) and WRITE_MBPS in beside
+    # bool is an int: ``true`` is no rate; JSON also reads ``Infinity``
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    return is_number and math.isfinite(value) and value > 0
 
 
 def apply_overrides(extra: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """``extra`` (kvtier's connector config, changed in place and returned) with the dotted
     keys set; a number picks a list's item (``tiers.0.write=on_evict``), a missing mapping on
-    the way is made."""
+    the way is made. ``beside.`` keys are left out: they are the benchmark's, not kvtier's."""
     for key, value in overrides.items():
+        if key.startswith(BESIDE_PREFIX):
+            continue
         node: Any = extra
         *parents, leaf = key.split(".")
         for name in parents:

@@ -85,8 +85,15 @@ REPLAY_CONFIGS = ("none", "native", "kvtier", "kvtier_fs")
 
 def parse_config(text: str) -> ConfigSpec:
     """A replay configuration: one of ``REPLAY_CONFIGS``, kvtier's with ``+key=value``
-    settings (``config_variants``)."""
-    return variants.parse_config(text, REPLAY_CONFIGS)
+    settings (``config_variants``). ``beside.`` keys are refused, not ignored: the replay runs
+    no engine process for anything to run beside, and a row under that label would claim it."""
+    spec = variants.parse_config(text, REPLAY_CONFIGS)
+    if spec.beside:
+        raise ValueError(
+            f"config {text!r}: {', '.join(spec.beside)} run beside vLLM's engine in the GPU "
+            "benchmark (vllm_gpu_bench.py); the replay cannot"
+        )
+    return spec
 
 
 def kvtier_extra(

@@ -404,7 +404,8 @@ class RunSpec:
     """One configuration's engine: what ``engine_kwargs`` needs."""
 
     config: str
-    """A label: a base of ``CONFIGS``, with kvtier settings after ``+`` for a variant."""
+    """A label: a base of ``CONFIGS``, with kvtier settings (or ``beside.`` ones, the bench's)
+    after ``+`` for a variant."""
     concurrency: int
     host_gib: float
     fs_gib: float
@@ -434,6 +435,11 @@ class RunSpec:
     @property
     def native_fs_dir(self) -> Path:
         return self.workdir / "native_fs"
+
+    @property
+    def beside_dir(self) -> Path:
+        """Where a writer beside the engine (``beside.write_mbps``) puts its files."""
+        return self.workdir / "beside"
 
     @property
     def stats_path(self) -> Path:

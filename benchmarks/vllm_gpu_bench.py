@@ -35,6 +35,18 @@ row), ``--skip-done`` treats it as a configuration of its own, and the report pr
 to its base at each point (output tokens/s, TTFT p99, the connector's p99 per step); the
 acceptance checks stay on the bases. A label holds no comma (``--configs`` splits on them).
 
+A ``beside.`` key is the bench's, not kvtier's, and every base takes it: ``beside.write_mbps=N``
+runs ``benchmarks/disk_writer.py`` in a process of its own during the timed run (started after the
+engine's start and warm-up, stopped however the run ends), writing 2 MiB files into
+``<workdir>/beside`` as kvtier's fs tier writes its blocks (4 threads, a temp file, then a
+rename; at most 1 GiB there at once, removed after) at about N MB/s;
+``+beside.write_fsync=true`` syncs each file first. The row gets ``beside_write``
+(``mbps_asked``, ``bytes``, ``seconds``, ``mbps``), and the label runs at one point at a time, as
+the fs configurations do. ``--configs kvtier,kvtier+beside.write_mbps=1000,kvtier_fs`` tells
+apart why the fs tier slows the connector's hooks: if the pool alone slows as much beside another
+process's writes, it is the writes' effect on the host (page cache copies, memory bandwidth,
+caches); if not, the fs tier's I/O threads sharing the engine's process (the GIL).
+
 Model: Llama-3.1-8B's architecture (``--model llama8b``; ``config.json`` only, vLLM's dummy
 weights, bfloat16, CUDA graphs on, vLLM's default attention backend, prefix caching on) or a
 tiny Llama for a CPU smoke run (``--model tiny``). Token-id prompts, no tokenizer. Hybrid models
@@ -91,6 +103,7 @@ budget; ``benchmarks/vllm_grid_report.py``: table, acceptance checks, plot) into
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
@@ -111,6 +124,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import config_variants as variants
+import disk_writer as dw
 import vllm_bench_engine as eng
 import vllm_bench_hits as hits
 import vllm_grid as grid
@@ -306,11 +320,13 @@ def run_config(
             profile_s = profile[1] if profile else None
             timer = eng.HookTimer(connector, profile_s=profile_s, after_step=sampler)
         before = eng.kvtier_counters(connector)
-        if timer is not None:
-            timer.enabled = True
-        timed, wall = drive(llm, convs, spec.concurrency, max_tokens, spec.config, guard)
-        if timer is not None:
-            timer.enabled = False
+        writer = beside_writer(spec)  # started after the engine's start and warm-up
+        with writer or contextlib.nullcontext():
+            if timer is not None:
+                timer.enabled = True
+            timed, wall = drive(llm, convs, spec.concurrency, max_tokens, spec.config, guard)
+            if timer is not None:
+                timer.enabled = False
         after = eng.kvtier_counters(connector)
         used_after = meminfo_used()
     finally:
@@ -330,6 +346,8 @@ def run_config(
     row["elapsed_s"] = round(time.perf_counter() - started, 1)
     if spec.has_fs:
         row["fs_gib"] = spec.fs_gib
+    if writer is not None:
+        row["beside_write"] = writer.row()
     if spec.base.startswith(variants.KVTIER_PREFIX):
         row.update(kvtier_settings(spec))
         row["kvtier"] = kvtier_delta(before, after)
@@ -341,6 +359,17 @@ def run_config(
             if model.pool is not None:
                 row.update(bytes_ratio(per_kind, model.pool.full_attention_bytes_per_token))
     return row
+
+
+def beside_writer(spec: eng.RunSpec) -> dw.BesideWriter | None:
+    """The process writing files beside the engine that ``beside.write_mbps`` asks for, in
+    ``<workdir>/beside`` (the fs tiers' disk; removed when it stops). Its files stay under
+    ``dw.KEEP_MIB``, clear of the disk guard's floor next to a full fs tier."""
+    beside = spec.variant.beside
+    mbps = beside.get(variants.WRITE_MBPS)
+    if mbps is None:
+        return None
+    return dw.BesideWriter(spec.beside_dir, float(mbps), bool(beside.get(variants.WRITE_FSYNC)))
 
 
 def kvtier_settings(spec: eng.RunSpec) -> dict[str, Any]:
@@ -689,8 +718,14 @@ def report_grid(data: dict[str, Any], out: Path) -> None:
 
 def disk_configs(labels: list[str]) -> frozenset[str]:
     """The labels that run at one point at a time (``GridOptions.disk_configs``): a variant of a
-    base with an fs tier has that tier too, and two of them on one disk slow each other."""
-    return frozenset(c for c in labels if variants.base_of(c) in eng.FS_CONFIGS)
+    base with an fs tier has that tier too, and two of them on one disk slow each other; so does
+    a writer beside the engine (``beside.write_mbps``), which also loads the host it measures."""
+    return frozenset(c for c in labels if writes_disk(c))
+
+
+def writes_disk(label: str) -> bool:
+    spec = variants.parse_config(label, eng.CONFIGS)
+    return spec.kind in eng.FS_CONFIGS or variants.WRITE_MBPS in spec.beside
 
 
 def run_grid_mode(

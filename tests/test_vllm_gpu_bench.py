@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pstats
+import re
 import shutil
 import sys
 import time
@@ -1027,11 +1028,15 @@ def test_a_child_run_needs_one_point_and_its_fs_capacity(
 # -- one tiny point in vLLM's CPU build ---------------------------------------------------------
 
 
+BESIDE_SMOKE = "beside.write_mbps=50"
+
+
 @require.unless("vllm", require.vllm_missing())
 def test_tiny_grid_point_in_vllm_cpu(modules: dict[str, ModuleType], tmp_path: Path) -> None:
     out = tmp_path / "grid.json"
     argv = [
-        "--grid", "--model", "tiny", "--configs", "none,kvtier", "--grid-points", "2x0.05",
+        "--grid", "--model", "tiny", "--configs", f"none,kvtier,kvtier+{BESIDE_SMOKE}",
+        "--grid-points", "2x0.05",
         "--grid-requests", "2:8", "--turns", "3", "--max-tokens", "4", "--widen", "1",
         "--context-blocks", "8", "--max-model-len", "2048", "--gpu-kv-gib", "0.004",
         "--fs-gib", "0.1", "--workdir", str(tmp_path / "work"), "--json", str(out),
@@ -1046,6 +1051,10 @@ def test_tiny_grid_point_in_vllm_cpu(modules: dict[str, ModuleType], tmp_path: P
     assert len(ids) == point["workload"]["requests"] == 8
     assert kvtier["kvtier"]["loaded_blocks"] >= 0 and kvtier["connector_step_us"]["steps"] > 0
     assert not (tmp_path / "work" / "fs").exists()
+    beside = point["configs"][f"kvtier+{BESIDE_SMOKE}"]
+    assert beside["beside_write"]["mbps_asked"] == 50 and beside["beside_write"]["bytes"] > 0
+    assert [r[0] for r in beside["per_request"]["rows"]] == ids
+    assert "beside_write" not in kvtier and not (tmp_path / "work" / "beside").exists()
 
 
 def test_hybrid_models_and_their_bytes_per_cached_token(
@@ -1294,6 +1303,96 @@ def test_a_variants_child_gets_its_label_whole(
     at = command.index("--configs")
     assert command[at + 1] == label  # one argument: no shell, nothing to quote
     assert bench.parse_configs(bench.parser(), command[at + 1]) == [label]
+
+
+BESIDE = "beside.write_mbps=1000"
+
+
+@pytest.mark.parametrize("base", ["none", "native", "native_fs", "kvtier", "kvtier_fs"])
+def test_a_writer_beside_the_engine_is_the_benchs_setting_on_any_base(
+    modules: dict[str, ModuleType], base: str
+) -> None:
+    variants, eng = modules["variants"], modules["engine"]
+    spec = variants.parse_config(f"{base}+{BESIDE}+beside.write_fsync=true", eng.CONFIGS)
+    assert (spec.kind, spec.overrides) == (base, {})
+    assert spec.beside == {"beside.write_mbps": 1000, "beside.write_fsync": True}
+    assert variants.is_variant(spec.label) and variants.base_of(spec.label) == base
+    # Another key stays kvtier's: refused beside it on vLLM's own configurations.
+    mixed = f"{base}+{BESIDE}+pool.writeback_window=0.5"
+    if base.startswith("kvtier"):
+        assert variants.parse_config(mixed, eng.CONFIGS).overrides == {"pool.writeback_window": 0.5}
+    else:
+        with pytest.raises(ValueError, match="only kvtier takes key=value settings"):
+            variants.parse_config(mixed, eng.CONFIGS)
+
+
+def test_kvtier_never_sees_a_beside_key(
+    modules: dict[str, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    variants, eng, bench = modules["variants"], modules["engine"], modules["bench"]
+    monkeypatch.delenv(eng.EVICTION_ENV, raising=False)
+    monkeypatch.delenv(eng.ASYNC_LOADS_ENV, raising=False)
+
+    def extra(label: str) -> dict[str, Any]:
+        got = eng.kvtier_extra(eng.RunSpec(label, 8, 2.5, 10.0, 1 << 30, 4096, tmp_path))
+        got["vllm"].pop("stats_path")  # a file per label
+        return dict(got)
+
+    assert extra(f"kvtier+{BESIDE}") == extra("kvtier")
+    assert extra(f"kvtier_fs+tiers.0.write=on_evict+{BESIDE}") == extra(VARIANT)
+    # Nor through apply_overrides given the keys whole.
+    given = variants.apply_overrides({"pool": {}}, {"beside.write_mbps": 5, "pool.x": 1})
+    assert given == {"pool": {"x": 1}}
+    spec = eng.RunSpec(f"kvtier+{BESIDE}", 8, 2.5, 10.0, 1 << 30, 4096, tmp_path)
+    assert "overrides" not in bench.kvtier_settings(spec)  # no kvtier key set
+
+
+@pytest.mark.parametrize(
+    ("label", "message"),
+    [
+        ("none+beside.write_mbps=0", "beside.write_mbps=0; beside settings: beside.write_mbps"),
+        ("kvtier+beside.write_mbps=true", "beside.write_mbps=true;"),
+        ("kvtier+beside.write_mbps=Infinity", "beside.write_mbps=Infinity;"),
+        ("native+beside.write_fsync=true", "beside.write_fsync=true;"),  # fsync of no writer
+        ("kvtier+beside.write_fsync=1+beside.write_mbps=5", "beside.write_fsync=1;"),
+        ("none+beside.read_mbps=5", "beside.read_mbps=5;"),
+    ],
+)
+def test_beside_settings_are_checked(
+    modules: dict[str, ModuleType], label: str, message: str
+) -> None:
+    variants, eng = modules["variants"], modules["engine"]
+    with pytest.raises(ValueError, match=re.escape(f"config {label!r}: {message}")):
+        variants.parse_config(label, eng.CONFIGS)
+
+
+def test_the_replay_refuses_what_runs_beside_the_engine(modules: dict[str, ModuleType]) -> None:
+    with benchmark_modules("scheduler_replay") as (sr,):
+        with pytest.raises(ValueError, match=r"beside\.write_mbps run beside vLLM's engine"):
+            sr.parse_config(f"kvtier+{BESIDE}")
+        assert sr.parse_config("kvtier+pool.x=1").beside == {}
+
+
+def test_a_beside_writer_runs_with_its_label_on_the_fs_tiers_disk_clear_of_the_guard(
+    modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    bench, eng, grid = modules["bench"], modules["engine"], modules["grid"]
+
+    def writer(label: str) -> Any:
+        return bench.beside_writer(eng.RunSpec(label, 8, 2.5, 10.0, 1 << 30, 4096, tmp_path))
+
+    assert writer("kvtier") is None and writer(VARIANT) is None
+    plain, synced = writer(f"kvtier+{BESIDE}"), writer(f"none+{BESIDE}+beside.write_fsync=true")
+    assert (plain.directory, plain.mbps, plain.fsync) == (tmp_path / "beside", 1000.0, False)
+    assert (synced.mbps, synced.fsync) == (1000.0, True)
+    # The writer's files beside a full fs tier (the reserve left free) stay above the floor.
+    for total in (64 << 30, 4 << 40):
+        reserve = max(grid.RESERVE_GIB * (1 << 30), grid.RESERVE_SHARE * total)
+        assert reserve - plain.keep_mib * (1 << 20) > grid.disk_floor_bytes(total)
+    # It loads the disk and the host: one point at a time, as the fs configurations run.
+    labels = ["kvtier", f"kvtier+{BESIDE}", f"none+{BESIDE}", "kvtier_fs"]
+    assert bench.disk_configs(labels) == {f"kvtier+{BESIDE}", f"none+{BESIDE}", "kvtier_fs"}
+    assert bench.parse_configs(bench.parser(), ",".join(labels)) == labels
 
 
 def with_variants(data: dict[str, Any]) -> dict[str, Any]:
