@@ -83,9 +83,15 @@ def take(
     victims: list[BlockKey],
 ) -> None:
     """Move up to ``n`` unpinned keys, oldest first, from ``order`` to ``victims``."""
-    taken = oldest_unpinned(order, n, pinned)
-    drain(map(order.__delitem__, taken))
-    victims.extend(taken)
+    take_keys(order, oldest_unpinned(order, n, pinned), victims)
+
+
+def take_keys(
+    order: OrderedDict[BlockKey, V], keys: list[BlockKey], victims: list[BlockKey]
+) -> None:
+    """Move ``keys`` (in ``order``) from it to ``victims``."""
+    drain(map(order.__delitem__, keys))
+    victims.extend(keys)
 
 
 def remember_evicted(
