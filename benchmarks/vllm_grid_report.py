@@ -615,7 +615,12 @@ def write_plot(data: dict[str, Any], path: Path) -> Path | None:
             ax.grid(True, alpha=0.3)
             if row_index == 0:
                 ax.set_title(f"host pool {host:g} GiB")
-    axes[0][0].legend(fontsize="small")
+    # One legend for every line drawn: a variant may run at points the first panel lacks.
+    shown: dict[str, Any] = {}
+    for ax in axes.flat:
+        for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
+            shown.setdefault(name, handle)
+    axes[0][0].legend(list(shown.values()), list(shown), fontsize="x-small")
     fig.suptitle(f"vLLM GPU bench grid: {data.get('model', '')}", fontsize="medium")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
