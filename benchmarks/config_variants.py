@@ -10,10 +10,11 @@ configurations have no kvtier config to set. The base decides everything else ab
 run differ only by the keys they set.
 
 Keys under ``beside.`` are not kvtier's: they say what the GPU benchmark runs beside the engine
-(``BESIDE_KEYS``; ``kvtier+beside.write_mbps=1000``: another process writing files at 1000 MB/s,
-``disk_writer.py``), so every base takes them, they are kept apart (``ConfigSpec.beside``) and
-``apply_overrides`` never hands them to kvtier. The scheduler replay refuses them: it runs no
-engine for anything to run beside.
+or how it runs it (``BESIDE_KEYS``; ``kvtier+beside.write_mbps=1000``: another process writing
+files at 1000 MB/s, ``disk_writer.py``; ``beside.switch_interval_ms``: the interpreter's switch
+interval in the engine's process), so every base takes them, they are kept apart
+(``ConfigSpec.beside``) and ``apply_overrides`` never hands them to kvtier. The scheduler replay
+refuses them: it runs no engine for anything to run beside.
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ BESIDE_PREFIX = "beside."
 """Keys so named are the benchmark's, not kvtier's: every base takes them."""
 WRITE_MBPS = "beside.write_mbps"
 WRITE_FSYNC = "beside.write_fsync"
+SWITCH_INTERVAL_MS = "beside.switch_interval_ms"
 BESIDE_KEYS = {
     WRITE_MBPS: "a number of MB/s above 0",
     WRITE_FSYNC: f"true or false, with {WRITE_MBPS}",
+    SWITCH_INTERVAL_MS: "a number of milliseconds above 0",
 }
 """The ``beside.`` keys and the values each takes: a process beside the engine writes files at
-``write_mbps`` (``disk_writer.py``), and with ``write_fsync`` syncs each before renaming it."""
+``write_mbps`` (``disk_writer.py``), and with ``write_fsync`` syncs each before renaming it;
+``switch_interval_ms`` is ``sys.setswitchinterval`` in the engine's process for the timed run
+(Python's default 5 ms: how long a thread waiting for the interpreter's lock lets the running
+one keep it before asking it to let go)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +123,7 @@ def _settings(text: str, items: list[str]) -> tuple[dict[str, Any], dict[str, An
 def _beside_valid(key: str, value: Any, beside: dict[str, Any]) -> bool:
     if key == WRITE_FSYNC:
         return isinstance(value, bool) and WRITE_MBPS in beside
-    # bool is an int: ``true`` is no rate; JSON also reads ``Infinity``
+    # bool is an int: ``true`` is no number; JSON also reads ``Infinity``
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
     return is_number and math.isfinite(value) and value > 0
 

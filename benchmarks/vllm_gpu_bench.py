@@ -117,6 +117,7 @@ import tempfile
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import config_variants as variants
 import disk_writer as dw
+import engine_threads
 import vllm_bench_engine as eng
 import vllm_bench_hits as hits
 import vllm_grid as grid
@@ -321,10 +323,12 @@ def run_config(
             timer = eng.HookTimer(connector, profile_s=profile_s, after_step=sampler)
         before = eng.kvtier_counters(connector)
         writer = beside_writer(spec)  # started after the engine's start and warm-up
-        with writer or contextlib.nullcontext():
+        with writer or contextlib.nullcontext(), switch_interval(spec):
             if timer is not None:
                 timer.enabled = True
+            threads_before = engine_threads.sample()
             timed, wall = drive(llm, convs, spec.concurrency, max_tokens, spec.config, guard)
+            threads = engine_threads.usage(threads_before, engine_threads.sample(), wall)
             if timer is not None:
                 timer.enabled = False
         after = eng.kvtier_counters(connector)
@@ -346,6 +350,7 @@ def run_config(
     row["elapsed_s"] = round(time.perf_counter() - started, 1)
     if spec.has_fs:
         row["fs_gib"] = spec.fs_gib
+    row["engine_threads"] = threads
     if writer is not None:
         row["beside_write"] = writer.row()
     if spec.base.startswith(variants.KVTIER_PREFIX):
@@ -370,6 +375,22 @@ def beside_writer(spec: eng.RunSpec) -> dw.BesideWriter | None:
     if mbps is None:
         return None
     return dw.BesideWriter(spec.beside_dir, float(mbps), bool(beside.get(variants.WRITE_FSYNC)))
+
+
+@contextlib.contextmanager
+def switch_interval(spec: eng.RunSpec) -> Iterator[None]:
+    """The interpreter's switch interval that ``beside.switch_interval_ms`` asks for, while
+    open (the engine runs in this process), then the previous one again."""
+    ms = spec.variant.beside.get(variants.SWITCH_INTERVAL_MS)
+    if ms is None:
+        yield
+        return
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(float(ms) / 1000)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def kvtier_settings(spec: eng.RunSpec) -> dict[str, Any]:

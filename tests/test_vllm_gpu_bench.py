@@ -1028,7 +1028,7 @@ def test_a_child_run_needs_one_point_and_its_fs_capacity(
 # -- one tiny point in vLLM's CPU build ---------------------------------------------------------
 
 
-BESIDE_SMOKE = "beside.write_mbps=50"
+BESIDE_SMOKE = "beside.write_mbps=50+beside.switch_interval_ms=20"
 
 
 @require.unless("vllm", require.vllm_missing())
@@ -1055,6 +1055,11 @@ def test_tiny_grid_point_in_vllm_cpu(modules: dict[str, ModuleType], tmp_path: P
     assert beside["beside_write"]["mbps_asked"] == 50 and beside["beside_write"]["bytes"] > 0
     assert [r[0] for r in beside["per_request"]["rows"]] == ids
     assert "beside_write" not in kvtier and not (tmp_path / "work" / "beside").exists()
+    # The engine ran in this process: its thread's CPU and context switches over the timed run.
+    threads = kvtier["engine_threads"]
+    assert 0 < threads["main_cpu_s"] <= kvtier["wall_s"] + 1
+    assert threads["main_voluntary_switches"] >= 0 and threads["main_involuntary_switches"] >= 0
+    assert sum(threads["others_cpu_s"].values()) >= 0
 
 
 def test_hybrid_models_and_their_bytes_per_cached_token(
@@ -1356,6 +1361,8 @@ def test_kvtier_never_sees_a_beside_key(
         ("native+beside.write_fsync=true", "beside.write_fsync=true;"),  # fsync of no writer
         ("kvtier+beside.write_fsync=1+beside.write_mbps=5", "beside.write_fsync=1;"),
         ("none+beside.read_mbps=5", "beside.read_mbps=5;"),
+        ("kvtier+beside.switch_interval_ms=0", "beside.switch_interval_ms=0;"),
+        ("kvtier_fs+beside.switch_interval_ms=fast", 'beside.switch_interval_ms="fast";'),
     ],
 )
 def test_beside_settings_are_checked(
@@ -1364,6 +1371,21 @@ def test_beside_settings_are_checked(
     variants, eng = modules["variants"], modules["engine"]
     with pytest.raises(ValueError, match=re.escape(f"config {label!r}: {message}")):
         variants.parse_config(label, eng.CONFIGS)
+
+
+def test_a_switch_interval_holds_for_the_timed_run_only(
+    modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    bench, eng = modules["bench"], modules["engine"]
+    default = sys.getswitchinterval()
+    spec = eng.RunSpec("kvtier_fs+beside.switch_interval_ms=50", 8, 2.5, 10.0, 1 << 30, 4, tmp_path)
+    assert spec.variant.beside == {"beside.switch_interval_ms": 50}
+    with pytest.raises(RuntimeError, match="run failed"), bench.switch_interval(spec):
+        assert sys.getswitchinterval() == pytest.approx(0.05)
+        raise RuntimeError("run failed")
+    assert sys.getswitchinterval() == default
+    with bench.switch_interval(eng.RunSpec("kvtier_fs", 8, 2.5, 10.0, 1 << 30, 4, tmp_path)):
+        assert sys.getswitchinterval() == default
 
 
 def test_the_replay_refuses_what_runs_beside_the_engine(modules: dict[str, ModuleType]) -> None:
