@@ -33,14 +33,20 @@ BESIDE_PREFIX = "beside."
 """Keys so named are the benchmark's, not kvtier's: every base takes them."""
 WRITE_MBPS = "beside.write_mbps"
 WRITE_FSYNC = "beside.write_fsync"
+WRITE_SOURCE_MIB = "beside.write_source_mib"
+WRITE_CHECKSUM = "beside.write_checksum"
 SWITCH_INTERVAL_MS = "beside.switch_interval_ms"
 BESIDE_KEYS = {
     WRITE_MBPS: "a number of MB/s above 0",
     WRITE_FSYNC: f"true or false, with {WRITE_MBPS}",
+    WRITE_SOURCE_MIB: f"a whole number of MiB of at least 2, with {WRITE_MBPS}",
+    WRITE_CHECKSUM: f"true or false, with {WRITE_MBPS}",
     SWITCH_INTERVAL_MS: "a number of milliseconds above 0",
 }
 """The ``beside.`` keys and the values each takes: a process beside the engine writes files at
-``write_mbps`` (``disk_writer.py``), and with ``write_fsync`` syncs each before renaming it;
+``write_mbps`` (``disk_writer.py``), with ``write_fsync`` syncs each before renaming it, with
+``write_source_mib`` takes its blocks in turn from a buffer that large and with
+``write_checksum`` hashes each first (the memory the fs tier reads: its pool slots, its hash);
 ``switch_interval_ms`` is ``sys.setswitchinterval`` in the engine's process for the timed run
 (Python's default 5 ms: how long a thread waiting for the interpreter's lock lets the running
 one keep it before asking it to let go)."""
@@ -121,8 +127,11 @@ def _settings(text: str, items: list[str]) -> tuple[dict[str, Any], dict[str, An
 
 
 def _beside_valid(key: str, value: Any, beside: dict[str, Any]) -> bool:
-    if key == WRITE_FSYNC:
+    if key in (WRITE_FSYNC, WRITE_CHECKSUM):
         return isinstance(value, bool) and WRITE_MBPS in beside
+    if key == WRITE_SOURCE_MIB:
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        return whole and value >= 2 and WRITE_MBPS in beside  # the writer's 2 MiB blocks
     # bool is an int: ``true`` is no number; JSON also reads ``Infinity``
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
     return is_number and math.isfinite(value) and value > 0

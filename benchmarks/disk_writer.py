@@ -17,13 +17,19 @@ Its first line, once its signal handlers are set and its first block is written 
 ``{"ready": PID}``: a run started after it runs beside a writer already writing (however short
 the run), and a stop sent after it always gets a summary.
 
+By default every block is the same bytes (a buffer that stays in the CPU's caches); kvtier's
+fs tier writes each block from its own pool slot and hashes it first. ``--source-mib N`` takes
+the blocks in turn from an N MiB buffer (larger than the caches, as the pool is) and
+``--checksum`` hashes each (xxh3-128, the fs tier's) before writing it: the host then reads as
+much memory as the fs tier makes it read.
+
 With ``--fsync`` each file is synced before its rename (kvtier's ``fsync`` option). Without it a
 file is replaced within ``--keep-mib`` / ``--mbps`` seconds (about 1 s at 1 GiB and 1000 MB/s),
 before the kernel writes dirty pages back (30 s by default), so the disk may see little of it;
 kvtier's fs tier keeps its files, and the kernel writes them back.
 
 Usage: python3 benchmarks/disk_writer.py DIR --mbps N [--block-mib 2] [--keep-mib 1024]
-[--threads 4] [--fsync] [--summary FILE] [--parent PID]
+[--threads 4] [--source-mib N] [--checksum] [--fsync] [--summary FILE] [--parent PID]
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
+
+import xxhash
 
 BLOCK_MIB = 2
 THREADS = 4
@@ -72,6 +80,11 @@ class Plan:
     """Final names per thread, reused in turn; each thread also has its temp file."""
     threads: int = 1
     fsync: bool = False
+    source_bytes: int = 0
+    """The blocks come in turn from a buffer this large (0: one block's, written again and
+    again)."""
+    checksum: bool = False
+    """Each block hashed before it is written, as kvtier's fs tier does."""
 
     @classmethod
     def of(
@@ -83,16 +96,28 @@ class Plan:
         *,
         threads: int = THREADS,
         fsync: bool = False,
+        source_mib: int = 0,
+        checksum: bool = False,
     ) -> Plan:
-        """ValueError when the rate is not above 0 or ``keep_mib`` holds less than two blocks
-        a thread (a final name and a temp file)."""
+        """ValueError when the rate is not above 0, ``keep_mib`` holds less than two blocks
+        a thread (a final name and a temp file), or a source buffer is smaller than a block."""
         if not mbps > 0 or block_mib < 1 or threads < 1 or keep_mib < 2 * block_mib * threads:
             raise ValueError(
                 f"--mbps {mbps} --block-mib {block_mib} --keep-mib {keep_mib} --threads "
                 f"{threads}: need a rate above 0 and room for two blocks a thread"
             )
+        if source_mib and source_mib < block_mib:
+            raise ValueError(f"--source-mib {source_mib}: at least a block (--block-mib)")
         names = (keep_mib // block_mib - threads) // threads
-        return cls(directory, mbps, block_mib << 20, names, threads, fsync)
+        source = (source_mib // block_mib) * (block_mib << 20)
+        return cls(directory, mbps, block_mib << 20, names, threads, fsync, source, checksum)
+
+    def block_of(self, source: memoryview, thread: int, turn: int) -> memoryview:
+        """The thread's block for this turn: the threads' turns go through the source buffer
+        in order, each block once before any again."""
+        blocks = len(source) // self.block_bytes
+        at = (turn * self.threads + thread) % blocks * self.block_bytes
+        return source[at : at + self.block_bytes]
 
     def final(self, thread: int, turn: int) -> Path:
         return self.directory / f"w{thread}-{turn % self.names}.kvb"
@@ -144,8 +169,11 @@ def write_block(plan: Plan, data: memoryview, thread: int, turn: int) -> None:
     os.replace(temp, plan.final(thread, turn))
 
 
-def write_next(plan: Plan, data: memoryview, thread: int, tally: Tally) -> None:
+def write_next(plan: Plan, source: memoryview, thread: int, tally: Tally) -> None:
     """The thread's next block, counted; an OSError (a full disk) is kept as its error."""
+    data = plan.block_of(source, thread, tally.files)
+    if plan.checksum:
+        xxhash.xxh3_128_digest(data)
     try:
         write_block(plan, data, thread, tally.files)
     except OSError as exc:
@@ -175,10 +203,11 @@ class Clock:
 
 @dataclass(frozen=True, slots=True)
 class Shared:
-    """What the writing threads share: the block's bytes, the schedule, the clock, and a flag
-    that the first error sets (a full disk would fail the others too: all stop)."""
+    """What the writing threads share: the bytes their blocks come from, the schedule, the
+    clock, and a flag that the first error sets (a full disk would fail the others too: all
+    stop)."""
 
-    data: memoryview
+    source: memoryview
     schedule: Schedule
     clock: Clock
     failed: threading.Event = field(default_factory=threading.Event)
@@ -188,9 +217,19 @@ def keep_writing(plan: Plan, thread: int, tally: Tally, shared: Shared) -> None:
     """One thread's blocks, each when the schedule says, until stopped or an error."""
     clock = shared.clock
     while not shared.failed.is_set() and clock.wait(shared.schedule.take(clock.now())):
-        write_next(plan, shared.data, thread, tally)
+        write_next(plan, shared.source, thread, tally)
         if tally.error is not None:
             shared.failed.set()
+
+
+def source_buffer(size: int) -> memoryview:
+    """``size`` bytes of random data, every page written (resident, as a pool's slots are): one
+    random MiB repeated, which no filesystem here compresses or deduplicates by block."""
+    data = bytearray(size)
+    pattern = os.urandom(min(size, 1 << 20))
+    for at in range(0, size, len(pattern)):
+        data[at : at + len(pattern)] = pattern[: size - at]
+    return memoryview(data)
 
 
 def pace(plan: Plan, clock: Clock, on_first: Callable[[], None] = lambda: None) -> Tally:
@@ -198,9 +237,9 @@ def pace(plan: Plan, clock: Clock, on_first: Callable[[], None] = lambda: None) 
     schedule of ``plan.mbps`` until stopped or an OSError, kept in the tally."""
     interval = plan.block_bytes / (plan.mbps * 1e6)
     schedule = Schedule(interval, clock.now() + interval)  # the first block is written now
-    shared = Shared(memoryview(os.urandom(plan.block_bytes)), schedule, clock)
+    shared = Shared(source_buffer(max(plan.source_bytes, plan.block_bytes)), schedule, clock)
     tallies = [Tally() for _ in range(plan.threads)]
-    write_next(plan, shared.data, 0, tallies[0])
+    write_next(plan, shared.source, 0, tallies[0])
     on_first()
     if tallies[0].error is not None:
         return tallies[0]
@@ -262,6 +301,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-mib", type=int, default=KEEP_MIB, help="most MiB in DIR at once")
     p.add_argument("--threads", type=int, default=THREADS, help="writing threads")
     p.add_argument("--fsync", action="store_true", help="sync each file before its rename")
+    p.add_argument(
+        "--source-mib", type=int, default=0, help="blocks in turn from a buffer this large"
+    )
+    p.add_argument("--checksum", action="store_true", help="hash each block before writing it")
     p.add_argument("--summary", type=Path, default=None, help="also write the summary here")
     p.add_argument(
         "--parent", type=int, default=None, help="stop once it is not our parent (default: ours)"
@@ -280,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             args.keep_mib,
             threads=args.threads,
             fsync=args.fsync,
+            source_mib=args.source_mib,
+            checksum=args.checksum,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -336,6 +381,8 @@ class BesideWriter:
     directory: Path
     mbps: float
     fsync: bool = False
+    source_mib: int = 0
+    checksum: bool = False
     block_mib: int = BLOCK_MIB
     keep_mib: int = KEEP_MIB
     threads: int = THREADS
@@ -349,7 +396,8 @@ class BesideWriter:
             sys.executable, str(Path(__file__).resolve()), str(self.directory),
             "--mbps", repr(self.mbps), "--block-mib", str(self.block_mib),
             "--keep-mib", str(self.keep_mib), "--threads", str(self.threads),
-            "--parent", str(os.getpid()), *(["--fsync"] if self.fsync else []),
+            "--parent", str(os.getpid()), "--source-mib", str(self.source_mib),
+            *(["--fsync"] if self.fsync else []), *(["--checksum"] if self.checksum else []),
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -381,10 +429,12 @@ class BesideWriter:
         return self.summary
 
     def row(self) -> dict[str, Any]:
-        """The benchmark row's ``beside_write``: the rate asked for and what was written."""
+        """The benchmark row's ``beside_write``: the rate asked for and what was written (and
+        how, where not the default)."""
         kept = ("bytes", "seconds", "mbps", "error")
         out = {"mbps_asked": self.mbps, **{k: self.summary[k] for k in kept if k in self.summary}}
-        return {**out, "fsync": True} if self.fsync else out
+        how = {"fsync": self.fsync, "source_mib": self.source_mib, "checksum": self.checksum}
+        return {**out, **{k: v for k, v in how.items() if v}}
 
     def __enter__(self) -> BesideWriter:
         self.start()

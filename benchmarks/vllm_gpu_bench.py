@@ -374,7 +374,13 @@ def beside_writer(spec: eng.RunSpec) -> dw.BesideWriter | None:
     mbps = beside.get(variants.WRITE_MBPS)
     if mbps is None:
         return None
-    return dw.BesideWriter(spec.beside_dir, float(mbps), bool(beside.get(variants.WRITE_FSYNC)))
+    return dw.BesideWriter(
+        spec.beside_dir,
+        float(mbps),
+        bool(beside.get(variants.WRITE_FSYNC)),
+        int(beside.get(variants.WRITE_SOURCE_MIB, 0)),
+        bool(beside.get(variants.WRITE_CHECKSUM)),
+    )
 
 
 @contextlib.contextmanager

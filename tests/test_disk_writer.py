@@ -115,6 +115,35 @@ def test_a_plan_needs_a_rate_and_room_for_two_blocks_a_thread(
     assert dw.Plan.of(tmp_path, 10.0, 2, 16, threads=4).names == 1
 
 
+def test_blocks_from_a_source_buffer_in_turn_each_once_before_any_again(
+    dw: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = dw.Plan.of(tmp_path, 10.0, 1, 8, threads=2, source_mib=5, checksum=True)
+    assert (plan.source_bytes, plan.checksum) == (5 * MIB, True)
+    numbered = memoryview(b"".join(bytes([i]) * MIB for i in range(5)))  # MiB i holds byte i
+    picked = [plan.block_of(numbered, thread, turn) for turn in range(3) for thread in range(2)]
+    assert [block[0] for block in picked] == [0, 1, 2, 3, 4, 0]
+    assert {len(block) for block in picked} == {MIB}
+    source = dw.source_buffer(plan.source_bytes)
+    assert len(source) == 5 * MIB and len(set(source[:4096].tobytes())) > 200  # random bytes
+    hashed: list[bytes] = []
+    real = dw.xxhash.xxh3_128_digest
+
+    def spy(data: memoryview) -> bytes:
+        hashed.append(data.tobytes())
+        return real(data)
+
+    monkeypatch.setattr(dw.xxhash, "xxh3_128_digest", spy)
+    tally = dw.Tally()
+    dw.write_next(plan, numbered, 1, tally)  # thread 1's first turn: the second MiB
+    assert hashed == [bytes([1]) * MIB] and tally.files == 1
+    assert (tmp_path / "w1-0.kvb").read_bytes() == bytes([1]) * MIB
+    with pytest.raises(ValueError, match="--source-mib 1: at least a block"):
+        dw.Plan.of(tmp_path, 10.0, 2, 16, threads=1, source_mib=1)
+    plain = dw.Plan.of(tmp_path, 10.0, 1, 8, threads=2)
+    assert (plain.source_bytes, plain.checksum) == (0, False)
+
+
 def writer_command(directory: Path, *extra: str) -> list[str]:
     """200 MB/s in 1 MiB blocks from two threads, each with two names and a temp file: 6 MiB."""
     command = [sys.executable, str(WRITER), str(directory), "--mbps", "200", "--block-mib", "1"]
@@ -213,6 +242,22 @@ def test_a_failing_run_still_stops_the_writer_and_removes_its_directory(
     row = writer.row()
     assert row["mbps_asked"] == 100.0 and row["bytes"] > 0 and row["seconds"] > 0
     assert set(row) == {"mbps_asked", "bytes", "seconds", "mbps"}
+
+
+def test_a_writer_reading_a_large_source_and_hashing_says_so_in_the_row(
+    dw: ModuleType, tmp_path: Path
+) -> None:
+    directory = tmp_path / "beside"
+    writer = dw.BesideWriter(directory, 100.0, source_mib=6, checksum=True, block_mib=1, keep_mib=8)
+    command = writer.command()
+    at = command.index("--source-mib")
+    assert command[at + 1] == "6" and "--checksum" in command and "--fsync" not in command
+    with writer:
+        wait_for(lambda: held_bytes(directory) >= 4 * MIB, "four blocks")
+    row = writer.row()
+    assert row["bytes"] >= 4 * MIB and "error" not in row
+    assert (row["source_mib"], row["checksum"]) == (6, True) and "fsync" not in row
+    assert not directory.exists()
 
 
 def test_a_writer_that_cannot_write_says_why_in_the_row(dw: ModuleType, tmp_path: Path) -> None:

@@ -1362,6 +1362,10 @@ def test_kvtier_never_sees_a_beside_key(
         ("kvtier+beside.write_fsync=1+beside.write_mbps=5", "beside.write_fsync=1;"),
         ("none+beside.read_mbps=5", "beside.read_mbps=5;"),
         ("kvtier+beside.switch_interval_ms=0", "beside.switch_interval_ms=0;"),
+        ("kvtier+beside.write_source_mib=64", "beside.write_source_mib=64;"),  # no writer
+        ("kvtier+beside.write_mbps=5+beside.write_source_mib=1", "beside.write_source_mib=1;"),
+        ("kvtier+beside.write_mbps=5+beside.write_source_mib=2.5", "beside.write_source_mib=2.5;"),
+        ("none+beside.write_mbps=5+beside.write_checksum=1", "beside.write_checksum=1;"),
         ("kvtier_fs+beside.switch_interval_ms=fast", 'beside.switch_interval_ms="fast";'),
     ],
 )
@@ -1407,6 +1411,11 @@ def test_a_beside_writer_runs_with_its_label_on_the_fs_tiers_disk_clear_of_the_g
     plain, synced = writer(f"kvtier+{BESIDE}"), writer(f"none+{BESIDE}+beside.write_fsync=true")
     assert (plain.directory, plain.mbps, plain.fsync) == (tmp_path / "beside", 1000.0, False)
     assert (synced.mbps, synced.fsync) == (1000.0, True)
+    assert (plain.source_mib, plain.checksum) == (0, False)
+    like_the_tier = writer(
+        f"kvtier+{BESIDE}+beside.write_source_mib=2048+beside.write_checksum=true"
+    )
+    assert (like_the_tier.source_mib, like_the_tier.checksum) == (2048, True)
     # The writer's files beside a full fs tier (the reserve left free) stay above the floor.
     for total in (64 << 30, 4 << 40):
         reserve = max(grid.RESERVE_GIB * (1 << 30), grid.RESERVE_SHARE * total)
