@@ -15,6 +15,7 @@ call time, so tests can inject faults and meters there.
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import fcntl
 import hashlib
@@ -45,6 +46,21 @@ _probe_ids = itertools.count()
 
 Found = tuple[BlockKey, int, float]
 """(key, size, mtime) of a block file found by a scan."""
+
+
+class Read(enum.Enum):
+    """What reading a block file found (``BlockFiles.read``)."""
+
+    FOUND = 0
+    """The buffers are filled (the caller checks the header and checksum)."""
+    MISSING = 1
+    """No such file (another process sharing the directory deleted it)."""
+    NOT_REGULAR = 2
+    """A FIFO, device, directory or symbolic link where the block should be."""
+    DAMAGED = 3
+    """A file of the wrong size, or shorter than it said."""
+    FAILED = 4
+    """An I/O error."""
 
 
 class NotRegular(OSError):
@@ -139,6 +155,26 @@ class BlockFiles:
             os.close(fd)
             raise
         return fd
+
+    def read(self, key: BlockKey, buffers: list[memoryview], size: int) -> Read:
+        """Fill ``buffers`` from the key's block file, which must be ``size`` bytes (checked
+        before reading: a truncated or grown file is not read)."""
+        try:
+            fd = self.open_block(key)
+        except FileNotFoundError:
+            return Read.MISSING
+        except NotRegular:
+            return Read.NOT_REGULAR
+        except OSError:
+            return Read.FAILED
+        try:
+            if os.fstat(fd).st_size != size:
+                return Read.DAMAGED
+            return Read.FOUND if read_exact(fd, buffers) else Read.DAMAGED
+        except OSError:
+            return Read.FAILED
+        finally:
+            os.close(fd)
 
     def write(self, key: BlockKey, buffers: list[memoryview]) -> None:
         """Temp file (created exclusively, never through a link), optional fsync, atomic rename:

@@ -66,8 +66,9 @@ from kvtier.redaction import printable
 from kvtier.tiers.block_tier import BlockTier, Got, Put
 from kvtier.tiers.eviction import count_errors_in, tier_policy
 from kvtier.tiers.fs import files
-from kvtier.tiers.fs.files import FULL_ERRNOS, BlockFiles, Found, NotRegular
+from kvtier.tiers.fs.files import FULL_ERRNOS, BlockFiles, Found, Read
 from kvtier.tiers.fs.index import FsIndex, Victims
+from kvtier.tiers.fs.io_process import HelperFiles
 from kvtier.tiers.fs.options import Options
 from kvtier.tiers.payload import HEADER_BYTES
 
@@ -81,6 +82,13 @@ MAX_VICTIM_ROUNDS = 8
 """Times a write picks more victims when the ones it chose could not be deleted."""
 
 __all__ = ["FsTier", "Options"]
+
+_GOT = {
+    Read.FOUND: Got.FOUND,
+    Read.NOT_REGULAR: Got.DAMAGED,  # dropped as a corrupt block: the thing itself removed
+    Read.DAMAGED: Got.DAMAGED,
+    Read.FAILED: Got.FAILED,
+}
 
 
 FsOptions = Options
@@ -127,9 +135,21 @@ class FsTier(BlockTier):
                 f"{options.config_path}.path",
                 name,
             )
-            self._files = BlockFiles(
-                self._root_fd, options.file_mode, options.dir_mode, options.fsync
-            )
+            self._files: BlockFiles
+            if options.io_process:
+                self._files = HelperFiles(
+                    self._root_fd,
+                    options.file_mode,
+                    options.dir_mode,
+                    options.fsync,
+                    pool,
+                    options.threads,
+                    options.io_timeout_s,
+                )
+            else:
+                self._files = BlockFiles(
+                    self._root_fd, options.file_mode, options.dir_mode, options.fsync
+                )
             self._load_index()
         except BaseException:
             self.close()  # the I/O threads are idle: they exit at once
@@ -147,24 +167,11 @@ class FsTier(BlockTier):
     def get(self, key: BlockKey, header: memoryview, payload: memoryview) -> Got:
         if not self._touch(key):
             return Got.MISSING  # dropped since the lookup
-        try:
-            fd = self._files.open_block(key)
-        except FileNotFoundError:
+        read = self._files.read(key, [header, payload], self._file_bytes)
+        if read is Read.MISSING:
             self._forget(key)  # deleted by another process sharing the directory
             return Got.MISSING
-        except NotRegular:
-            return Got.DAMAGED  # a FIFO, a device, a directory or a symbolic link
-        except OSError:
-            return Got.FAILED
-        try:
-            # Size first: a truncated or grown file is rejected without reading it.
-            if os.fstat(fd).st_size != self._file_bytes:
-                return Got.DAMAGED
-            return Got.FOUND if files.read_exact(fd, [header, payload]) else Got.DAMAGED
-        except OSError:
-            return Got.FAILED
-        finally:
-            os.close(fd)
+        return _GOT[read]
 
     def _touch(self, key: BlockKey) -> bool:
         """A read of ``key`` starts: False when it is not held (any more)."""
@@ -218,6 +225,9 @@ class FsTier(BlockTier):
         return True
 
     def _close_storage(self, abandoned: bool) -> None:
+        helpers = getattr(self, "_files", None)  # absent when the directory failed to open
+        if isinstance(helpers, HelperFiles):
+            helpers.close()
         if self._root_fd >= 0 and not abandoned:
             # A stuck thread may still use the descriptor; closing it could hand its number to
             # another file. Leaked in that case, on purpose.
