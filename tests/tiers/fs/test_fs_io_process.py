@@ -21,7 +21,8 @@ from support.drivers import Driver
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
-from kvtier.tiers.fs import io_process
+from kvtier.tiers.fs import io_helper, io_process
+from kvtier.tiers.fs.files import BlockFiles, Read
 from kvtier.tiers.fs.io_process import HelperFiles
 from kvtier.tiers.fs.tier import FsTier, Options
 from kvtier.tiers.payload import HEADER_BYTES
@@ -93,37 +94,17 @@ def test_blocks_round_trip_through_the_helpers_in_the_tiers_own_format(
     assert Driver(again).load_exact([*keys, *more], first_slot=40) == [True] * 8
 
 
-def test_a_corrupt_block_read_by_a_helper_is_dropped(make_tier: MakeTier) -> None:
-    tier = make_tier()
+def one_helper(make_tier: MakeTier, **options: object) -> tuple[FsTier, Driver, bytes]:
+    """A tier with one I/O thread (one helper: the next block meets it) and a block stored."""
+    tier = make_tier(threads=1, **options)
     drive = Driver(tier)
-    key = make_key(0)
+    key = make_key(2)
     assert drive.store(key)
-    path = block_file(tier, key)
-    data = bytearray(path.read_bytes())
-    data[HEADER_BYTES + 7] ^= 0x10
-    path.write_bytes(bytes(data))
-    assert drive.load_exact(key) is False
-    assert tier.counters.corrupt == 1 and not path.exists()
-    assert tier.take_evicted() == [key]
-    path.write_bytes(b"short")  # a file where none is indexed: not read at all
-    assert drive.load_exact(key) is False
-
-
-def test_a_missing_file_is_a_miss_and_forgotten(make_tier: MakeTier) -> None:
-    tier = make_tier()
-    drive = Driver(tier)
-    key = make_key(1)
-    assert drive.store(key)
-    block_file(tier, key).unlink()  # another process sharing the directory removed it
-    assert drive.load_exact(key) is False
-    assert tier.lookup([key]) == [False] and tier.counters.corrupt == 0
+    return tier, drive, key
 
 
 def test_a_helper_found_dead_is_replaced_before_its_block(make_tier: MakeTier) -> None:
-    tier = make_tier(threads=1)
-    drive = Driver(tier)
-    first = make_key(2)
-    assert drive.store(first)
+    tier, drive, first = one_helper(make_tier)
     (process,) = processes(tier)
     process.kill()
     process.wait()
@@ -136,10 +117,7 @@ def test_a_helper_found_dead_is_replaced_before_its_block(make_tier: MakeTier) -
 
 
 def test_a_helper_that_dies_on_a_block_fails_that_block_only(make_tier: MakeTier) -> None:
-    tier = make_tier(threads=1)
-    drive = Driver(tier)
-    key = make_key(12)
-    assert drive.store(key)
+    tier, drive, key = one_helper(make_tier)
     (process,) = processes(tier)
     os.kill(process.pid, signal.SIGSTOP)  # alive, so the next block is handed to it
     killer = threading.Timer(0.3, os.kill, (process.pid, signal.SIGKILL))
@@ -153,12 +131,9 @@ def test_a_helper_that_dies_on_a_block_fails_that_block_only(make_tier: MakeTier
 
 
 def test_a_helper_that_hangs_is_killed_and_reaped_before_its_block_fails(
-    make_tier: MakeTier, pool: HostPool
+    make_tier: MakeTier,
 ) -> None:
-    tier = make_tier(threads=1, io_timeout_s=0.3)
-    drive = Driver(tier)
-    key = make_key(4)
-    assert drive.store(key)
+    tier, drive, key = one_helper(make_tier, io_timeout_s=0.3)
     (process,) = processes(tier)
     os.kill(process.pid, signal.SIGSTOP)  # a hung NFS server, as the helper sees it
     started = time.monotonic()
@@ -259,3 +234,46 @@ def test_a_write_error_in_a_helper_reaches_the_tier_as_that_error(
         helpers(tier).write(key, [memoryview(bytes(HEADER_BYTES)), pool.view(0)])
     assert raised.value.errno == errno.ENOTDIR
     assert Driver(tier).store(key) is False and tier.counters.errors == 1
+
+
+def test_a_request_the_helper_cannot_take_is_refused_never_a_miss(
+    pool: HostPool, tmp_path: Path
+) -> None:
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        files = BlockFiles(root, 0o600, 0o700, False)
+        key = make_key(13)
+
+        def status(message: bytes) -> int:
+            code, _ = io_helper.ANSWER.unpack_from(io_helper.handle(message, files, pool, 0))
+            return int(code)
+
+        refused = [
+            b"W",  # shorter than a request
+            io_helper.read_request(pool.num_slots, key),  # a slot outside the pool
+            io_helper.write_request(0, key, b"short header"),
+            io_helper.REQUEST.pack(b"X", 0, key),
+        ]
+        assert [status(m) for m in refused] == [io_helper.REFUSED] * 4
+        assert io_helper.REFUSED not in {read.value for read in Read}
+        assert status(io_helper.read_request(0, key)) == Read.MISSING.value
+    finally:
+        os.close(root)
+
+
+def test_after_close_a_block_fails_at_once_and_a_helper_in_use_is_killed(
+    make_tier: MakeTier, pool: HostPool
+) -> None:
+    tier = make_tier(threads=2)
+    files = helpers(tier)
+    borrowed = files._idle.get()  # a thread in the middle of a block
+    assert borrowed is not None
+    tier.close()
+    assert borrowed.process.wait(timeout=10) == -signal.SIGKILL
+    key = make_key(14)
+    fill(pool, 0, key)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="closed"):
+        files.write(key, [memoryview(bytes(HEADER_BYTES)), pool.view(0)])
+    assert time.monotonic() - started < 5
+    borrowed.stop()

@@ -3,8 +3,9 @@
 Every system call of a block's write (create, write, close, rename: seven for a 2 MiB block)
 lets go of the interpreter's lock and takes it back. Made from the tier's I/O threads inside the
 engine's process, each of those takes the lock from the engine's thread (on a 2-core VM running
-vLLM's CPU build, the engine's thread blocked 389 times a second with the fs tier writing, 1 with
-its pool alone, 21 with the tier writing no files; docs/vllm.md, *The H200*). Here the tier's
+vLLM's CPU build, the engine's thread blocked hundreds of times a second with the fs tier
+writing, once or twice with its pool alone, 21 times with the tier writing no files; docs/vllm.md,
+*I/O in helper processes*). Here the tier's
 threads hand each block to one of these processes and wait on a socket: two hand-overs a block.
 
 The process is given the tier's directory descriptor and a socket, attaches the host pool by its
@@ -36,6 +37,9 @@ REQUEST = struct.Struct(f"<cI{KEY_BYTES}s")
 ANSWER = struct.Struct("<Bi")
 WRITTEN = 0
 WRITE_FAILED = 1
+REFUSED = 255
+"""A request this helper cannot take (malformed, a slot outside the pool): a failure either way,
+never a read status (``Read`` values) such as ``MISSING``."""
 READY = b"ready"
 
 
@@ -52,17 +56,17 @@ def answer(status: int, error: int = 0, data: bytes = b"") -> bytes:
 
 
 def handle(message: bytes, files: BlockFiles, pool: HostPool, file_bytes: int) -> bytes:
-    """One request's answer. A malformed request is answered as a failed write or read."""
+    """One request's answer (``REFUSED`` for one it cannot take)."""
     if len(message) < REQUEST.size:
-        return answer(WRITE_FAILED, 0, b"malformed request")
+        return answer(REFUSED, 0, b"malformed request")
     op, slot, key = REQUEST.unpack_from(message)
     if not 0 <= slot < pool.num_slots:
-        return answer(WRITE_FAILED if op == WRITE else Read.FAILED.value, 0, b"bad slot")
+        return answer(REFUSED, 0, b"a slot outside the pool")
     payload = pool.view(slot)
     if op == WRITE:
         header = message[REQUEST.size :]
         if len(header) != HEADER_BYTES:
-            return answer(WRITE_FAILED, 0, b"malformed header")
+            return answer(REFUSED, 0, b"malformed header")
         try:
             files.write(key, [memoryview(header), payload])
         except OSError as exc:
@@ -72,7 +76,7 @@ def handle(message: bytes, files: BlockFiles, pool: HostPool, file_bytes: int) -
         header_buffer = bytearray(HEADER_BYTES)
         read = files.read(key, [memoryview(header_buffer), payload], file_bytes)
         return answer(read.value, 0, bytes(header_buffer) if read is Read.FOUND else b"")
-    return answer(WRITE_FAILED, 0, b"unknown operation")
+    return answer(REFUSED, 0, b"unknown operation")
 
 
 def serve(conn: Connection, files: BlockFiles, pool: HostPool, file_bytes: int) -> None:

@@ -245,8 +245,23 @@ class HelperFiles(BlockFiles):
         raise OSError(errno.EIO, "the fs tier is closed")
 
     def close(self) -> None:
+        """End the idle helpers (their sockets closed: they exit) and kill the ones a thread
+        still uses (a stuck one): that thread sees the helper gone and closes its socket itself,
+        which no other thread may do while it waits on it."""
         with self._lock:
             self._closed = True
             helpers, self._all = self._all, []
-        for helper in helpers:
+        idle: list[Helper] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                helper = self._idle.get_nowait()
+                if helper is not None:
+                    idle.append(helper)
+        for _ in range(max(1, len(helpers))):
+            self._idle.put(None)  # a late borrower gets the closed tier's error, never a wait
+        for helper in idle:
             helper.close()
+        for helper in helpers:
+            if not any(helper is other for other in idle):
+                with contextlib.suppress(OSError):
+                    helper.process.kill()
