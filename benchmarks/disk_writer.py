@@ -53,6 +53,8 @@ from typing import IO, Any
 
 import xxhash
 
+from kvtier.tiers.fs.files import write_all
+
 BLOCK_MIB = 2
 THREADS = 4
 """Writing threads (in this process): kvtier's fs tier's ``threads`` default. Asked for 1000 MB/s
@@ -151,17 +153,12 @@ class Schedule:
             return due
 
 
-def write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
-
-
 def write_block(plan: Plan, data: memoryview, thread: int, turn: int) -> None:
     """As kvtier's fs tier writes a block: a new temp file, then renamed over the final name."""
     temp = plan.temp(thread)
     fd = os.open(temp, _CREATE, 0o600)
     try:
-        write_all(fd, data)
+        write_all(fd, [data])  # kvtier's own (writev until written)
         if plan.fsync:
             os.fsync(fd)
     finally:

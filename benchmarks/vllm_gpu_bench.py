@@ -40,9 +40,14 @@ runs ``benchmarks/disk_writer.py`` in a process of its own during the timed run 
 engine's start and warm-up, stopped however the run ends), writing 2 MiB files into
 ``<workdir>/beside`` as kvtier's fs tier writes its blocks (4 threads, a temp file, then a
 rename; at most 1 GiB there at once, removed after) at about N MB/s;
-``+beside.write_fsync=true`` syncs each file first. The row gets ``beside_write``
-(``mbps_asked``, ``bytes``, ``seconds``, ``mbps``), and the label runs at one point at a time, as
-the fs configurations do. ``--configs kvtier,kvtier+beside.write_mbps=1000,kvtier_fs`` tells
+``+beside.write_fsync=true`` syncs each file first, ``+beside.write_source_mib=M`` takes the
+blocks in turn from an M MiB buffer and ``+beside.write_checksum=true`` hashes each (the memory
+the fs tier reads). The row gets ``beside_write`` (``mbps_asked``, ``bytes``, ``seconds``,
+``mbps``, and the settings not at their default), and the label runs at one point at a time, as
+the fs configurations do. ``beside.switch_interval_ms=N`` sets ``sys.setswitchinterval`` in this
+process, where the engine runs, for the timed run. Every row records ``engine_threads``
+(``engine_threads.py``): the main thread's CPU and context switches over the timed run, and the
+other threads' CPU by name. ``--configs kvtier,kvtier+beside.write_mbps=1000,kvtier_fs`` tells
 apart why the fs tier slows the connector's hooks: if the pool alone slows as much beside another
 process's writes, it is the writes' effect on the host (page cache copies, memory bandwidth,
 caches); if not, the fs tier's I/O threads sharing the engine's process (the GIL).

@@ -74,3 +74,19 @@ def test_busy_threads_alive_at_both_samples_are_counted_by_name(et: ModuleType) 
     assert list(out["others_cpu_s"]) == sorted(
         out["others_cpu_s"], key=lambda n: -out["others_cpu_s"][n]
     )
+
+
+def test_cpu_from_stat_where_the_kernel_keeps_no_schedstat(
+    et: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tid = threading.get_native_id()
+    spin(0.05)
+    precise = et.thread_cpu_s(tid)
+    real = et._read
+    monkeypatch.setattr(
+        et, "_read", lambda path: None if path.endswith("schedstat") else real(path)
+    )
+    ticks = et.thread_cpu_s(tid)
+    assert precise is not None and ticks is not None
+    assert abs(ticks - precise) < 0.05  # clock ticks: 10 ms apart
+    assert et.thread_cpu_s(2**22 + 7) is None  # no such thread

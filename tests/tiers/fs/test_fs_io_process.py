@@ -277,3 +277,17 @@ def test_after_close_a_block_fails_at_once_and_a_helper_in_use_is_killed(
         files.write(key, [memoryview(bytes(HEADER_BYTES)), pool.view(0)])
     assert time.monotonic() - started < 5
     borrowed.stop()
+
+
+def test_an_answer_of_the_wrong_size_is_a_failed_read_never_a_block(
+    make_tier: MakeTier, pool: HostPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    files = helpers(tier)
+    found = io_helper.answer(Read.FOUND.value, 0, b"too short for a header")
+    monkeypatch.setattr(files, "_call", lambda message: found)
+    header = memoryview(bytearray(HEADER_BYTES))
+    assert files.read(make_key(15), [header, pool.view(0)], FILE_BYTES) is Read.FAILED
+    assert bytes(header) == bytes(HEADER_BYTES)  # nothing copied
+    monkeypatch.setattr(files, "_call", lambda message: io_helper.answer(io_helper.REFUSED))
+    assert files.read(make_key(15), [header, pool.view(0)], FILE_BYTES) is Read.FAILED

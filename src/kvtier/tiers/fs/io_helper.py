@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import struct
-import sys
 from multiprocessing.connection import Connection
 
 from kvtier.keys import KEY_BYTES, BlockKey
@@ -107,8 +106,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     conn = Connection(args.socket_fd)
-    handle_ = PoolHandle(args.pool, args.slots, args.slot_bytes, args.slot_stride)
-    pool = HostPool.attach(handle_)
+    pool = HostPool.attach(PoolHandle(args.pool, args.slots, args.slot_bytes, args.slot_stride))
     try:
         files = BlockFiles(args.root_fd, args.file_mode, args.dir_mode, args.fsync)
         serve(conn, files, pool, HEADER_BYTES + args.slot_bytes)
@@ -116,7 +114,3 @@ def main(argv: list[str] | None = None) -> int:
         pool.close()
         os.close(args.root_fd)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,8 +15,9 @@ Failures are the block's, never the engine's:
   until then it may still write the block's pool slot, which must not be handed out again. A
   helper that cannot die (a call stuck in the kernel) keeps its thread waiting, which the tier
   counts as a stuck thread, as it would count the thread itself stuck in that call.
-* ``close`` closes every helper's socket (a helper exits when it sees that) and kills those still
-  there after ``CLOSE_WAIT_S``.
+* ``close`` closes the idle helpers' sockets (a helper exits when it sees that; killed if still
+  there after ``CLOSE_WAIT_S``) and kills those a thread still uses; a block asked for later
+  fails at once.
 """
 
 from __future__ import annotations
