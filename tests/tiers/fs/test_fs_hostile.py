@@ -206,10 +206,12 @@ def test_symlinked_block_file_is_not_followed(make_fs: MakeTier, tmp_path: Path)
 def test_symlinked_shard_directory_is_not_followed(
     make_fs: MakeTier, tmp_path: Path, pool: HostPool, namespace: Namespace, fs_store_dir: Path
 ) -> None:
-    tier = make_fs()
-    drive = Driver(tier)
+    first = make_fs()
     key = make_keys(1)[0]
-    assert drive.store(key)
+    assert Driver(first).store(key)
+    first.close()
+    tier = make_fs()  # indexes the block; has not opened its shard directory yet
+    drive = Driver(tier)
     shard = block_file(tier, key).parent
     moved = tmp_path / "moved-shard"
     shard.rename(moved)
@@ -225,6 +227,29 @@ def test_symlinked_shard_directory_is_not_followed(
         assert len(fresh) == 0 and fresh.lookup([key]) == [False]
     finally:
         fresh.close()
+
+
+def test_a_shard_directory_replaced_after_it_was_opened_is_not_followed(
+    make_fs: MakeTier, tmp_path: Path
+) -> None:
+    """The tier keeps the shard directories it opened: one moved away and replaced by a link
+    is still the one written to and read from, never the link's target."""
+    tier = make_fs()
+    drive = Driver(tier)
+    key = make_keys(1)[0]
+    neighbour = key[:1] + bytes(len(key) - 1)  # the same shard directory
+    assert drive.store(key)
+    shard = block_file(tier, key).parent
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    shard.rename(ours)
+    theirs.mkdir()
+    shard.symlink_to(theirs)
+    assert drive.store(neighbour, 1)
+    assert drive.read([key, neighbour], [5, 6]) == [True, True]
+    assert list(theirs.iterdir()) == []
+    assert sorted(p.name for p in ours.iterdir()) == sorted(
+        f"{k.hex()}.kvb" for k in (key, neighbour)
+    )
 
 
 def test_symlinked_namespace_directory_is_refused(

@@ -8,6 +8,11 @@ Nothing but a regular file is opened for I/O: ``lstat`` first, then ``O_NONBLOCK
 ``O_EXCL`` and renamed into place (a reader sees a whole block or nothing); modes are set with
 ``fchmod`` whatever the umask.
 
+Few system calls per block (a write makes five, a read five): each one hands Python's GIL back
+and forth, and the engine's thread waits for it whenever an I/O thread holds it (see
+docs/vllm.md, *The engine's thread*). So shard directories stay open once opened (256 at most;
+``close`` closes them), and the process id in temp names is read once per process.
+
 The byte movers (``write_all``, ``read_exact``) and ``unlink`` are module functions looked up at
 call time, so tests can inject faults and meters there.
 """
@@ -43,6 +48,8 @@ FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _HEX = frozenset("0123456789abcdef")
 _probe_ids = itertools.count()
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
 Found = tuple[BlockKey, int, float]
 """(key, size, mtime) of a block file found by a scan."""
@@ -122,45 +129,64 @@ class BlockFiles:
         self.fsync = fsync
         self.host = host_tag()
         self._tmp_ids = itertools.count()
+        self._shards: dict[str, int] = {}
+        """Open shard directories by name (set once; a race opens one twice and closes one)."""
 
-    def open_block(self, key: BlockKey) -> int:
-        """A descriptor of the key's block file, read-only and blocking. Raises ``NotRegular``
-        for anything but a regular file (nothing else is opened; a FIFO swapped in between the
-        check and the open is opened non-blocking and refused), OSError as the calls do."""
-        shard_name, name = names(key)
+    def close(self) -> None:
+        """Close the shard directories (not ``root_fd``: the caller's)."""
+        shards, self._shards = self._shards, {}
+        for fd in shards.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _shard(self, name: str, create: bool) -> int:
+        """The shard directory's descriptor, kept open. ``create``: made if missing; else
+        FileNotFoundError. NotRegular when a link or a file sits in its place."""
+        fd = self._shards.get(name)
+        if fd is not None:
+            return fd
         try:
-            shard = os.open(shard_name, DIR_FLAGS, dir_fd=self.root_fd)
+            fd = self._open_shard(name) if create else os.open(name, DIR_FLAGS, dir_fd=self.root_fd)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise NotRegular(shard_name) from exc
+                raise NotRegular(name) from exc
+            raise
+        kept = self._shards.setdefault(name, fd)
+        if kept != fd:
+            os.close(fd)  # another thread opened it first
+        return kept
+
+    def _open_regular(self, key: BlockKey) -> tuple[int, int]:
+        """(descriptor, size) of the key's block file, read-only. Raises ``NotRegular`` for
+        anything but a regular file (nothing else is opened; a FIFO swapped in between the check
+        and the open is opened non-blocking and refused), OSError as the calls do.
+        ``O_NONBLOCK`` stays set: regular files ignore it on Linux, and a read that saw EAGAIN
+        would fail the block, never return a wrong one."""
+        shard_name, name = names(key)
+        shard = self._shard(shard_name, create=False)
+        if not stat.S_ISREG(os.stat(name, dir_fd=shard, follow_symlinks=False).st_mode):
+            raise NotRegular(name)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=shard)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise NotRegular(name) from exc
             raise
         try:
-            if not stat.S_ISREG(os.stat(name, dir_fd=shard, follow_symlinks=False).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise NotRegular(name)
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            try:
-                fd = os.open(name, flags, dir_fd=shard)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise NotRegular(name) from exc
-                raise
-        finally:
-            os.close(shard)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise NotRegular(name)
-            # Regular files ignore O_NONBLOCK on Linux; cleared anyway so a read never sees EAGAIN.
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        return fd, st.st_size
 
     def read(self, key: BlockKey, buffers: list[memoryview], size: int) -> Read:
         """Fill ``buffers`` from the key's block file, which must be ``size`` bytes (checked
         before reading: a truncated or grown file is not read)."""
         try:
-            fd = self.open_block(key)
+            fd, found = self._open_regular(key)
         except FileNotFoundError:
             return Read.MISSING
         except NotRegular:
@@ -168,7 +194,7 @@ class BlockFiles:
         except OSError:
             return Read.FAILED
         try:
-            if os.fstat(fd).st_size != size:
+            if found != size:
                 return Read.DAMAGED
             return Read.FOUND if read_exact(fd, buffers) else Read.DAMAGED
         except OSError:
@@ -180,28 +206,25 @@ class BlockFiles:
         """Temp file (created exclusively, never through a link), optional fsync, atomic rename:
         readers see the whole block or nothing. Raises OSError (the temp file is removed)."""
         shard_name, final = names(key)
-        tmp = f"{final[: -len(BLOCK_SUFFIX)]}.{self.host}.{os.getpid()}.{next(self._tmp_ids)}"
+        tmp = f"{final[: -len(BLOCK_SUFFIX)]}.{self.host}.{_pid[0]}.{next(self._tmp_ids)}"
         tmp += TMP_SUFFIX
-        shard = self._open_shard(shard_name)
+        shard = self._shard(shard_name, create=True)
+        fd = os.open(tmp, _CREATE, self.file_mode, dir_fd=shard)
         try:
-            fd = os.open(tmp, _CREATE, self.file_mode, dir_fd=shard)
             try:
-                try:
-                    os.fchmod(fd, self.file_mode)  # the umask may have masked bits off
-                    write_all(fd, buffers)
-                    if self.fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, final, src_dir_fd=shard, dst_dir_fd=shard)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=shard)
-                raise
-            if self.fsync:
-                os.fsync(shard)
-        finally:
-            os.close(shard)
+                os.fchmod(fd, self.file_mode)  # the umask may have masked bits off
+                write_all(fd, buffers)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final, src_dir_fd=shard, dst_dir_fd=shard)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=shard)
+            raise
+        if self.fsync:
+            os.fsync(shard)
 
     def remove(self, key: BlockKey, stale_temps: bool = False) -> bool:
         """Remove the key's file (never what a link there points to); True when it is gone.
@@ -209,18 +232,14 @@ class BlockFiles:
         killed mid-write left)."""
         shard_name, name = names(key)
         try:
-            shard = os.open(shard_name, DIR_FLAGS, dir_fd=self.root_fd)
-        except FileNotFoundError:
-            return True
-        except OSError as exc:
-            # Our shard directory was replaced (by a link or a file): nothing of ours is there.
-            return exc.errno in (errno.ELOOP, errno.ENOTDIR)
-        try:
-            if stale_temps:
-                self._remove_stale_temps(shard, name[: -len(BLOCK_SUFFIX)] + ".")
-            return unlink(name, shard)
-        finally:
-            os.close(shard)
+            shard = self._shard(shard_name, create=False)
+        except (FileNotFoundError, NotRegular):
+            return True  # no shard, or a link or a file in its place: nothing of ours is there
+        except OSError:
+            return False
+        if stale_temps:
+            self._remove_stale_temps(shard, name[: -len(BLOCK_SUFFIX)] + ".")
+        return unlink(name, shard)
 
     def _remove_stale_temps(self, shard: int, prefix: str) -> None:
         now = time.time()

@@ -229,8 +229,11 @@ class FsTier(BlockTier):
         if isinstance(helpers, HelperFiles):
             helpers.close()
         if self._root_fd >= 0 and not abandoned:
-            # A stuck thread may still use the descriptor; closing it could hand its number to
-            # another file. Leaked in that case, on purpose.
+            # A stuck thread may still use the descriptors; closing them could hand their numbers
+            # to other files. Leaked in that case, on purpose.
+            files = getattr(self, "_files", None)  # absent when the directory failed to open
+            if files is not None:
+                files.close()
             os.close(self._root_fd)
 
     # -- extras ---------------------------------------------------------------------------------
