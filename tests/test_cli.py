@@ -291,7 +291,7 @@ def test_check_config_prints_sizes_and_modes_as_a_config_writes_them(
     assert "tier fs: fs, write through\n" in out
     assert (
         f"  path {tmp_path}, capacity 2TB (1.8 TiB), fsync false, threads 4, file_mode 0o640, "
-        "dir_mode 0o750, min_free 1GiB, io_timeout_s 2.5, io_process false, eviction lru\n"
+        "dir_mode 0o750, min_free 1GiB, io_timeout_s 2.5, eviction lru\n"
     ) in out
     assert "  capacity 3MB (2.9 MiB), capacity_blocks none, latency_ms 0," in out
     assert "Options(" not in out and "config_path" not in out

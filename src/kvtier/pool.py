@@ -187,16 +187,6 @@ class HostPool:
         start = slot * self.slot_stride
         return self._buffer[start : start + self.slot_bytes]
 
-    def slot_of(self, view: memoryview) -> int | None:
-        """The slot ``view`` shows in full (a ``view(slot)``), None for any other buffer: a
-        process attached to the pool reaches the same bytes by the slot's number."""
-        if view.nbytes != self.slot_bytes or not view.contiguous:
-            return None
-        base = np.frombuffer(self._buffer, dtype=np.uint8).ctypes.data
-        offset = np.frombuffer(view, dtype=np.uint8).ctypes.data - base
-        slot, rest = divmod(offset, self.slot_stride)
-        return slot if rest == 0 and 0 <= slot < self.num_slots else None
-
     def array(self) -> np.ndarray:
         """The whole pool as a ``(num_slots, slot_stride)`` uint8 array (a view, not a copy)."""
         return np.frombuffer(self._buffer, dtype=np.uint8).reshape(self.num_slots, self.slot_stride)

@@ -7,9 +7,7 @@ server killed and restarted, and stopped with SIGSTOP; Redis traffic slowed, tri
 time and cut; kvtier keys in Redis overwritten with garbage and with values of the wrong type;
 block files corrupted, truncated, swapped and replaced by FIFOs and symlinks; the fs tier's
 filesystem filled to the last byte (a size-limited tmpfs, which needs root; without it that fault
-is reported as not injected). With ``KVTIER_CHAOS_FS_IO_PROCESS=1`` the fs tier reads and writes
-through helper processes (``io_process``), and a helper is killed (SIGKILL) or stopped past the
-tier's ``io_timeout_s`` (SIGSTOP, then SIGCONT) now and then too.
+is reported as not injected).
 
 Asserted: no wrong payload is ever loaded, every manager call returns within ``MAX_CALL_S``, the
 replay never hangs, pool and fs bounds hold throughout, no pin or slot leaks once the faults stop,
@@ -24,7 +22,6 @@ import gc
 import json
 import os
 import random
-import signal
 import subprocess
 import threading
 import time
@@ -55,16 +52,12 @@ from kvtier.sim.replay import payload_for
 from kvtier.sim.simulate import simulation_namespace
 from kvtier.sim.trace import bundled_trace_path, read_trace
 from kvtier.tiers.base import WriteMode
-from kvtier.tiers.fs.io_process import HelperFiles
 from kvtier.tiers.fs.tier import FsTier
 from kvtier.tiers.redis.tier import RedisTier
 
 pytestmark = pytest.mark.redis
 
 SOAK_S = float(os.environ.get("KVTIER_CHAOS_S", "120"))
-IO_PROCESS = os.environ.get("KVTIER_CHAOS_FS_IO_PROCESS", "") == "1"
-HELPER_TIMEOUT_S = 0.5
-"""The fs tier's ``io_timeout_s`` with helper processes: a stopped helper is killed after it."""
 SEED = int(os.environ.get("KVTIER_CHAOS_SEED", "20261124"))
 MAX_CALL_S = 0.5
 """No manager call may take longer, whatever the tiers do (they never wait on I/O)."""
@@ -174,7 +167,6 @@ class Injector:
         outside: Path,
         redis_keys: Callable[[], list[bytes]],
         upcoming_files: Callable[[], list[Path]],
-        helpers: Callable[[], list[int]] | None = None,
     ) -> None:
         self.rng = rng
         self.report = report
@@ -186,8 +178,6 @@ class Injector:
         self.outside = outside
         self.redis_keys = redis_keys
         self.upcoming_files = upcoming_files
-        self.helpers = helpers
-        """The fs tier's live helper processes' ids (``io_process``), or None."""
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="chaos-injector", daemon=True)
@@ -252,31 +242,13 @@ class Injector:
             self._hold(0.5, 3.0)
             self.proxy.mode = ProxyMode.PASS
         elif choice < 0.92:
-            if self.helpers is not None and rng.random() < 0.5:
-                self._helper_fault()
-            elif self.proxy.reset():
+            if self.proxy.reset():
                 self._count("redis: connections cut")
         elif self.filler is not None:
             self.filler.fill()
             self._count("fs: filesystem filled")
             self._hold(0.5, 3.0)
             self.filler.release()
-
-    def _helper_fault(self) -> None:
-        assert self.helpers is not None
-        pids = self.helpers()
-        if not pids:
-            return
-        pid = self.rng.choice(pids)
-        with contextlib.suppress(ProcessLookupError):
-            if self.rng.random() < 0.5:
-                os.kill(pid, signal.SIGKILL)
-                self._count("fs: an I/O helper killed (SIGKILL)")
-                return
-            os.kill(pid, signal.SIGSTOP)
-            self._count("fs: an I/O helper stopped (SIGSTOP) past io_timeout_s")
-            self._hold(HELPER_TIMEOUT_S, 3 * HELPER_TIMEOUT_S)
-            os.kill(pid, signal.SIGCONT)  # killed by the tier meanwhile, if a block waited
 
     def _redis_value_fault(self) -> None:
         try:
@@ -321,18 +293,6 @@ class Injector:
         return process is not None and process.poll() is None
 
 
-def helper_pids(tier: FsTier) -> Callable[[], list[int]]:
-    """The ids of the tier's live I/O helpers (``io_process``)."""
-    files = tier._files
-    assert isinstance(files, HelperFiles)
-
-    def live() -> list[int]:
-        with files._lock:
-            return [h.process.pid for h in files._all if h.process.poll() is None]
-
-    return live
-
-
 def test_chaos_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     reason = binaries_missing()
     if reason is not None:
@@ -358,16 +318,7 @@ def test_chaos_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
                 "block": {"tokens": 512, "bytes": SLOT_BYTES},
                 "job_timeout_s": JOB_TIMEOUT_S,
                 "tiers": [
-                    {
-                        "kind": "fs",
-                        "path": str(fs_path),
-                        "capacity": FS_CAPACITY,
-                        **(
-                            {"io_process": True, "io_timeout_s": HELPER_TIMEOUT_S}
-                            if IO_PROCESS
-                            else {}
-                        ),
-                    },
+                    {"kind": "fs", "path": str(fs_path), "capacity": FS_CAPACITY},
                     {
                         "kind": "redis",
                         "url": proxy.url(),
@@ -424,7 +375,6 @@ def test_chaos_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
             outside,
             redis_keys,
             upcoming_files,
-            helper_pids(fs_tier) if IO_PROCESS else None,
         )
         timed = TimedCache(cache, report)
         # In a full test run this process also holds every module pytest collected (torch and

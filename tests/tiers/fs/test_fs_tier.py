@@ -364,11 +364,8 @@ REGIONS = {
 
 @pytest.mark.parametrize("offset", REGIONS.values(), ids=REGIONS.keys())
 @pytest.mark.parametrize("bit", [0x01, 0x80])
-@pytest.mark.parametrize("io_process", [False, True])
-def test_flipped_byte_is_never_returned(
-    make_tier: MakeTier, offset: int, bit: int, io_process: bool
-) -> None:
-    tier = make_tier(io_process=io_process)
+def test_flipped_byte_is_never_returned(make_tier: MakeTier, offset: int, bit: int) -> None:
+    tier = make_tier()
     drive = Driver(tier)
     key = make_key(0)
     assert drive.store(key)
@@ -457,9 +454,8 @@ def test_file_of_another_key_is_a_miss(make_tier: MakeTier) -> None:
     assert again.counters.corrupt == 1
 
 
-@pytest.mark.parametrize("io_process", [False, True])
-def test_missing_file_is_a_miss(make_tier: MakeTier, io_process: bool) -> None:
-    tier = make_tier(io_process=io_process)
+def test_missing_file_is_a_miss(make_tier: MakeTier) -> None:
+    tier = make_tier()
     drive = Driver(tier)
     key = make_key(0)
     assert drive.store(key)

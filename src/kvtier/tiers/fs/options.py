@@ -27,9 +27,6 @@ class Options:
     1% of the filesystem's size, at most ``fs.MIN_FREE_MAX``."""
     io_timeout_s: float = 10.0
     """An I/O thread busy on one block this long is stuck; see ``fs.py``'s module docstring."""
-    io_process: bool = False
-    """Blocks are read and written by helper processes, one per thread (``io_process.py``),
-    instead of by the I/O threads inside the engine's process."""
     eviction: str = DEFAULT_TIER_EVICTION
     """Which blocks go first when room is needed: an eviction policy's name or
     ``package.module:Class``, as the top-level ``eviction`` (``tiers/eviction.py``)."""
@@ -47,7 +44,6 @@ class Options:
             dir_mode=_mode(section, "dir_mode", 0o700, 0o700),
             min_free=section.size("min_free") if section.has("min_free") else None,
             io_timeout_s=section.number("io_timeout_s", 10.0, minimum=0.01, maximum=3600.0),
-            io_process=section.boolean("io_process", False),
             eviction=parse_eviction(section, DEFAULT_TIER_EVICTION),
             config_path=section.path or "fs",
         )

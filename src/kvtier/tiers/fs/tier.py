@@ -68,7 +68,6 @@ from kvtier.tiers.eviction import count_errors_in, tier_policy
 from kvtier.tiers.fs import files
 from kvtier.tiers.fs.files import FULL_ERRNOS, BlockFiles, Found, Read
 from kvtier.tiers.fs.index import FsIndex, Victims
-from kvtier.tiers.fs.io_process import HelperFiles
 from kvtier.tiers.fs.options import Options
 from kvtier.tiers.payload import HEADER_BYTES
 
@@ -135,21 +134,9 @@ class FsTier(BlockTier):
                 f"{options.config_path}.path",
                 name,
             )
-            self._files: BlockFiles
-            if options.io_process:
-                self._files = HelperFiles(
-                    self._root_fd,
-                    options.file_mode,
-                    options.dir_mode,
-                    options.fsync,
-                    pool,
-                    options.threads,
-                    options.io_timeout_s,
-                )
-            else:
-                self._files = BlockFiles(
-                    self._root_fd, options.file_mode, options.dir_mode, options.fsync
-                )
+            self._files = BlockFiles(
+                self._root_fd, options.file_mode, options.dir_mode, options.fsync
+            )
             self._load_index()
         except BaseException:
             self.close()  # the I/O threads are idle: they exit at once
@@ -225,9 +212,6 @@ class FsTier(BlockTier):
         return True
 
     def _close_storage(self, abandoned: bool) -> None:
-        helpers = getattr(self, "_files", None)  # absent when the directory failed to open
-        if isinstance(helpers, HelperFiles):
-            helpers.close()
         if self._root_fd >= 0 and not abandoned:
             # A stuck thread may still use the descriptors; closing them could hand their numbers
             # to other files. Leaked in that case, on purpose.
