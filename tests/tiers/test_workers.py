@@ -213,3 +213,30 @@ def test_close_abandons_what_a_cut_off_did_not_stop() -> None:
         assert cut == [True] and time.monotonic() - started < 1
     finally:
         release.set()
+
+
+def test_a_task_that_ends_wakes_no_idle_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each wake-up takes the GIL (from the engine's thread too) to find nothing to do: tasks
+    run one at a time on a pool of four wake one thread each, not every idle one."""
+    wakeups = [0]
+
+    class CountingCondition(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            woken = super().wait(timeout)
+            if threading.current_thread().name.startswith("t-"):  # not the test's Events
+                wakeups[0] += 1
+            return woken
+
+    monkeypatch.setattr("kvtier.tiers.workers.threading.Condition", CountingCondition)
+    pool = WorkerPool("t", 4, stuck_after_s=5)
+    try:
+        time.sleep(0.05)  # every thread waiting
+        tasks = 50
+        for _ in range(tasks):
+            done = threading.Event()
+            assert pool.submit(done.set, lambda: None)
+            assert done.wait(5)
+            time.sleep(0.002)  # the thread back to waiting before the next task
+        assert wakeups[0] <= tasks + 4  # four times as many when a task's end woke them all
+    finally:
+        assert pool.close(5) == []

@@ -100,6 +100,9 @@ class WorkerPool:
         self._cond = threading.Condition(lock)
         self._aside_cond = threading.Condition(lock)
         """Aside threads wait here: a NORMAL task wakes an I/O thread, never an aside one."""
+        self._idle_cond = threading.Condition(lock)
+        """``close`` waits here for running tasks to end: a task's end wakes no idle thread
+        (each would take the GIL, from the engine's thread too, to find nothing to do)."""
         # Guarded by _cond.
         self._queues: dict[Line, deque[_Task]] = {line: deque() for line in Line}
         self._first = self._queues[Line.FIRST]
@@ -239,7 +242,7 @@ class WorkerPool:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            self._cond.wait(left)
+            self._idle_cond.wait(left)
         return True
 
     def _due(self, now: float, limit: float) -> bool:
@@ -310,7 +313,7 @@ class WorkerPool:
                 with cond:
                     busy = self._busy[index]
                     self._busy[index] = None
-                    cond.notify_all()  # close() waits for idle threads
+                    self._idle_cond.notify_all()  # close() waits for idle threads
                 if busy is not None and busy.stuck:
                     log.warning(
                         "%s-%d: came back after %.1f s",

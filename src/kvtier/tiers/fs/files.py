@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
-import fcntl
 import hashlib
 import itertools
 import logging
