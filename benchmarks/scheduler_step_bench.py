@@ -40,12 +40,14 @@ import functools
 import gc
 import io
 import json
+import os
 import pstats
 import random
 import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -233,7 +235,8 @@ def run(
     thread blocked in it, and the planner's stats."""
     tiers = []
     if args.fs or args.fs_full:
-        tiers.append({"kind": "fs", "path": str(workdir / "fs"), "capacity": "4GiB"})
+        fs = {"kind": "fs", "path": str(workdir / "fs"), "capacity": "4GiB"}
+        tiers.append({**fs, "threads": args.fs_threads})
     if args.fs_full:  # more free space asked for than any disk has: every write is refused
         tiers[0]["min_free"] = FULL_DISK_MIN_FREE
     config = load_config(
@@ -250,6 +253,8 @@ def run(
     clock = StepClock()
     with steady_planner(clock) if args.steady else contextlib.nullcontext():
         planner = Planner(config, settings, ns, args.block_bytes, BLOCK_TOKENS, 1)
+    if args.pin:
+        pin_threads()
     convs = conversations(args.conversations, args.turns, args.turn_blocks, seed=1)
     pending = list(range(len(convs)))
     turn = [0] * len(convs)
@@ -355,6 +360,20 @@ def run(
     stats = planner.stats()
     planner.close()
     return steps, stats
+
+
+def pin_threads() -> None:
+    """This (the scheduler) thread alone on the first CPU, the threads already running on the
+    others: their CPU time then cannot take the scheduler's core, and what still slows it is
+    the interpreter's lock (on a 2-core machine the tier's threads share one core)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    os.sched_setaffinity(0, {cpus[0]})
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread.native_id:
+            with contextlib.suppress(OSError):  # ended meanwhile
+                os.sched_setaffinity(thread.native_id, set(cpus[1:]))
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -463,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         "waiting request every step)",
     )
     parser.add_argument("--fs", action="store_true", help="an fs tier behind the pool")
+    parser.add_argument("--fs-threads", type=int, default=4, help="the fs tier's I/O threads")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the scheduler thread alone on the first CPU, kvtier's threads on the others",
+    )
     parser.add_argument(
         "--fs-full",
         action="store_true",
