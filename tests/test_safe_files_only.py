@@ -26,9 +26,9 @@ POOL = (
 PACKAGE_DATA = "a file of the installed package itself (importlib.resources), not a user's path"
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("tiers/fs/files.py", "open_root", "os.open"): FS_TIER,
-    ("tiers/fs/files.py", "BlockFiles.open_block", "os.open"): FS_TIER,
+    ("tiers/fs/files.py", "BlockFiles._open_regular", "os.open"): FS_TIER,
+    ("tiers/fs/files.py", "BlockFiles._shard", "os.open"): FS_TIER,
     ("tiers/fs/files.py", "BlockFiles.write", "os.open"): FS_TIER,
-    ("tiers/fs/files.py", "BlockFiles.remove", "os.open"): FS_TIER,
     ("tiers/fs/files.py", "BlockFiles.scan", "os.open"): FS_TIER,
     ("tiers/fs/files.py", "BlockFiles._open_shard", "os.open"): FS_TIER,
     ("tiers/fs/files.py", "make_dirs", "os.open"): FS_TIER,
