@@ -9,9 +9,9 @@ Nothing but a regular file is opened for I/O: ``lstat`` first, then ``O_NONBLOCK
 ``fchmod`` whatever the umask.
 
 Few system calls per block (a write makes five, a read five): each one hands Python's GIL back
-and forth, and the engine's thread waits for it whenever an I/O thread holds it (see
-docs/vllm.md, *The engine's thread*). So shard directories stay open once opened (256 at most;
-``close`` closes them), and the process id in temp names is read once per process.
+and forth, and the engine's thread waits for it whenever an I/O thread holds it (docs/vllm.md,
+*The engine's thread with an fs tier*). So shard directories stay open once opened (256 at
+most; ``close`` closes them), and the process id in temp names is read once per process.
 
 The byte movers (``write_all``, ``read_exact``) and ``unlink`` are module functions looked up at
 call time, so tests can inject faults and meters there.
