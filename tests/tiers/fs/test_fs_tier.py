@@ -950,3 +950,47 @@ def _noting(order: list[str], real: Callable[..., bool]) -> Callable[..., bool]:
         return real(fd, buffers)
 
     return read
+
+
+def test_a_shard_directory_is_opened_once_and_closed_with_the_tier(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each system call of the I/O threads hands the GIL over and back (the engine's thread
+    waits for it): blocks of one shard open it once, not once per block."""
+    tier = make_tier(threads=1)  # four threads may each open it once, at the same time
+    drive = Driver(tier)
+    first = make_key(1)
+    keys = [first[:1] + bytes([i]) + first[2:] for i in range(8)]  # one shard directory
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(path: str, flags: int, *args: object, **kwargs: object) -> int:
+        fd = real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+        opened.append(os.fsdecode(path))  # opened (not: missing, then made)
+        return fd
+
+    monkeypatch.setattr(fs_files.os, "open", counting_open)
+    assert drive.store(keys, first_slot=0) == [True] * 8
+    assert drive.read(keys, list(range(8, 16))) == [True] * 8
+    shard = first.hex()[:2]
+    assert opened.count(shard) == 1  # 16 before
+    assert len(opened) == 1 + 8 + 8  # the shard, a temp file a write, the file a read
+    monkeypatch.undo()
+    before = len(os.listdir("/proc/self/fd"))
+    tier.close()
+    assert len(os.listdir("/proc/self/fd")) == before - 2  # the shard and the namespace's root
+
+
+def test_temp_names_carry_the_process_id_after_a_fork() -> None:
+    """The process id is read once per process: a child forked later names its temp files with
+    its own (a peer tells a dead writer's leftovers by it)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's cleanup
+        os.write(write, str(fs_files._pid[0] == os.getpid()).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 16) == b"True"
+    os.close(read)
+    assert fs_files._pid[0] == os.getpid()
