@@ -620,9 +620,16 @@ def write_plot(data: dict[str, Any], path: Path) -> Path | None:
     for ax in axes.flat:
         for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
             shown.setdefault(name, handle)
-    axes[0][0].legend(list(shown.values()), list(shown), fontsize="x-small")
+    # Below the panels, where it covers no line (variants' labels are long).
+    columns = 2
+    rows = -(-len(shown) // columns)
+    legend_inches = 0.3 + 0.17 * rows
+    fig.set_figheight(7 + legend_inches)
+    fig.legend(
+        list(shown.values()), list(shown), loc="lower center", ncol=columns, fontsize="x-small"
+    )
     fig.suptitle(f"vLLM GPU bench grid: {data.get('model', '')}", fontsize="medium")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend_inches / (7 + legend_inches), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
