@@ -240,3 +240,23 @@ def test_a_task_that_ends_wakes_no_idle_thread(monkeypatch: pytest.MonkeyPatch) 
         assert wakeups[0] <= tasks + 4  # four times as many when a task's end woke them all
     finally:
         assert pool.close(5) == []
+
+
+def test_copies_of_a_task_are_queued_at_once_and_each_runs() -> None:
+    pool = WorkerPool("t", 2, stuck_after_s=5)
+    ran: list[str] = []
+    all_ran = threading.Event()
+
+    def task() -> None:
+        ran.append(threading.current_thread().name)
+        if len(ran) == 3:
+            all_ran.set()
+
+    try:
+        assert pool.submit(task, lambda: ran.append("failed"), "copies", copies=3)
+        assert all_ran.wait(5)
+    finally:
+        assert pool.close(5) == []
+    assert len(ran) == 3 and all(name.startswith("t-") for name in ran)
+    assert not pool.submit(task, lambda: None, copies=2)  # closed: none queued
+    assert len(ran) == 3

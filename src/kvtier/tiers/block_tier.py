@@ -237,7 +237,12 @@ class BlockTier(Tier):
         n = len(job.keys)
         faults = self._draw_faults(job)
         reading = job.kind is TierJobKind.READ
-        self._count(**{"read_jobs" if reading else "write_jobs": 1})
+        # Without the lock, as the lookup counters (only the manager's thread submits): one
+        # lock fewer a job that the engine's thread may find held by an I/O thread.
+        if reading:
+            self.counters.read_jobs += 1
+        else:
+            self.counters.write_jobs += 1
         if n != len(job.slots):
             self._count(errors=n)
             self._finish(job.job_id, [False] * n)
@@ -314,15 +319,14 @@ class BlockTier(Tier):
             line = Line.FIRST
         label = f"{state.kind.value} job {state.job_id}"
         batches = -(-len(state.keys) // self.batch_size)
-        started = 0
-        for _ in range(min(batches, self._threads)):
-            if not workers.submit(
-                lambda: self._run_blocks(state), lambda: self._fail_rest(state), label, line
-            ):
-                break  # closed, or every thread stuck: fail fast rather than queue forever
-            started += 1
-        if started == 0:
-            self._fail_rest(state)
+        if not workers.submit(
+            lambda: self._run_blocks(state),
+            lambda: self._fail_rest(state),
+            label,
+            line,
+            copies=min(batches, self._threads),
+        ):
+            self._fail_rest(state)  # closed, or every thread stuck: fail fast, never queue forever
 
     def _run_on_worker(
         self, run: Callable[[], None], fail: Callable[[], None], label: str, aside: bool = False

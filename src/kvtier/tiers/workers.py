@@ -130,16 +130,18 @@ class WorkerPool:
         fail: Callable[[], None],
         label: str = "",
         line: Line = Line.NORMAL,
+        copies: int = 1,
     ) -> bool:
-        """Queue ``run`` in ``line``; False (and nothing queued) when closed, when the pool has no
-        aside thread for an ASIDE task, or when every thread that would take it is stuck: the
-        caller then fails the work itself. Never blocks on I/O and never raises."""
+        """Queue ``copies`` tasks of ``run`` in ``line`` (in one hold of the lock, which the
+        pool's threads take for every task); False (and nothing queued) when closed, when the
+        pool has no aside thread for an ASIDE task, or when every thread that would take it is
+        stuck: the caller then fails the work itself. Never blocks on I/O and never raises."""
         now = time.monotonic()
         with self._cond:
             if self._closed or self._all_stuck(now, line is Line.ASIDE):
                 return False
-            self._queues[line].append(_Task(run, fail, label, now))
-            (self._aside_cond if line is Line.ASIDE else self._cond).notify()
+            self._queues[line].extend(_Task(run, fail, label, now) for _ in range(copies))
+            (self._aside_cond if line is Line.ASIDE else self._cond).notify(copies)
         return True
 
     def run_first(self) -> None:
