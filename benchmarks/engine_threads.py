@@ -113,3 +113,17 @@ def usage(before: Sample, after: Sample, seconds: float) -> dict[str, Any]:
             name: round(s, 3) for name, s in sorted(by_name.items(), key=lambda x: -x[1]) if s > 0
         },
     }
+
+
+def pin_apart(others: list[threading.Thread]) -> None:
+    """The calling thread alone on the first CPU, ``others`` on the rest: their CPU time then
+    cannot take its core, and what still slows it is the interpreter's lock (on a 2-core
+    machine the others share one core). Nothing on a 1-CPU machine."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    os.sched_setaffinity(0, {cpus[0]})
+    for thread in others:
+        if thread.native_id:
+            with contextlib.suppress(OSError):  # ended meanwhile
+                os.sched_setaffinity(thread.native_id, set(cpus[1:]))

@@ -27,20 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import engine_threads
+
 from kvtier.keys import Namespace
 from kvtier.pool import HostPool
 from kvtier.tiers.base import TierJob, TierJobKind
 from kvtier.tiers.fs.tier import FsTier, Options
 
 SLOTS = 512
-
-
-def voluntary_switches() -> int:
-    with open(f"/proc/self/task/{threading.get_native_id()}/status") as status:
-        for line in status:
-            if line.startswith("voluntary_ctxt_switches:"):
-                return int(line.split(":")[1])
-    return 0
 
 
 def python_work(iterations: int, every: int, fd: int) -> int:
@@ -63,16 +57,6 @@ def calibrated(work_us: float, yields: int, fd: int) -> tuple[int, int]:
     return iterations, max(1, iterations // yields) if yields else iterations + 1
 
 
-def pin(tier_threads: list[threading.Thread]) -> None:
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return
-    os.sched_setaffinity(0, {cpus[0]})
-    for thread in tier_threads:
-        if thread.native_id:
-            os.sched_setaffinity(thread.native_id, set(cpus[1:]))
-
-
 def run(args: argparse.Namespace, threads: int, workdir: Path) -> dict[str, Any]:
     slot_bytes = int(args.block_kib * 1024)
     pool = HostPool.create(SLOTS, slot_bytes)
@@ -82,13 +66,16 @@ def run(args: argparse.Namespace, threads: int, workdir: Path) -> dict[str, Any]
     tier = FsTier("bench", Namespace("bench", "bf16", 16), pool, options)
     try:
         if args.pin:
-            pin([t for t in threading.enumerate() if t.name.startswith("kvtier-bench")])
+            engine_threads.pin_apart(
+                [t for t in threading.enumerate() if t.name.startswith("kvtier-bench")]
+            )
         probe = os.pipe()
         iterations, every = calibrated(args.work_us, args.yields, probe[0])
         steps: list[float] = []
         owed = 0.0
         next_key = job = 0
-        switches = voluntary_switches()
+        me = threading.get_native_id()
+        switches = engine_threads.switches(me)[0]
         started = last = time.perf_counter()
         while last - started < args.seconds:
             step = time.perf_counter()
@@ -107,7 +94,7 @@ def run(args: argparse.Namespace, threads: int, workdir: Path) -> dict[str, Any]
             steps.append((time.perf_counter() - step) * 1e6)
             time.sleep(args.wait_ms / 1000)
         seconds = time.perf_counter() - started
-        blocked = voluntary_switches() - switches - len(steps)  # less each step's own sleep
+        blocked = engine_threads.switches(me)[0] - switches - len(steps)  # less the sleeps
         for fd in probe:
             os.close(fd)
     finally:

@@ -40,7 +40,6 @@ import functools
 import gc
 import io
 import json
-import os
 import pstats
 import random
 import resource
@@ -54,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+import engine_threads
 
 from kvtier.cache import factory
 from kvtier.config import load_config
@@ -253,8 +254,10 @@ def run(
     clock = StepClock()
     with steady_planner(clock) if args.steady else contextlib.nullcontext():
         planner = Planner(config, settings, ns, args.block_bytes, BLOCK_TOKENS, 1)
-    if args.pin:
-        pin_threads()
+    if args.pin:  # the scheduler thread alone on a core, kvtier's threads on the others
+        engine_threads.pin_apart(
+            [t for t in threading.enumerate() if t is not threading.current_thread()]
+        )
     convs = conversations(args.conversations, args.turns, args.turn_blocks, seed=1)
     pending = list(range(len(convs)))
     turn = [0] * len(convs)
@@ -360,20 +363,6 @@ def run(
     stats = planner.stats()
     planner.close()
     return steps, stats
-
-
-def pin_threads() -> None:
-    """This (the scheduler) thread alone on the first CPU, the threads already running on the
-    others: their CPU time then cannot take the scheduler's core, and what still slows it is
-    the interpreter's lock (on a 2-core machine the tier's threads share one core)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return
-    os.sched_setaffinity(0, {cpus[0]})
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and thread.native_id:
-            with contextlib.suppress(OSError):  # ended meanwhile
-                os.sched_setaffinity(thread.native_id, set(cpus[1:]))
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -3,6 +3,7 @@ the main thread's context switches, over a stretch of work."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -90,3 +91,30 @@ def test_cpu_from_stat_where_the_kernel_keeps_no_schedstat(
     assert precise is not None and ticks is not None
     assert abs(ticks - precise) < 0.05  # clock ticks: 10 ms apart
     assert et.thread_cpu_s(2**22 + 7) is None  # no such thread
+
+
+def test_pin_apart_gives_the_caller_the_first_cpu_and_the_others_the_rest(
+    et: ModuleType,
+) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to pin apart")
+    ready, done = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: (ready.set(), done.wait(5)))
+    other.start()
+    try:
+        assert ready.wait(5)
+        seen: dict[str, set[int]] = {}
+
+        def pin_and_look() -> None:
+            et.pin_apart([other])
+            seen["caller"] = os.sched_getaffinity(0)
+            seen["other"] = os.sched_getaffinity(other.native_id or 0)
+
+        caller = threading.Thread(target=pin_and_look)  # this thread's CPUs stay as they are
+        caller.start()
+        caller.join(5)
+        assert seen == {"caller": {cpus[0]}, "other": set(cpus[1:])}
+    finally:
+        done.set()
+        other.join(5)
