@@ -994,3 +994,23 @@ def test_temp_names_carry_the_process_id_after_a_fork() -> None:
     assert os.read(read, 16) == b"True"
     os.close(read)
     assert fs_files._pid[0] == os.getpid()
+
+
+def test_a_shard_directory_opened_by_two_threads_at_once_is_kept_once(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier(threads=1)
+    block_files = tier._files
+    real_open_shard = block_files._open_shard
+    first_fd: list[int] = []
+
+    def another_thread_first(name: str) -> int:
+        first_fd.append(real_open_shard(name))
+        block_files._shards[name] = first_fd[0]  # as if another thread had kept it meanwhile
+        return real_open_shard(name)  # this thread's own, now one too many
+
+    monkeypatch.setattr(block_files, "_open_shard", another_thread_first)
+    before = len(os.listdir("/proc/self/fd"))
+    assert Driver(tier).store(make_key(1))
+    assert list(block_files._shards.values()) == first_fd
+    assert len(os.listdir("/proc/self/fd")) == before + 1  # the kept one; the other closed
